@@ -1,0 +1,217 @@
+"""Checkpoints: Hugging Face folders (config.json + safetensors) and GGUF files.
+
+`open_checkpoint(path)` reads the config and tokenizer and returns a `Checkpoint` whose
+`tensor(path)` yields one parameter at a time, already in jaxinfer's layout ([out, in],
+rotate-half RoPE rows), so the loader never holds more than one weight on the host.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .config import ModelConfig, from_gguf, from_hf
+from .errors import CheckpointError, UnsupportedModelError
+from .tokenizer import Tokenizer
+
+ParamPath = tuple  # e.g. ("layers", 3, "attn", "wq")
+
+# Per-layer parameter -> (HF name under model.layers.{i}., GGUF name under blk.{i}.)
+LAYER_TENSORS = {
+    ("attn_norm",): ("input_layernorm.weight", "attn_norm.weight"),
+    ("attn", "wq"): ("self_attn.q_proj.weight", "attn_q.weight"),
+    ("attn", "wk"): ("self_attn.k_proj.weight", "attn_k.weight"),
+    ("attn", "wv"): ("self_attn.v_proj.weight", "attn_v.weight"),
+    ("attn", "wo"): ("self_attn.o_proj.weight", "attn_output.weight"),
+    ("attn", "bq"): ("self_attn.q_proj.bias", "attn_q.bias"),
+    ("attn", "bk"): ("self_attn.k_proj.bias", "attn_k.bias"),
+    ("attn", "bv"): ("self_attn.v_proj.bias", "attn_v.bias"),
+    ("attn", "q_norm"): ("self_attn.q_norm.weight", "attn_q_norm.weight"),
+    ("attn", "k_norm"): ("self_attn.k_norm.weight", "attn_k_norm.weight"),
+    ("mlp_norm",): ("post_attention_layernorm.weight", "ffn_norm.weight"),
+    ("mlp", "w_gate"): ("mlp.gate_proj.weight", "ffn_gate.weight"),
+    ("mlp", "w_up"): ("mlp.up_proj.weight", "ffn_up.weight"),
+    ("mlp", "w_down"): ("mlp.down_proj.weight", "ffn_down.weight"),
+}
+GLOBAL_TENSORS = {
+    ("embed",): ("model.embed_tokens.weight", "token_embd.weight"),
+    ("norm",): ("model.norm.weight", "output_norm.weight"),
+    ("lm_head",): ("lm_head.weight", "output.weight"),
+}
+
+
+def tensor_names(path: ParamPath) -> tuple[str, str]:
+    """(HF name, GGUF name) of a parameter path."""
+    if path[0] == "layers":
+        hf, gg = LAYER_TENSORS[path[2:]]
+        return f"model.layers.{path[1]}.{hf}", f"blk.{path[1]}.{gg}"
+    return GLOBAL_TENSORS[path]
+
+
+def interleaved_to_half(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Reorder q/k rows from Meta's interleaved-pair RoPE layout (GGUF `llama`) to rotate-half."""
+    rows = w.shape[0]
+    rest = w.shape[1:]
+    w = w.reshape(n_heads, rows // n_heads // 2, 2, *rest)  # [N, H/2, 2, ...]
+    return w.swapaxes(1, 2).reshape(rows, *rest)  # [N * H, ...]
+
+
+@dataclass
+class Checkpoint:
+    config: ModelConfig
+    tokenizer: Tokenizer
+    format: str  # for display, e.g. "GGUF (Q8_0, F32)" or "safetensors (F32)"
+    read: Callable[[str], np.ndarray]  # format-specific tensor name -> float array [out, in]
+    names: set[str]  # tensor names the file holds
+    gguf: bool
+
+    def tensor(self, path: ParamPath, shape: tuple[int, ...]) -> np.ndarray:
+        """One parameter in jaxinfer layout, reshaped to `shape`."""
+        name = tensor_names(path)[1 if self.gguf else 0]
+        if name not in self.names:
+            raise CheckpointError(f"checkpoint lacks tensor {name!r}; is the file complete?")
+        w = self.read(name)
+        if self.gguf and self.config.arch == "llama" and path[-1] in ("wq", "wk", "bq", "bk"):
+            heads = self.config.n_heads if path[-1] in ("wq", "bq") else self.config.n_kv_heads
+            w = interleaved_to_half(w, heads)
+        if w.size != int(np.prod(shape)):
+            raise CheckpointError(
+                f"tensor {name!r} has shape {list(w.shape)}, the config implies {list(shape)}"
+            )
+        return w.reshape(shape)
+
+
+def open_checkpoint(path: str | Path) -> Checkpoint:
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointError(f"model path {str(p)!r} does not exist; pass a folder or a .gguf")
+    if p.is_dir():
+        return _open_hf(p)
+    if p.suffix.lower() == ".gguf" or _has_gguf_magic(p):
+        return _open_gguf(p)
+    raise CheckpointError(
+        f"{str(p)!r} is neither a Hugging Face folder nor a GGUF file; pass one of those"
+    )
+
+
+def _has_gguf_magic(p: Path) -> bool:
+    with open(p, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def _open_hf(folder: Path) -> Checkpoint:
+    from safetensors import SafetensorError, safe_open
+
+    cfg_file = folder / "config.json"
+    if not cfg_file.is_file():
+        raise CheckpointError(f"{str(folder)!r} has no config.json; is it a Hugging Face model?")
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{cfg_file} is not valid JSON ({e})") from None
+    config = from_hf(raw)
+
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index} is malformed ({e!r})") from None
+        files = sorted(set(weight_map.values()))
+    else:
+        files = sorted(f.name for f in folder.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"{str(folder)!r} holds no *.safetensors weights")
+    handles = {}
+    owner = {}
+    for name in files:
+        f = folder / name
+        if not f.is_file():
+            raise CheckpointError(f"shard {name!r} named in the index is missing from {folder}")
+        try:
+            handles[name] = safe_open(str(f), framework="numpy")
+        except (SafetensorError, OSError, ValueError) as e:
+            raise CheckpointError(f"{f} is not a readable safetensors file ({e})") from None
+        for key in handles[name].keys():
+            owner[key] = name
+    dtypes = sorted({str(h.get_slice(k).get_dtype()) for k, h in _first_keys(handles)})
+
+    def read(name: str) -> np.ndarray:
+        try:
+            w = handles[owner[name]].get_tensor(name)
+        except (SafetensorError, OSError, ValueError) as e:
+            raise CheckpointError(f"cannot read tensor {name!r} ({e})") from None
+        return np.asarray(w, dtype=np.float32)
+
+    return Checkpoint(
+        config=config,
+        tokenizer=Tokenizer.from_hf_dir(folder),
+        format=f"safetensors ({', '.join(dtypes)})",
+        read=read,
+        names=set(owner),
+        gguf=False,
+    )
+
+
+def _first_keys(handles):
+    for h in handles.values():
+        for k in list(h.keys())[:3]:
+            yield k, h
+
+
+def _open_gguf(file: Path) -> Checkpoint:
+    import gguf
+    from gguf.quants import dequantize
+
+    try:
+        reader = gguf.GGUFReader(str(file))
+    except Exception as e:  # the reader raises ValueError, IndexError, struct errors...
+        raise CheckpointError(
+            f"{str(file)!r} is not a readable GGUF file ({type(e).__name__}: {e}); "
+            "is it truncated?"
+        ) from None
+    meta = {}
+    for key, field in reader.fields.items():
+        try:
+            meta[key] = field.contents()
+        except Exception:  # a field the reader cannot decode is not one we need
+            continue
+    tensors = {t.name: t for t in reader.tensors}
+    config = from_gguf(meta, set(tensors))
+    if "rope_freqs.weight" in tensors:
+        factors = np.asarray(tensors["rope_freqs.weight"].data, np.float32).ravel()
+        config = config.replace(rope_factors=tuple(float(x) for x in factors))
+
+    supported = set(gguf.quants._type_traits) | {
+        gguf.GGMLQuantizationType.F32,
+        gguf.GGMLQuantizationType.F16,
+    }
+    for t in reader.tensors:
+        if t.tensor_type not in supported:
+            raise UnsupportedModelError(
+                f"tensor {t.name!r} has GGUF type {t.tensor_type.name}, which jaxinfer cannot "
+                "dequantize; re-quantize to Q8_0, Q4_K or F16"
+            )
+
+    def read(name: str) -> np.ndarray:
+        t = tensors[name]
+        try:
+            return np.asarray(dequantize(t.data, t.tensor_type), np.float32)
+        except (NotImplementedError, ValueError) as e:
+            raise UnsupportedModelError(
+                f"cannot dequantize {name!r} ({t.tensor_type.name}): {e}"
+            ) from None
+
+    types = sorted({t.tensor_type.name for t in reader.tensors})
+    return Checkpoint(
+        config=config,
+        tokenizer=Tokenizer.from_gguf(reader),
+        format=f"GGUF ({', '.join(types)})",
+        read=read,
+        names=set(tensors),
+        gguf=True,
+    )

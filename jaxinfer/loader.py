@@ -1,0 +1,110 @@
+"""load(): a checkpoint path (or nothing, for the built-in model) -> a ready Engine.
+
+Weights travel one tensor at a time from the file to the device, cast to the compute dtype on
+the way, so the host never holds more than one weight beyond the memory-mapped file.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from .checkpoint import open_checkpoint
+from .config import ModelConfig
+from .engine import Engine
+from .errors import JaxinferError
+from .model import Transformer, abstract_model
+from .tokenizer import Tokenizer
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+ENGINE_OPTIONS = ("prefill_buckets", "batch_buckets", "decode_chunk", "compile_cache_size")
+
+# The built-in default: random weights from a fixed seed over a byte-level vocabulary, so the
+# main job runs with no download. It produces noise, never language.
+BUILTIN_NAME = "builtin-random (random weights, byte-level tokenizer; not a trained model)"
+BUILTIN_SEED = 0
+
+
+def builtin_config(vocab_size: int) -> ModelConfig:
+    return ModelConfig(
+        arch="llama", d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=32,
+        d_ff=768, vocab_size=vocab_size, max_position=2048, name=BUILTIN_NAME,
+    )  # fmt: skip
+
+
+def _dtype(name: str):
+    if name not in DTYPES:
+        raise JaxinferError(f"dtype {name!r} is not supported; use one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def _load_params(ckpt, cfg: ModelConfig, dtype):
+    graphdef, state = nnx.split(abstract_model(cfg))
+
+    def place(path, leaf):
+        key = tuple(k.key for k in path)
+        return jax.device_put(ckpt.tensor(key, leaf.shape).astype(np.dtype(dtype)))
+
+    return graphdef, jax.tree_util.tree_map_with_path(place, nnx.to_pure_dict(state))
+
+
+def _random_params(cfg: ModelConfig, dtype, seed: int):
+    graphdef, state = nnx.split(Transformer(cfg, nnx.Rngs(seed)))
+    return graphdef, jax.tree.map(lambda x: x.astype(dtype), nnx.to_pure_dict(state))
+
+
+def load(
+    model: str | Path | None = None,
+    *,
+    dtype: str = "float32",
+    max_seq_len: int | None = None,
+    **options,
+) -> Engine:
+    """Load a Hugging Face folder or a .gguf file (None = the built-in random model)."""
+    unknown = sorted(set(options) - set(ENGINE_OPTIONS))
+    if unknown:
+        raise JaxinferError(
+            f"unknown load option(s) {', '.join(unknown)}; known: {', '.join(ENGINE_OPTIONS)}"
+        )
+    compute = _dtype(dtype)
+    t0 = time.perf_counter()
+    if model is None:
+        tokenizer = Tokenizer.byte_level()
+        cfg = builtin_config(tokenizer.vocab_size)
+        graphdef, params = _random_params(cfg, compute, BUILTIN_SEED)
+        source, name = "random init", BUILTIN_NAME
+    else:
+        ckpt = open_checkpoint(model)
+        cfg, tokenizer = ckpt.config, ckpt.tokenizer
+        graphdef, params = _load_params(ckpt, cfg, compute)
+        source, name = ckpt.format, str(model)
+    if max_seq_len is None:
+        max_seq_len = cfg.max_position
+    if not isinstance(max_seq_len, int) or max_seq_len < 2:
+        raise JaxinferError(f"max_seq_len = {max_seq_len!r} is invalid; it must be >= 2")
+    jax.block_until_ready(params)
+    return Engine(
+        cfg,
+        tokenizer,
+        graphdef,
+        params,
+        dtype=compute,
+        max_seq_len=max_seq_len,
+        name=name,
+        source=source,
+        load_ms=(time.perf_counter() - t0) * 1e3,
+        **options,
+    )
+
+
+def generate(model_or_engine=None, prompt="", **kwargs):
+    """One call: load the model (a path, or None for the built-in) or reuse an Engine."""
+    if isinstance(model_or_engine, Engine):
+        return model_or_engine.generate(prompt, **kwargs)
+    load_kw = {k: kwargs.pop(k) for k in ("dtype", "max_seq_len", *ENGINE_OPTIONS) if k in kwargs}
+    return load(model_or_engine, **load_kw).generate(prompt, **kwargs)

@@ -1,0 +1,78 @@
+"""The compiled programs: pure functions of arrays, nothing closed over but static structure.
+
+  prefill(params, cache, tokens, start, lengths, window, sp) -> cache, first sampled tokens
+  decode(params, cache, carry, sp, n_steps)                 -> cache, carry, tokens [B, C]
+  score(params, cache, tokens, start)                       -> cache, logits [B, T, V]
+
+The cache is donated by the caller. `decode` runs up to C steps inside one `while_loop`
+and leaves early when every row is done, so the host only wakes to stream and check stops.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from .sampling import PENALTY_WINDOW, sample
+
+
+def make_steps(graphdef: nnx.GraphDef, chunk: int) -> dict[str, Callable]:
+    """The pure step functions of one model structure; `chunk` = max tokens per decode call."""
+
+    def model(params):
+        return nnx.merge(graphdef, params)
+
+    def prefill(params, cache, tokens, start, lengths, window, sp):
+        """tokens [B, T] at positions start[b] + t; only the first lengths[b] are real."""
+        m = model(params)
+        B, T = tokens.shape
+        positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None]  # [B, T]
+        h, cache = m(tokens, positions, cache)  # [B, T, D]
+        last = jnp.clip(lengths - 1, 0, T - 1)  # [B]
+        logits = m.logits(h[jnp.arange(B), last])  # [B, V]
+        return cache, sample(logits, window, sp, start + lengths)
+
+    def decode(params, cache, carry, sp, n_steps):
+        """carry: tokens [B] (next input), pos [B] (its position), budget [B] (tokens still
+        allowed), done [B], window [B, W] (recent tokens by position mod W)."""
+        m = model(params)
+        B = carry["tokens"].shape[0]
+        rows = jnp.arange(B)
+
+        def step(state):
+            i, cache, c, out = state
+            window = c["window"].at[rows, c["pos"] % PENALTY_WINDOW].set(c["tokens"])
+            h, cache = m(c["tokens"][:, None], c["pos"][:, None], cache)  # [B, 1, D]
+            new = sample(m.logits(h[:, 0]), window, sp, c["pos"] + 1)  # [B]
+            live = ~c["done"]
+            stop = jnp.any(new[:, None] == sp["stops"], axis=-1)
+            budget = c["budget"] - live
+            out = out.at[:, i].set(jnp.where(live, new, -1))
+            c = {
+                "tokens": jnp.where(live, new, c["tokens"]),
+                "pos": c["pos"] + live,
+                "budget": budget,
+                "done": c["done"] | stop | (budget <= 0),
+                "window": window,
+            }
+            return i + 1, cache, c, out
+
+        def more(state):
+            i, _, c, _ = state
+            return (i < n_steps) & ~jnp.all(c["done"])
+
+        out = jnp.full((B, chunk), -1, jnp.int32)
+        _, cache, carry, out = jax.lax.while_loop(more, step, (jnp.int32(0), cache, carry, out))
+        return cache, carry, out
+
+    def score(params, cache, tokens, start):
+        m = model(params)
+        T = tokens.shape[1]
+        positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None]  # [B, T]
+        h, cache = m(tokens, positions, cache)
+        return cache, m.logits(h)  # [B, T, V]
+
+    return {"prefill": prefill, "decode": decode, "score": score}

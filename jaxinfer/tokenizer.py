@@ -1,0 +1,459 @@
+"""Text <-> token ids for Llama/Qwen models, built on the Hugging Face `tokenizers` library.
+
+A `Tokenizer` comes from a HF model directory (tokenizer.json), from the metadata embedded in
+a GGUF file (SentencePiece-style "llama" or byte-level "gpt2" vocabularies), or is the built-in
+byte tokenizer of the random demo model. `StreamDecoder` turns generated ids into text chunks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+from jaxinfer.errors import CheckpointError, UnsupportedModelError
+
+if TYPE_CHECKING:
+    import gguf
+
+# GGUF `tokenizer.ggml.token_type` values (llama.cpp's llama_token_type).
+_TYPE_NORMAL = 1
+_TYPE_UNKNOWN = 2
+_TYPE_CONTROL = 3
+_TYPE_USER_DEFINED = 4
+
+_SPM_SPACE = "\u2581"  # "▁": SentencePiece's visible space
+
+# Split regexes of byte-level BPE vocabularies, as written in the models' own tokenizer.json
+# (llama.cpp selects the same ones from `tokenizer.ggml.pre`). Llama 3 groups digits in
+# threes; Qwen2 splits every digit.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_LLAMA3_PRES = ("llama-bpe", "llama3", "llama-v3")
+_QWEN2_PRES = ("qwen2",)
+
+_SUPPORTED_GGUF_MODELS = "'llama' (SentencePiece BPE) and 'gpt2' (byte-level BPE)"
+
+
+class Tokenizer:
+    """Encodes prompts and decodes generated ids; wraps one `tokenizers.Tokenizer` (`backend`)."""
+
+    def __init__(
+        self,
+        backend: HFTokenizer,
+        *,
+        kind: str,
+        vocab_size: int,
+        bos_id: int | None,
+        eos_ids: tuple[int, ...],
+        add_bos: bool,
+    ) -> None:
+        self.backend = backend
+        self.kind = kind
+        self.vocab_size = vocab_size
+        self.bos_id = bos_id
+        self.eos_ids = eos_ids
+        # Without a BOS id there is nothing to prepend, whatever the metadata asks for.
+        self.add_bos = add_bos and bos_id is not None
+
+    def __repr__(self) -> str:
+        return (
+            f"Tokenizer({self.kind}, vocab_size={self.vocab_size}, bos_id={self.bos_id}, "
+            f"eos_ids={self.eos_ids}, add_bos={self.add_bos})"
+        )
+
+    # ---- constructors ------------------------------------------------------------------
+
+    @classmethod
+    def from_hf_dir(cls, path: str | os.PathLike) -> Tokenizer:
+        """Loads tokenizer.json from a HF model directory (or the file itself), plus the
+        BOS/EOS settings of tokenizer_config.json, config.json and generation_config.json."""
+        path = Path(path)
+        tok_file = path if path.is_file() else path / "tokenizer.json"
+        folder = tok_file.parent
+        if not tok_file.is_file():
+            raise CheckpointError(
+                f"no tokenizer.json in {folder}: jaxinfer needs the fast (tokenizers) file; "
+                "if the model ships only tokenizer.model, save it once with transformers' "
+                "AutoTokenizer.from_pretrained(dir).save_pretrained(dir)"
+            )
+        try:
+            backend = HFTokenizer.from_file(str(tok_file))
+        except Exception as e:  # the Rust side raises a bare Exception with its parse error
+            raise CheckpointError(
+                f"cannot load {tok_file} ({_one_line(e)}); the file is corrupt or from an "
+                "unsupported tokenizers version, re-download it"
+            ) from e
+
+        tok_cfg = _read_json(folder / "tokenizer_config.json")
+        model_cfg = _read_json(folder / "config.json")
+        gen_cfg = _read_json(folder / "generation_config.json")
+
+        def token_id(entry: Any) -> int | None:
+            # tokenizer_config stores special tokens as a string or as an AddedToken dict.
+            if isinstance(entry, dict):
+                entry = entry.get("content")
+            return backend.token_to_id(entry) if isinstance(entry, str) else None
+
+        bos_id = _first_id(
+            token_id(tok_cfg.get("bos_token")),
+            model_cfg.get("bos_token_id"),
+            gen_cfg.get("bos_token_id"),
+        )
+        eos_ids = (
+            _id_list(gen_cfg.get("eos_token_id"))
+            or _id_list(model_cfg.get("eos_token_id"))
+            or _id_list(token_id(tok_cfg.get("eos_token")))
+        )
+
+        # What the post-processor does with add_special_tokens=True: compare a probe encoded
+        # with and without it. A leading id that only appears "with" is the BOS it prepends.
+        probe_with = backend.encode("Hello", add_special_tokens=True).ids
+        probe_without = backend.encode("Hello", add_special_tokens=False).ids
+        prepended = probe_with[0] if probe_with[:1] != probe_without[:1] else None
+        if bos_id is None:
+            bos_id = prepended
+        add_bos = prepended is not None and prepended == bos_id
+        if isinstance(tok_cfg.get("add_bos_token"), bool):
+            add_bos = tok_cfg["add_bos_token"]  # an explicit setting overrides the template
+
+        return cls(
+            backend,
+            kind=f"tokenizer.json ({type(backend.model).__name__})",
+            vocab_size=backend.get_vocab_size(with_added_tokens=True),
+            bos_id=bos_id,
+            eos_ids=eos_ids,
+            add_bos=add_bos,
+        )
+
+    @classmethod
+    def from_gguf(cls, reader: gguf.GGUFReader) -> Tokenizer:
+        """Rebuilds the tokenizer stored in a GGUF file's `tokenizer.ggml.*` metadata."""
+        meta = _GGUFMeta(reader)
+        tok_model = meta.get("tokenizer.ggml.model")
+        if tok_model is None:
+            raise CheckpointError(
+                f"{meta.name} has no tokenizer.ggml.model metadata; re-convert the model with "
+                "llama.cpp's convert_hf_to_gguf.py, which embeds the tokenizer"
+            )
+        if tok_model not in ("llama", "gpt2"):
+            raise UnsupportedModelError(
+                f"GGUF tokenizer model {tok_model!r} is not supported; jaxinfer supports "
+                f"{_SUPPORTED_GGUF_MODELS}"
+            )
+
+        tokens = meta.require("tokenizer.ggml.tokens")
+        n = len(tokens)
+        types = meta.get("tokenizer.ggml.token_type") or [_TYPE_NORMAL] * n
+        meta.check_length("tokenizer.ggml.token_type", types, n)
+
+        unk_id = meta.token_id("tokenizer.ggml.unknown_token_id", n)
+        if unk_id is None and _TYPE_UNKNOWN in types:
+            unk_id = types.index(_TYPE_UNKNOWN)
+        bos_id = meta.token_id("tokenizer.ggml.bos_token_id", n)
+        eos_ids = tuple(
+            dict.fromkeys(  # ordered de-duplication: eot is often the same id as eos
+                i
+                for key in ("eos_token_id", "eot_token_id", "eom_token_id")
+                if (i := meta.token_id(f"tokenizer.ggml.{key}", n)) is not None
+            )
+        )
+        add_bos = meta.get("tokenizer.ggml.add_bos_token")
+
+        # The first occurrence wins if a (broken) vocabulary repeats a piece.
+        vocab: dict[str, int] = {}
+        for i, piece in enumerate(tokens):
+            vocab.setdefault(piece, i)
+
+        if tok_model == "llama":
+            scores = meta.require("tokenizer.ggml.scores")
+            meta.check_length("tokenizer.ggml.scores", scores, n)
+            add_prefix = meta.get("tokenizer.ggml.add_space_prefix")
+            backend = _build_spm(
+                vocab,
+                _spm_merges(vocab, dict(zip(tokens, scores, strict=True))),
+                unk=tokens[unk_id] if unk_id is not None else None,
+                add_prefix_space=True if add_prefix is None else bool(add_prefix),
+            )
+            kind = f"SentencePiece BPE from GGUF ({n} tokens)"
+            add_bos = True if add_bos is None else bool(add_bos)  # llama.cpp's SPM default
+        else:
+            merges = [_split_merge(m, meta.name) for m in meta.require("tokenizer.ggml.merges")]
+            pre = meta.get("tokenizer.ggml.pre") or "default"
+            backend = _build_byte_level_bpe(vocab, merges, pre)
+            kind = f"byte-level BPE from GGUF (pre={pre}, {n} tokens)"
+            add_bos = bool(add_bos)  # False unless the file asks for it
+
+        # Control tokens (and the ids the metadata names) are specials: matched whole in the
+        # text, skipped on decode. User-defined tokens are matched whole but decode as text,
+        # as in HF tokenizers and llama.cpp.
+        special_ids = {i for i, t in enumerate(types) if t in (_TYPE_CONTROL, _TYPE_UNKNOWN)}
+        special_ids.update(i for i in (unk_id, bos_id, *eos_ids) if i is not None)
+        backend.add_special_tokens([_added(tokens[i], special=True) for i in sorted(special_ids)])
+        backend.add_tokens(
+            [_added(tokens[i], special=False) for i, t in enumerate(types) if t == _TYPE_USER_DEFINED]
+        )
+        return cls(
+            backend, kind=kind, vocab_size=n, bos_id=bos_id, eos_ids=eos_ids, add_bos=add_bos
+        )
+
+    @classmethod
+    def byte_level(cls) -> Tokenizer:
+        """The built-in tokenizer of the random demo model: 0 `<unk>`, 1 `<s>`, 2 `</s>`, then
+        ids 3..258 = bytes 0x00..0xFF (the stories260K/Llama 2 layout, without merges).
+
+        The BPE has no pieces besides bytes, so byte fallback spells every character as its
+        UTF-8 bytes and any text round-trips exactly.
+        """
+        specials = ["<unk>", "<s>", "</s>"]
+        vocab = {tok: i for i, tok in enumerate(specials)}
+        vocab.update({f"<0x{b:02X}>": len(specials) + b for b in range(256)})
+        backend = HFTokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+        backend.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+        backend.add_special_tokens([_added(tok, special=True) for tok in specials])
+        # Text like "<s>" must stay bytes (round trip of arbitrary text), so specials are never
+        # matched in the input; decode still skips them.
+        backend.encode_special_tokens = True
+        return cls(
+            backend,
+            kind="byte-level (built-in)",
+            vocab_size=len(vocab),
+            bos_id=1,
+            eos_ids=(2,),
+            add_bos=True,
+        )
+
+    # ---- encode / decode ---------------------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, with BOS first iff `add_bos`. Special-token text (e.g.
+        "<|im_start|>" from a chat template) becomes the special id."""
+        # BOS is added here rather than by the tokenizer.json post-processor, so that one rule
+        # (add_bos) holds for every kind and templates that also append EOS are ignored.
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        return [self.bos_id, *ids] if self.add_bos else ids
+
+    def decode(self, ids) -> str:
+        """Text of `ids` (any int sequence, e.g. a numpy row); special tokens are skipped."""
+        return self.backend.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def stream(self) -> StreamDecoder:
+        """A fresh incremental decoder for one generated sequence."""
+        return StreamDecoder(self)
+
+
+class StreamDecoder:
+    """Incremental decode: `push` returns only text whose characters are complete.
+
+    A character can be split over several byte tokens, so text ending in an incomplete UTF-8
+    sequence is held back until later ids complete it (or `flush` gives up on it). The
+    concatenation of every `push` result and `flush` equals `tokenizer.decode(all ids)`.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._reset()
+
+    def _reset(self) -> None:
+        # DecodeStream re-decodes a short window of recent ids each step and returns None
+        # while the window's text ends in U+FFFD (an incomplete character).
+        self._stream = decoders.DecodeStream(skip_special_tokens=True)
+        self._ids: list[int] = []  # all ids of this sequence, for flush()
+        self._emitted = 0  # characters returned so far
+
+    def push(self, ids) -> str:
+        """Adds newly generated ids; returns the text they complete (possibly "")."""
+        ids = [int(i) for i in ids]
+        if not ids:
+            return ""
+        self._ids.extend(ids)
+        try:
+            chunk = self._stream.step(self._tokenizer.backend, ids) or ""
+        except Exception:
+            # DecodeStream refuses when its window's text is not an extension of what it
+            # returned before; decoding everything is slower but always consistent.
+            full = self._tokenizer.decode(self._ids)
+            chunk = full.rstrip("\ufffd")[self._emitted :]
+            self._stream = decoders.DecodeStream(skip_special_tokens=True)
+            self._stream.step(self._tokenizer.backend, self._ids)
+        self._emitted += len(chunk)
+        return chunk
+
+    def flush(self) -> str:
+        """Returns the held-back rest (an unfinished character decodes as U+FFFD) and starts
+        a new sequence."""
+        rest = self._tokenizer.decode(self._ids)[self._emitted :]
+        self._reset()
+        return rest
+
+
+# ---- builders ------------------------------------------------------------------------------
+
+
+def _build_spm(
+    vocab: dict[str, int], merges: list[tuple[str, str]], *, unk: str | None, add_prefix_space: bool
+) -> HFTokenizer:
+    """A SentencePiece BPE as HF's LlamaConverter builds it (legacy Llama fast tokenizer)."""
+    backend = HFTokenizer(
+        models.BPE(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True)
+    )
+    # SentencePiece sees spaces as "▁" and, like llama.cpp, adds a dummy-prefix space so the
+    # first word is tokenized like any other ("▁Once", not "Once").
+    steps = [normalizers.Replace(" ", _SPM_SPACE)]
+    decode_steps = [decoders.Replace(_SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_prefix_space:
+        steps.insert(0, normalizers.Prepend(_SPM_SPACE))
+        decode_steps.append(decoders.Strip(" ", 1, 0))  # drop the dummy prefix again
+    backend.normalizer = normalizers.Sequence(steps)
+    backend.decoder = decoders.Sequence(decode_steps)
+    return backend
+
+
+def _spm_merges(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
+    """BPE merges implied by a SentencePiece vocabulary, as HF's SentencePieceExtractor
+    (`generate_merges`) derives them.
+
+    Every split of a piece into two in-vocab halves is a merge. Merges are ranked by the
+    merged piece's score (higher first), then by longer left half, then longer right half;
+    remaining ties keep vocabulary order (pieces by id, the splits of one piece by the ids of
+    their halves), which Python's stable sort preserves.
+    """
+    merges: list[tuple[str, str, float]] = []
+    for piece, score in scores.items():
+        splits = [
+            (piece[:k], piece[k:], score)
+            for k in range(1, len(piece))
+            if piece[:k] in vocab and piece[k:] in vocab
+        ]
+        splits.sort(key=lambda m: (vocab[m[0]], vocab[m[1]]))
+        merges.extend(splits)
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in merges]
+
+
+def _build_byte_level_bpe(
+    vocab: dict[str, int], merges: list[tuple[str, str]], pre: str
+) -> HFTokenizer:
+    """A GPT-2 style byte-level BPE; the split regex (and normalizer) follow the model family
+    named by GGUF `tokenizer.ggml.pre`, as in the family's own tokenizer.json."""
+    # Llama 3 looks whole words up in the vocabulary before merging (ignore_merges).
+    backend = HFTokenizer(models.BPE(vocab, merges, ignore_merges=pre in _LLAMA3_PRES))
+    if pre in _LLAMA3_PRES or pre in _QWEN2_PRES:
+        pattern = _LLAMA3_SPLIT if pre in _LLAMA3_PRES else _QWEN2_SPLIT
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    else:  # ByteLevel's built-in regex is GPT-2's
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in _QWEN2_PRES:
+        backend.normalizer = normalizers.NFC()  # Qwen2's tokenizer.json normalizes to NFC
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _added(content: str, *, special: bool) -> AddedToken:
+    # normalized=False: matched against the raw text, before "▁"/NFC normalization.
+    return AddedToken(content, special=special, normalized=False)
+
+
+# ---- metadata helpers ----------------------------------------------------------------------
+
+
+class _GGUFMeta:
+    """Typed access to a GGUFReader's key/value fields, with one-line errors."""
+
+    def __init__(self, reader: gguf.GGUFReader) -> None:
+        self._fields = reader.fields
+        self.name = f"GGUF file {_path_of(reader)}"
+
+    def get(self, key: str) -> Any:
+        field = self._fields.get(key)
+        if field is None:
+            return None
+        try:
+            return field.contents()  # arrays become lists; string arrays are decoded UTF-8
+        except (UnicodeDecodeError, ValueError, IndexError) as e:
+            raise CheckpointError(
+                f"{self.name}: metadata {key} is unreadable ({_one_line(e)}); the file is "
+                "corrupt, re-download or re-convert it"
+            ) from e
+
+    def require(self, key: str) -> list:
+        value = self.get(key)
+        if not isinstance(value, list) or not value:
+            raise CheckpointError(
+                f"{self.name} has no {key} (needed to build its tokenizer); re-convert the "
+                "model with llama.cpp's convert_hf_to_gguf.py"
+            )
+        return value
+
+    def check_length(self, key: str, values: list, n: int) -> None:
+        if len(values) != n:
+            raise CheckpointError(
+                f"{self.name}: {key} has {len(values)} entries but tokenizer.ggml.tokens has "
+                f"{n}; the file is corrupt, re-convert it"
+            )
+
+    def token_id(self, key: str, n: int) -> int | None:
+        """A token id key; absent, out-of-range or 0xFFFFFFFF ("none") ids become None."""
+        value = self.get(key)
+        return value if isinstance(value, int) and 0 <= value < n else None
+
+
+def _path_of(reader: gguf.GGUFReader) -> str:
+    # GGUFReader memory-maps its file; the numpy memmap remembers the path.
+    return str(getattr(getattr(reader, "data", None), "filename", None) or "(in memory)")
+
+
+def _split_merge(merge: str, where: str) -> tuple[str, str]:
+    # GGUF stores merges as "left right". Search from index 1 like llama.cpp, so a left half
+    # that is itself a space character still splits correctly.
+    cut = merge.find(" ", 1)
+    if cut < 0:
+        raise CheckpointError(
+            f"{where}: tokenizer.ggml.merges entry {merge!r} is not 'left right'; the file is "
+            "corrupt, re-convert it"
+        )
+    return merge[:cut], merge[cut + 1 :]
+
+
+def _read_json(path: Path) -> dict:
+    """An optional JSON config file as a dict ({} when absent)."""
+    if not path.is_file():
+        return {}
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(
+            f"cannot read {path} ({_one_line(e)}); fix or re-download the file"
+        ) from e
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path} is not a JSON object; fix or re-download the file")
+    return value
+
+
+def _first_id(*candidates: Any) -> int | None:
+    return next((c for c in candidates if isinstance(c, int) and not isinstance(c, bool)), None)
+
+
+def _id_list(value: Any) -> tuple[int, ...]:
+    """An `eos_token_id` value (int, list of ints or null) as a de-duplicated tuple."""
+    values = value if isinstance(value, list) else [value]
+    return tuple(dict.fromkeys(v for v in values if isinstance(v, int) and not isinstance(v, bool)))
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split()) or type(error).__name__
