@@ -84,6 +84,10 @@ class CompileCache:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def compile_seconds(self) -> float:
+        """Seconds spent compiling so far (timings of a phase subtract what it compiled)."""
+        return sum(s.compile_seconds for s in self.stats.values())
+
     def clear(self) -> None:
         self._entries.clear()
 

@@ -106,7 +106,11 @@ def from_hf(cfg: dict[str, Any]) -> ModelConfig:
         d_model = int(cfg["hidden_size"])
         n_heads = int(cfg["num_attention_heads"])
         window = cfg.get("sliding_window")
-        if cfg.get("use_sliding_window") is False:
+        if arch in ("qwen2", "qwen3"):  # Qwen declares a window but turns it off by default
+            if cfg.get("use_sliding_window"):
+                raise UnsupportedModelError(
+                    "per-layer sliding windows (Qwen use_sliding_window) are not supported"
+                )
             window = None
         return ModelConfig(
             arch=arch,

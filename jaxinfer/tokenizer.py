@@ -199,10 +199,9 @@ class Tokenizer:
         # as in HF tokenizers and llama.cpp.
         special_ids = {i for i, t in enumerate(types) if t in (_TYPE_CONTROL, _TYPE_UNKNOWN)}
         special_ids.update(i for i in (unk_id, bos_id, *eos_ids) if i is not None)
+        user_ids = [i for i, t in enumerate(types) if t == _TYPE_USER_DEFINED]
         backend.add_special_tokens([_added(tokens[i], special=True) for i in sorted(special_ids)])
-        backend.add_tokens(
-            [_added(tokens[i], special=False) for i, t in enumerate(types) if t == _TYPE_USER_DEFINED]
-        )
+        backend.add_tokens([_added(tokens[i], special=False) for i in user_ids])
         return cls(
             backend, kind=kind, vocab_size=n, bos_id=bos_id, eos_ids=eos_ids, add_bos=add_bos
         )
@@ -210,16 +209,18 @@ class Tokenizer:
     @classmethod
     def byte_level(cls) -> Tokenizer:
         """The built-in tokenizer of the random demo model: 0 `<unk>`, 1 `<s>`, 2 `</s>`, then
-        ids 3..258 = bytes 0x00..0xFF (the stories260K/Llama 2 layout, without merges).
+        ids 3..258 = bytes 0x00..0xFF (the stories260K/Llama 2 id layout, without merges).
 
-        The BPE has no pieces besides bytes, so byte fallback spells every character as its
-        UTF-8 bytes and any text round-trips exactly.
+        It is a merge-less GPT-2 style byte-level BPE, so any text round-trips exactly, and
+        random ids decode like llama.cpp: invalid UTF-8 becomes U+FFFD byte by byte, which
+        keeps streamed text identical to `decode` even for garbage.
         """
         specials = ["<unk>", "<s>", "</s>"]
         vocab = {tok: i for i, tok in enumerate(specials)}
-        vocab.update({f"<0x{b:02X}>": len(specials) + b for b in range(256)})
-        backend = HFTokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
-        backend.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+        vocab.update({char: len(specials) + b for b, char in enumerate(_byte_level_alphabet())})
+        backend = HFTokenizer(models.BPE(vocab, [], unk_token="<unk>"))
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        backend.decoder = decoders.ByteLevel()
         backend.add_special_tokens([_added(tok, special=True) for tok in specials])
         # Text like "<s>" must stay bytes (round trip of arbitrary text), so specials are never
         # matched in the input; decode still skips them.
@@ -256,8 +257,12 @@ class StreamDecoder:
     """Incremental decode: `push` returns only text whose characters are complete.
 
     A character can be split over several byte tokens, so text ending in an incomplete UTF-8
-    sequence is held back until later ids complete it (or `flush` gives up on it). The
-    concatenation of every `push` result and `flush` equals `tokenizer.decode(all ids)`.
+    sequence (decoded as U+FFFD) is held back until later ids complete it, or `flush` gives it
+    up. The concatenation of every `push` result and `flush` equals `tokenizer.decode(all
+    ids)`. The one exception is garbage from SentencePiece byte fallback: a run of byte tokens
+    that is not valid UTF-8 decodes to one U+FFFD per byte as a whole, so characters already
+    streamed from its valid beginning differ from `decode`. Byte-level vocabularies have no
+    such case.
     """
 
     def __init__(self, tokenizer: Tokenizer) -> None:
@@ -265,27 +270,28 @@ class StreamDecoder:
         self._reset()
 
     def _reset(self) -> None:
-        # DecodeStream re-decodes a short window of recent ids each step and returns None
-        # while the window's text ends in U+FFFD (an incomplete character).
-        self._stream = decoders.DecodeStream(skip_special_tokens=True)
-        self._ids: list[int] = []  # all ids of this sequence, for flush()
+        # Only a short window of recent ids is decoded each time (TGI/vLLM style), starting
+        # at a token boundary where all earlier text was complete: ids[_start:_read] are the
+        # tokens of the last returned chunk, whose text is cut off the window's text. Starting
+        # the window one chunk back keeps context-dependent decoding (the leading-space strip,
+        # byte runs) the same as in a full decode.
+        self._ids: list[int] = []
+        self._start = 0
+        self._read = 0
         self._emitted = 0  # characters returned so far
 
     def push(self, ids) -> str:
         """Adds newly generated ids; returns the text they complete (possibly "")."""
-        ids = [int(i) for i in ids]
-        if not ids:
-            return ""
-        self._ids.extend(ids)
-        try:
-            chunk = self._stream.step(self._tokenizer.backend, ids) or ""
-        except Exception:
-            # DecodeStream refuses when its window's text is not an extension of what it
-            # returned before; decoding everything is slower but always consistent.
-            full = self._tokenizer.decode(self._ids)
-            chunk = full.rstrip("\ufffd")[self._emitted :]
-            self._stream = decoders.DecodeStream(skip_special_tokens=True)
-            self._stream.step(self._tokenizer.backend, self._ids)
+        self._ids.extend(int(i) for i in ids)
+        decode = self._tokenizer.decode
+        prefix = decode(self._ids[self._start : self._read])
+        text = decode(self._ids[self._start :])
+        if len(text) <= len(prefix) or text.endswith("\ufffd"):
+            return ""  # nothing new, or the last character is still incomplete
+        # With valid UTF-8, `text` extends `prefix`. Otherwise (see the class docstring) the
+        # already-returned text cannot be taken back; go on after the same number of characters.
+        chunk = text[len(prefix) :]
+        self._start, self._read = self._read, len(self._ids)
         self._emitted += len(chunk)
         return chunk
 
@@ -364,6 +370,16 @@ def _build_byte_level_bpe(
     return backend
 
 
+def _byte_level_alphabet() -> list[str]:
+    """GPT-2's byte -> printable character table (entry b stands for byte b), the alphabet
+    that the ByteLevel pre-tokenizer and decoder of `tokenizers` use."""
+    # Printable Latin-1 bytes stand for themselves; the other 68 (controls, space, 0x7F-0xA0,
+    # 0xAD) are shifted, in byte order, to U+0100 onwards.
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    shifted = iter(range(0x100, 0x200))
+    return [chr(b) if b in printable else chr(next(shifted)) for b in range(256)]
+
+
 def _added(content: str, *, special: bool) -> AddedToken:
     # normalized=False: matched against the raw text, before "▁"/NFC normalization.
     return AddedToken(content, special=special, normalized=False)
@@ -400,10 +416,11 @@ class _GGUFMeta:
             )
         return value
 
-    def check_length(self, key: str, values: list, n: int) -> None:
-        if len(values) != n:
+    def check_length(self, key: str, values: Any, n: int) -> None:
+        if not isinstance(values, list) or len(values) != n:
+            count = len(values) if isinstance(values, list) else "no array of"
             raise CheckpointError(
-                f"{self.name}: {key} has {len(values)} entries but tokenizer.ggml.tokens has "
+                f"{self.name}: {key} has {count} entries but tokenizer.ggml.tokens has "
                 f"{n}; the file is corrupt, re-convert it"
             )
 

@@ -1,0 +1,160 @@
+"""The `jaxinfer` command: llama.cpp-style `generate` and `info`.
+
+User errors print one line to stderr and exit 1 (`-v` adds the traceback). Generated text goes
+to stdout as it is produced; perf stats go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import traceback
+
+from .errors import JaxinferError
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--model", help="HF folder or .gguf file (default: built-in random model)")
+    p.add_argument("-c", "--ctx-size", type=int, default=None, help="context length (max_seq_len)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logs and tracebacks")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxinfer", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text from a prompt")
+    _common(g)
+    src = g.add_mutually_exclusive_group()
+    src.add_argument("-p", "--prompt", default=None, help="prompt text")
+    src.add_argument("-f", "--file", default=None, help="file with one prompt per line")
+    g.add_argument("-n", "--n-predict", type=int, default=128, help="max new tokens")
+    g.add_argument("--temp", type=float, default=0.8, help="temperature (0 = greedy)")
+    g.add_argument("--top-k", type=int, default=40)
+    g.add_argument("--top-p", type=float, default=0.95)
+    g.add_argument("--min-p", type=float, default=0.05)
+    g.add_argument("--repeat-penalty", type=float, default=1.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("-s", "--seed", type=int, default=-1, help="random seed (-1 = random)")
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
+    g.add_argument(
+        "-ub", "--ubatch-size", type=_int_list, default=None,
+        help="prompt chunk sizes, comma-separated (default 32,128,512)",
+    )  # fmt: skip
+
+    i = sub.add_parser("info", help="describe a model")
+    _common(i)
+    return parser
+
+
+def _load(args):
+    import jaxinfer
+
+    options = {}
+    if getattr(args, "ubatch_size", None):
+        options["prefill_buckets"] = args.ubatch_size
+    return jaxinfer.load(args.model, dtype=args.dtype, max_seq_len=args.ctx_size, **options)
+
+
+def _sampling(args) -> dict:
+    return dict(
+        max_new_tokens=args.n_predict,
+        temperature=args.temp,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repeat_penalty=args.repeat_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        seed=None if args.seed < 0 else args.seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
+
+
+def _generate(args) -> None:
+    engine = _load(args)
+    print(f"model: {engine.name} [{engine.source}]", file=sys.stderr)
+    kw = _sampling(args)
+    if args.file:
+        try:
+            with open(args.file, encoding="utf-8") as f:
+                prompts = [line.rstrip("\n") for line in f if line.strip()]
+        except OSError as e:
+            raise JaxinferError(f"cannot read prompt file {args.file!r}: {e.strerror}") from None
+        if not prompts:
+            raise JaxinferError(f"prompt file {args.file!r} holds no prompts")
+        for n, result in enumerate(engine.generate(prompts, **kw)):
+            print(f"--- [{n}] {prompts[n]}{result.text}  ({result.finish_reason})")
+    else:
+        prompt = args.prompt if args.prompt is not None else "Once upon a time"
+        sys.stdout.write(prompt)
+        for piece in engine.generate(prompt, stream=True, **kw):
+            sys.stdout.write(piece.text)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+    print(engine.perf_stats(), file=sys.stderr)
+
+
+def _info(args) -> None:
+    engine = _load(args)
+    cfg, tok = engine.cfg, engine.tokenizer
+    rows = [
+        ("model", engine.name),
+        ("format", engine.source),
+        ("architecture", cfg.arch),
+        ("parameters", f"{cfg.n_params():,}"),
+        ("dtype", args.dtype),
+        ("layers", cfg.n_layers),
+        ("d_model", cfg.d_model),
+        ("heads / kv heads", f"{cfg.n_heads} / {cfg.n_kv_heads} (head_dim {cfg.head_dim})"),
+        ("ffn", cfg.d_ff),
+        ("vocab", cfg.vocab_size),
+        ("rope", f"theta {cfg.rope_theta:g}" + (", llama3 scaling" if cfg.rope_scaling or cfg.rope_factors else "")),
+        ("features", ", ".join(f for f in ("qkv_bias", "qk_norm", "tie_embeddings") if getattr(cfg, f)) or "-"),
+        ("sliding window", cfg.sliding_window or "-"),
+        ("context", f"{engine.max_seq_len} (model declares {cfg.max_position})"),
+        ("tokenizer", f"{tok.kind}; bos {tok.bos_id}, eos {list(tok.eos_ids)}, add_bos {tok.add_bos}"),
+    ]  # fmt: skip
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"{key:>{width}} : {value}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING,
+        format="%(name)s: %(message)s",
+    )
+    if not args.verbose:
+        logging.getLogger("jax").setLevel(logging.WARNING)
+    try:
+        {"generate": _generate, "info": _info}[args.command](args)
+    except JaxinferError as e:
+        if args.verbose:
+            traceback.print_exc()
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
