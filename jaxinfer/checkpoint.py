@@ -171,8 +171,7 @@ def _open_gguf(file: Path) -> Checkpoint:
         reader = gguf.GGUFReader(str(file))
     except Exception as e:  # the reader raises ValueError, IndexError, struct errors...
         raise CheckpointError(
-            f"{str(file)!r} is not a readable GGUF file ({type(e).__name__}: {e}); "
-            "is it truncated?"
+            f"{str(file)!r} is not a readable GGUF file ({type(e).__name__}: {e}); is it truncated?"
         ) from None
     meta = {}
     for key, field in reader.fields.items():

@@ -18,7 +18,9 @@ def _int_list(text: str) -> tuple[int, ...]:
     try:
         values = tuple(int(x) for x in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
     if not values or min(values) <= 0:
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
     return values
@@ -113,6 +115,8 @@ def _generate(args) -> None:
 def _info(args) -> None:
     engine = _load(args)
     cfg, tok = engine.cfg, engine.tokenizer
+    scaled = cfg.rope_scaling is not None or cfg.rope_factors is not None
+    features = [f for f in ("qkv_bias", "qk_norm", "tie_embeddings") if getattr(cfg, f)]
     rows = [
         ("model", engine.name),
         ("format", engine.source),
@@ -124,11 +128,12 @@ def _info(args) -> None:
         ("heads / kv heads", f"{cfg.n_heads} / {cfg.n_kv_heads} (head_dim {cfg.head_dim})"),
         ("ffn", cfg.d_ff),
         ("vocab", cfg.vocab_size),
-        ("rope", f"theta {cfg.rope_theta:g}" + (", llama3 scaling" if cfg.rope_scaling or cfg.rope_factors else "")),
-        ("features", ", ".join(f for f in ("qkv_bias", "qk_norm", "tie_embeddings") if getattr(cfg, f)) or "-"),
+        ("rope", f"theta {cfg.rope_theta:g}" + (", llama3 scaling" if scaled else "")),
+        ("features", ", ".join(features) or "-"),
         ("sliding window", cfg.sliding_window or "-"),
         ("context", f"{engine.max_seq_len} (model declares {cfg.max_position})"),
-        ("tokenizer", f"{tok.kind}; bos {tok.bos_id}, eos {list(tok.eos_ids)}, add_bos {tok.add_bos}"),
+        ("tokenizer", f"{tok.kind}; bos {tok.bos_id}, eos {list(tok.eos_ids)}"),
+        ("adds BOS", tok.add_bos),
     ]  # fmt: skip
     width = max(len(k) for k, _ in rows)
     for key, value in rows:

@@ -12,7 +12,6 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-import jax
 import numpy as np
 from flax import nnx
 
@@ -62,7 +61,10 @@ class PerfStats:
         def rate(n, ms):
             per = ms / n if n else 0.0
             tps = 1000.0 * n / ms if ms else 0.0
-            return f"{ms:10.2f} ms / {n:5d} tokens ({per:8.2f} ms per token, {tps:8.2f} tokens per second)"
+            return (
+                f"{ms:10.2f} ms / {n:5d} tokens "
+                f"({per:8.2f} ms per token, {tps:8.2f} tokens per second)"
+            )
 
         return "\n".join(
             [
@@ -180,7 +182,9 @@ class Engine:
         for b, r in enumerate(rows):
             tail = range(max(0, len(r.prompt) - PENALTY_WINDOW), len(r.prompt))
             window[b, [p % PENALTY_WINDOW for p in tail]] = [r.prompt[p] for p in tail]
-        sp = pack([r.params for r in rows], [r.seed for r in rows], [r.stop_ids for r in rows], batch)
+        sp = pack(
+            [r.params for r in rows], [r.seed for r in rows], [r.stop_ids for r in rows], batch
+        )
         first = np.zeros(batch, np.int32)
         picks = []  # (rows ending in this chunk, their sampled tokens)
         offset = 0
@@ -196,7 +200,9 @@ class Engine:
                 if seg and offset + T >= len(r.prompt):
                     ending.append(b)
             start = np.full(batch, offset, np.int32)
-            cache, sampled = self._run("prefill", self.params, cache, tokens, start, lengths, window, sp)
+            cache, sampled = self._run(
+                "prefill", self.params, cache, tokens, start, lengths, window, sp
+            )
             picks.append((ending, sampled))
             offset += T
         for ending, sampled in picks:
@@ -426,7 +432,9 @@ class Engine:
             tokens = np.zeros((1, T), np.int32)
             seg = ids[offset : offset + T]
             tokens[0, : len(seg)] = seg
-            cache, logits = self._run("score", self.params, cache, tokens, np.array([offset], np.int32))
+            cache, logits = self._run(
+                "score", self.params, cache, tokens, np.array([offset], np.int32)
+            )
             out.append(np.asarray(logits[0, : len(seg)]))
             offset += T
         self._cache = cache

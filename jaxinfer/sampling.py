@@ -52,7 +52,9 @@ class SamplingParams:
             bad("min_p", self.min_p, "in [0, 1]")
         if self.repeat_penalty <= 0:
             bad("repeat_penalty", self.repeat_penalty, "> 0 (1 = off)")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or isinstance(self.seed, bool)
+        ):
             bad("seed", self.seed, "an integer or None")
 
     def resolved_seed(self) -> int:
@@ -83,8 +85,10 @@ def _penalize(logits, window, f):
     """llama.cpp penalties over the recent-token window [B, W] (-1 = empty)."""
     B, V = logits.shape
     rows = jnp.arange(B)[:, None]
-    counts = jnp.zeros((B, V), jnp.float32).at[rows, window].add(
-        (window >= 0).astype(jnp.float32), mode="drop"
+    counts = (
+        jnp.zeros((B, V), jnp.float32)
+        .at[rows, window]
+        .add((window >= 0).astype(jnp.float32), mode="drop")
     )  # [B, V]
     seen = counts > 0
     rp = f[:, 3:4]

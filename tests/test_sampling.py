@@ -1,0 +1,82 @@
+"""Sampling: seeds, greedy, and the filters and penalties against a NumPy definition."""
+
+import jax
+import numpy as np
+import pytest
+from conftest import GOLDEN
+
+from jaxinfer.sampling import PENALTY_WINDOW, SamplingParams, pack, sample
+
+FREE = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
+
+
+def test_same_seed_same_sample_different_seeds_differ(stories_hf):
+    kw = dict(max_new_tokens=24, **FREE)
+    a = stories_hf.generate("Once upon a time", seed=1, **kw).token_ids
+    b = stories_hf.generate("Once upon a time", seed=1, **kw).token_ids
+    c = stories_hf.generate("Once upon a time", seed=2, **kw).token_ids
+    assert a == b and a != c
+
+
+def test_temperature_zero_is_greedy(stories_hf):
+    r = stories_hf.generate([1], max_new_tokens=32, temperature=0, top_k=5, top_p=0.5, seed=3)
+    assert r.token_ids == GOLDEN[:32]
+    r = stories_hf.generate([1], max_new_tokens=32, temperature=1.5, top_k=1, seed=3)
+    assert r.token_ids == GOLDEN[:32]
+
+
+def _np_allowed(logits, temperature, top_k, top_p, min_p):
+    """The set of tokens each filter keeps, from their definitions."""
+    z = logits / temperature
+    order = np.argsort(-z, kind="stable")
+    keep = np.zeros_like(z, bool)
+    keep[order[: top_k or len(z)]] = True
+    p = np.exp(z - z.max()) * keep
+    p /= p.sum()
+    mass = 0.0
+    nucleus = np.zeros_like(keep)
+    for i in order:
+        if not keep[i] or mass >= top_p:
+            break
+        nucleus[i] = True
+        mass += p[i]
+    return keep & nucleus & (p >= min_p * p.max()), p
+
+
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p, min_p",
+    [(1.0, 5, 1.0, 0.0), (0.7, 0, 0.8, 0.0), (1.3, 0, 1.0, 0.2), (1.0, 8, 0.9, 0.05)],
+)
+def test_filters_match_definition(temperature, top_k, top_p, min_p):
+    rng = np.random.default_rng(0)
+    V, B = 32, 2048
+    logits = rng.normal(size=V).astype(np.float32) * 2
+    params = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)]
+    sp = pack(params * B, list(range(B)), [[]] * B, B)
+    window = np.full((B, PENALTY_WINDOW), -1, np.int32)
+    drawn = jax.jit(sample)(np.tile(logits, (B, 1)), window, sp, np.zeros(B, np.int32))
+    drawn = np.asarray(drawn)
+    allowed, p = _np_allowed(logits.astype(np.float64), temperature, top_k, top_p, min_p)
+    assert set(drawn.tolist()) <= set(np.flatnonzero(allowed).tolist())
+    want = p * allowed / (p * allowed).sum()
+    freq = np.bincount(drawn, minlength=V) / B
+    assert np.abs(freq - want).max() < 0.05
+
+
+@pytest.mark.parametrize(
+    "repeat, presence, frequency", [(1.3, 0.0, 0.0), (1.0, 0.8, 0.0), (1.1, 0.2, 0.5)]
+)
+def test_greedy_with_penalties_matches_definition(stories_hf, repeat, presence, frequency):
+    prompt = stories_hf.tokenize("Once upon a time, there was a little girl")
+    out = stories_hf.generate(
+        prompt, max_new_tokens=12, temperature=0, repeat_penalty=repeat,
+        presence_penalty=presence, frequency_penalty=frequency,
+    ).token_ids  # fmt: skip
+    full = stories_hf.logits(prompt + out[:-1]).astype(np.float64)
+    for i, tok in enumerate(out):
+        context = (prompt + out)[: len(prompt) + i][-PENALTY_WINDOW:]
+        z = full[len(prompt) - 1 + i].copy()
+        ids, counts = np.unique(context, return_counts=True)
+        z[ids] = np.where(z[ids] > 0, z[ids] / repeat, z[ids] * repeat)
+        z[ids] -= presence + frequency * counts
+        assert tok == int(np.argmax(z)), f"step {i}"
