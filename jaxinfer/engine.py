@@ -52,10 +52,14 @@ class PerfStats:
     prompt_ms: float = 0.0
     eval_tokens: int = 0
     eval_ms: float = 0.0
+    eval_device_ms: float = 0.0  # part of eval_ms inside compiled decode calls
     total_ms: float = 0.0
     compiles: int = 0
     compile_seconds: float = 0.0
     graphs_reused: int = 0
+
+    def host_share(self) -> float:
+        return 1.0 - self.eval_device_ms / self.eval_ms if self.eval_ms else 0.0
 
     def __str__(self) -> str:
         def rate(n, ms):
@@ -71,6 +75,7 @@ class PerfStats:
                 f"perf:        load time = {self.load_ms:10.2f} ms",
                 f"perf: prompt eval time = {rate(self.prompt_tokens, self.prompt_ms)}",
                 f"perf:        eval time = {rate(self.eval_tokens, self.eval_ms)}",
+                f"perf:   eval host time = {self.host_share():.1%} of eval (outside compiled code)",
                 f"perf:       total time = {self.total_ms:10.2f} ms",
                 f"perf:    graphs reused = {self.graphs_reused}",
                 f"perf:         compiles = {self.compiles} ({self.compile_seconds:.2f} s)",
@@ -239,8 +244,10 @@ class Engine:
         generated = 0
         while not all(r.finish for r in rows):
             n = np.int32(self.decode_chunk)
+            d0 = clock()
             cache, carry, out = self._run("decode", self.params, cache, carry, sp, n)
-            out = np.asarray(out)
+            out = np.asarray(out)  # waits for the device
+            self._perf.eval_device_ms += (clock() - d0) * 1e3
             host_done = np.asarray(carry["done"]).copy()
             changed = False
             for b, r in enumerate(rows):

@@ -59,13 +59,17 @@ def _random_params(cfg: ModelConfig, dtype, seed: int):
 
 
 def load(
-    model: str | Path | None = None,
+    model: str | Path | ModelConfig | None = None,
     *,
     dtype: str = "float32",
     max_seq_len: int | None = None,
     **options,
 ) -> Engine:
-    """Load a Hugging Face folder or a .gguf file (None = the built-in random model)."""
+    """Load a Hugging Face folder or a .gguf file.
+
+    None gives the built-in random model; a ModelConfig gives random weights of that shape
+    (for benchmarks) with the byte-level tokenizer when its vocabulary is large enough.
+    """
     unknown = sorted(set(options) - set(ENGINE_OPTIONS))
     if unknown:
         raise JaxinferError(
@@ -73,11 +77,15 @@ def load(
         )
     compute = _dtype(dtype)
     t0 = time.perf_counter()
-    if model is None:
+    if model is None or isinstance(model, ModelConfig):
         tokenizer = Tokenizer.byte_level()
-        cfg = builtin_config(tokenizer.vocab_size)
+        cfg = model or builtin_config(tokenizer.vocab_size)
+        if cfg.vocab_size < tokenizer.vocab_size:
+            raise JaxinferError(
+                f"a random model needs vocab_size >= {tokenizer.vocab_size} (byte tokenizer)"
+            )
         graphdef, params = _random_params(cfg, compute, BUILTIN_SEED)
-        source, name = "random init", BUILTIN_NAME
+        source, name = "random init", cfg.name or BUILTIN_NAME
     else:
         ckpt = open_checkpoint(model)
         cfg, tokenizer = ckpt.config, ckpt.tokenizer

@@ -47,18 +47,43 @@ def rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
     return out.astype(x.dtype)
 
 
+def write_cache(cache_k, cache_v, k, v, positions):
+    """Store k, v [B, T, K, H] at `positions` [B, T] of caches [B, K, S, H].
+
+    One token per row (decode) is a dynamic_update_slice per row, which XLA performs in place
+    on the donated cache. Prompt chunks scatter instead: their padding positions may run past
+    S, and a scatter drops those where an update slice would clamp onto valid entries.
+    """
+    B, T = positions.shape
+    k = k.astype(cache_k.dtype).transpose(0, 2, 1, 3)  # [B, K, T, H]
+    v = v.astype(cache_v.dtype).transpose(0, 2, 1, 3)
+    if T == 1:
+        zero = jnp.zeros((), positions.dtype)
+        for b in range(B):
+            at = (b, zero, positions[b, 0], zero)
+            cache_k = jax.lax.dynamic_update_slice(cache_k, k[b : b + 1], at)
+            cache_v = jax.lax.dynamic_update_slice(cache_v, v[b : b + 1], at)
+        return cache_k, cache_v
+    rows = jnp.arange(B)[:, None]  # [B, 1]
+    cache_k = cache_k.at[rows, :, positions, :].set(k.transpose(0, 2, 1, 3), mode="drop")
+    cache_v = cache_v.at[rows, :, positions, :].set(v.transpose(0, 2, 1, 3), mode="drop")
+    return cache_k, cache_v
+
+
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         N, K, H, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_model
         self.cfg = cfg
-        self.wq = _param(rngs, (N, H, D), ("heads", "head_dim", "embed"))
-        self.wk = _param(rngs, (K, H, D), ("kv_heads", "head_dim", "embed"))
-        self.wv = _param(rngs, (K, H, D), ("kv_heads", "head_dim", "embed"))
-        self.wo = _param(rngs, (D, N, H), ("embed", "heads", "head_dim"))
+        # 2-D [out, in] weights: a 3-D [N, H, D] weight makes XLA CPU copy it every token.
+        # The flattened N*H axis is named "heads" (head-major, so splitting it splits heads).
+        self.wq = _param(rngs, (N * H, D), ("heads", "embed"))
+        self.wk = _param(rngs, (K * H, D), ("kv_heads", "embed"))
+        self.wv = _param(rngs, (K * H, D), ("kv_heads", "embed"))
+        self.wo = _param(rngs, (D, N * H), ("embed", "heads"))
         if cfg.qkv_bias:
-            self.bq = _param(rngs, (N, H), ("heads", "head_dim"))
-            self.bk = _param(rngs, (K, H), ("kv_heads", "head_dim"))
-            self.bv = _param(rngs, (K, H), ("kv_heads", "head_dim"))
+            self.bq = _param(rngs, (N * H,), ("heads",))
+            self.bk = _param(rngs, (K * H,), ("kv_heads",))
+            self.bv = _param(rngs, (K * H,), ("kv_heads",))
         if cfg.qk_norm:
             self.q_norm = _param(rngs, (H,), ("head_dim",), init_one=True)
             self.k_norm = _param(rngs, (H,), ("head_dim",), init_one=True)
@@ -69,22 +94,21 @@ class Attention(nnx.Module):
         B, T, _ = x.shape
         K, G, H = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
         S = cache_k.shape[2]
-        q = jnp.einsum("BTD,NHD->BTNH", x, self.wq[...])  # [B, T, N, H]
-        k = jnp.einsum("BTD,KHD->BTKH", x, self.wk[...])  # [B, T, K, H]
-        v = jnp.einsum("BTD,KHD->BTKH", x, self.wv[...])  # [B, T, K, H]
+        q = jnp.einsum("BTD,ED->BTE", x, self.wq[...])  # [B, T, N*H]
+        k = jnp.einsum("BTD,ED->BTE", x, self.wk[...])  # [B, T, K*H]
+        v = jnp.einsum("BTD,ED->BTE", x, self.wv[...])  # [B, T, K*H]
         if cfg.qkv_bias:
             q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
+        q = q.reshape(B, T, K * G, H)  # [B, T, N, H]
+        k = k.reshape(B, T, K, H)  # [B, T, K, H]
+        v = v.reshape(B, T, K, H)  # [B, T, K, H]
         if cfg.qk_norm:
             q = rms_norm(q, self.q_norm[...], cfg.norm_eps)
             k = rms_norm(k, self.k_norm[...], cfg.norm_eps)
         inv_freq = rope_inv_freq(cfg)
         q, k = rope(q, positions, inv_freq), rope(k, positions, inv_freq)
 
-        # Scatter the new keys/values at their positions; positions past S (padding of a
-        # prompt chunk) are dropped rather than clamped onto valid entries.
-        rows = jnp.arange(B)[:, None]  # [B, 1]
-        cache_k = cache_k.at[rows, :, positions, :].set(k.astype(cache_k.dtype), mode="drop")
-        cache_v = cache_v.at[rows, :, positions, :].set(v.astype(cache_v.dtype), mode="drop")
+        cache_k, cache_v = write_cache(cache_k, cache_v, k, v, positions)
 
         q = q.reshape(B, T, K, G, H)  # [B, T, K, G, H]
         scores = jnp.einsum(
@@ -99,8 +123,8 @@ class Attention(nnx.Module):
         scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
         probs = jax.nn.softmax(scores, axis=-1).astype(cache_v.dtype)  # [B, K, G, T, S]
         out = jnp.einsum("BKGTS,BKSH->BTKGH", probs, cache_v)  # [B, T, K, G, H]
-        out = out.reshape(B, T, K * G, H).astype(x.dtype)  # [B, T, N, H]
-        return jnp.einsum("BTNH,DNH->BTD", out, self.wo[...]), cache_k, cache_v
+        out = out.reshape(B, T, K * G * H).astype(x.dtype)  # [B, T, N*H]
+        return jnp.einsum("BTE,DE->BTD", out, self.wo[...]), cache_k, cache_v
 
 
 class MLP(nnx.Module):
