@@ -59,9 +59,7 @@ def main():
     ]
     for label, model in models:
         t0 = time.perf_counter()
-        engine = jaxinfer.load(
-            model, max_seq_len=args.p + args.n, decode_chunk=args.decode_chunk
-        )
+        engine = jaxinfer.load(model, max_seq_len=args.p + args.n, decode_chunk=args.decode_chunk)
         r = measure(engine, args.p, args.n, args.r)
         rows.append(
             f"| {label} | {r['pp']:.1f} | {r['tg']:.1f} | {r['host']:.1%} | {args.decode_chunk} |"

@@ -31,6 +31,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("-c", "--ctx-size", type=int, default=None, help="context length (max_seq_len)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("-v", "--verbose", action="store_true", help="debug logs and tracebacks")
+    p.add_argument("--compile-cache-dir", default=None, help="persistent compilation cache dir")
+    p.add_argument(
+        "--no-compile-cache", action="store_true", help="disable the persistent compile cache"
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -69,6 +73,10 @@ def _load(args):
     options = {}
     if getattr(args, "ubatch_size", None):
         options["prefill_buckets"] = args.ubatch_size
+    if args.no_compile_cache:
+        options["compile_cache_dir"] = None
+    elif args.compile_cache_dir:
+        options["compile_cache_dir"] = args.compile_cache_dir
     return jaxinfer.load(args.model, dtype=args.dtype, max_seq_len=args.ctx_size, **options)
 
 
@@ -146,8 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(name)s: %(message)s",
     )
-    if not args.verbose:
-        logging.getLogger("jax").setLevel(logging.WARNING)
+    for noisy in ("jax", "absl"):  # -v is for jaxinfer's own debug lines (recompiles...)
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         {"generate": _generate, "info": _info}[args.command](args)
     except JaxinferError as e:

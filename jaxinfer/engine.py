@@ -8,17 +8,21 @@ bucket lists, so the set of compiled programs is small and known.
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+import jax
 import numpy as np
 from flax import nnx
 
-from .compile import CompileCache
+from .compile import CompileCache, Handle, RecompileError, RecompileEvent
 from .config import ModelConfig
 from .errors import RequestError
 from .model import init_cache
+from .perf import WATCHER, PerfStats
 from .sampling import PENALTY_WINDOW, SamplingParams, pack
 from .steps import make_steps
 from .tokenizer import Tokenizer
@@ -46,44 +50,6 @@ class StreamPiece:
 
 
 @dataclass
-class PerfStats:
-    load_ms: float = 0.0
-    prompt_tokens: int = 0
-    prompt_ms: float = 0.0
-    eval_tokens: int = 0
-    eval_ms: float = 0.0
-    eval_device_ms: float = 0.0  # part of eval_ms inside compiled decode calls
-    total_ms: float = 0.0
-    compiles: int = 0
-    compile_seconds: float = 0.0
-    graphs_reused: int = 0
-
-    def host_share(self) -> float:
-        return 1.0 - self.eval_device_ms / self.eval_ms if self.eval_ms else 0.0
-
-    def __str__(self) -> str:
-        def rate(n, ms):
-            per = ms / n if n else 0.0
-            tps = 1000.0 * n / ms if ms else 0.0
-            return (
-                f"{ms:10.2f} ms / {n:5d} tokens "
-                f"({per:8.2f} ms per token, {tps:8.2f} tokens per second)"
-            )
-
-        return "\n".join(
-            [
-                f"perf:        load time = {self.load_ms:10.2f} ms",
-                f"perf: prompt eval time = {rate(self.prompt_tokens, self.prompt_ms)}",
-                f"perf:        eval time = {rate(self.eval_tokens, self.eval_ms)}",
-                f"perf:   eval host time = {self.host_share():.1%} of eval (outside compiled code)",
-                f"perf:       total time = {self.total_ms:10.2f} ms",
-                f"perf:    graphs reused = {self.graphs_reused}",
-                f"perf:         compiles = {self.compiles} ({self.compile_seconds:.2f} s)",
-            ]
-        )
-
-
-@dataclass
 class _Row:
     """One request inside a running batch."""
 
@@ -100,6 +66,22 @@ class _Row:
     finish: str | None = None
     prompt_ms: float = 0.0
     decode_ms: float = 0.0
+
+
+def _decode_carry(rows: list[_Row], batch: int) -> dict[str, np.ndarray]:
+    """The decode loop state for rows entering decode (padding rows start done)."""
+    n = len(rows)
+    window = np.full((batch, PENALTY_WINDOW), -1, np.int32)
+    for b, r in enumerate(rows):  # the step writes the current token itself; seed the rest
+        for p in range(max(0, len(r.prompt) - PENALTY_WINDOW + 1), len(r.prompt)):
+            window[b, p % PENALTY_WINDOW] = r.prompt[p]
+    return {
+        "tokens": np.zeros(batch, np.int32),
+        "pos": np.array([len(r.prompt) for r in rows] + [0] * (batch - n), np.int32),
+        "budget": np.array([r.budget - 1 for r in rows] + [0] * (batch - n), np.int32),
+        "done": np.ones(batch, bool),
+        "window": window,
+    }
 
 
 def _bucket(n: int, buckets: Sequence[int]) -> int:
@@ -123,6 +105,8 @@ class Engine:
         batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS,
         decode_chunk: int = 16,
         compile_cache_size: int = 64,
+        strict: bool = False,
+        graph_reuse: bool = True,
         load_ms: float = 0.0,
     ):
         self.cfg = cfg
@@ -136,11 +120,16 @@ class Engine:
         self.batch_buckets = tuple(sorted(set(batch_buckets)))
         self.cache_buckets = self._cache_lengths(max_seq_len)
         self.decode_chunk = decode_chunk
-        self.compile_cache = CompileCache(capacity=compile_cache_size)
+        self.strict = strict
+        self.compile_cache = CompileCache(capacity=compile_cache_size, reuse=graph_reuse)
         self._steps = make_steps(graphdef, decode_chunk)
+        # A zeroed cache as a compiled program; `size` [B, S] carries the shape as a key.
+        self._steps["cache"] = lambda size: init_cache(cfg, *size.shape, dtype)
         self._static = (cfg, str(np.dtype(dtype)), decode_chunk)
+        self._device = jax.devices()[0]
         self._cache = None  # the KV cache of the last batch, reused when the shape fits
         self._perf = PerfStats(load_ms=load_ms)
+        self._warm = False  # warmup() done: strict mode now refuses compiles
 
     @staticmethod
     def _cache_lengths(max_seq_len: int) -> tuple[int, ...]:
@@ -160,7 +149,14 @@ class Engine:
 
     # ---- programs -----------------------------------------------------------------------
 
+    def _put(self, x):
+        """Host arrays go to the device before the call, so every key sees device shardings."""
+        if isinstance(x, np.ndarray | np.generic):
+            return jax.device_put(x, self._sharding())
+        return x
+
     def _run(self, name: str, *args, donate=(1,)):
+        args = jax.tree.map(self._put, args)
         return self.compile_cache.run(
             name, self._steps[name], args, static=self._static, donate=donate
         )
@@ -171,7 +167,7 @@ class Engine:
         shape = (batch, self.cfg.n_kv_heads, length, self.cfg.head_dim)
         if self._cache is None or self._cache[0][0].shape != shape:
             self._cache = None  # free the old one first
-            self._cache = init_cache(self.cfg, batch, length, self.dtype)
+            self._cache = self._run("cache", np.zeros((batch, length), np.bool_), donate=())
         cache, self._cache = self._cache, None
         return cache
 
@@ -217,7 +213,8 @@ class Engine:
     def _generate_batch(self, rows: list[_Row]) -> Iterator[tuple[int, StreamPiece]]:
         """Prefill and decode one batch, yielding (row index, piece) as text is produced."""
         batch = _bucket(len(rows), self.batch_buckets)
-        need = max(len(r.prompt) + r.budget for r in rows)
+        # The last generated token is never fed back, so it needs no cache position.
+        need = max(len(r.prompt) + r.budget - 1 for r in rows)
         length = _bucket(need, self.cache_buckets)
         cache = self._take_cache(batch, length)
         clock = self._clock
@@ -231,16 +228,9 @@ class Engine:
         for b, r in enumerate(rows):
             yield from self._accept(b, r, [int(first[b])])
             done[b] = r.finish is not None
-        carry = {
-            "tokens": first,
-            "pos": np.array([len(r.prompt) for r in rows] + [0] * (batch - len(rows)), np.int32),
-            "budget": np.array([r.budget - 1 for r in rows] + [0] * (batch - len(rows)), np.int32),
-            "done": done,
-            "window": np.full((batch, PENALTY_WINDOW), -1, np.int32),
-        }
-        for b, r in enumerate(rows):  # decode refills the window from positions; seed it
-            for p in range(max(0, len(r.prompt) - PENALTY_WINDOW + 1), len(r.prompt)):
-                carry["window"][b, p % PENALTY_WINDOW] = r.prompt[p]
+        carry = _decode_carry(rows, batch)
+        carry["tokens"][:] = first
+        carry["done"][:] = done
         generated = 0
         while not all(r.finish for r in rows):
             n = np.int32(self.decode_chunk)
@@ -393,15 +383,17 @@ class Engine:
 
     def _stream(self, row: _Row) -> Iterator[StreamPiece]:
         t0 = time.perf_counter()
-        for _, piece in self._batches([row]):
-            if piece.text or piece.token_ids:
-                yield piece
+        with self._watched():
+            for _, piece in self._batches([row]):
+                if piece.text or piece.token_ids:
+                    yield piece
         self._perf.total_ms += (time.perf_counter() - t0) * 1e3
 
     def _drive(self, rows: list[_Row]) -> None:
         t0 = time.perf_counter()
-        for _ in self._batches(rows):
-            pass
+        with self._watched():
+            for _ in self._batches(rows):
+                pass
         self._perf.total_ms += (time.perf_counter() - t0) * 1e3
 
     def _batches(self, rows: list[_Row]) -> Iterator[tuple[int, StreamPiece]]:
@@ -430,7 +422,10 @@ class Engine:
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """Float32 logits [T, V] at every position of `token_ids` (one full forward)."""
         row = self._row(list(token_ids), 0, SamplingParams(), None, None, True)
-        ids = row.prompt
+        with self._watched():
+            return self._score(row.prompt)
+
+    def _score(self, ids: list[int]) -> np.ndarray:
         cache = self._take_cache(1, _bucket(len(ids), self.cache_buckets))
         out = []
         offset = 0
@@ -439,22 +434,111 @@ class Engine:
             tokens = np.zeros((1, T), np.int32)
             seg = ids[offset : offset + T]
             tokens[0, : len(seg)] = seg
-            cache, logits = self._run(
-                "score", self.params, cache, tokens, np.array([offset], np.int32)
-            )
-            out.append(np.asarray(logits[0, : len(seg)]))
+            start = np.array([offset], np.int32)
+            cache, logits = self._run("score", self.params, cache, tokens, start)
+            out.append(np.asarray(logits)[0, : len(seg)])
             offset += T
         self._cache = cache
         return np.concatenate(out, axis=0)
 
     def perf_stats(self) -> PerfStats:
-        stats = PerfStats(**{k: getattr(self._perf, k) for k in self._perf.__dataclass_fields__})
-        stats.compiles = sum(s.compiles for s in self.compile_cache.stats.values())
-        stats.compile_seconds = self.compile_cache.compile_seconds()
-        stats.graphs_reused = sum(s.calls for s in self.compile_cache.stats.values())
+        cc = self.compile_cache
+        stats = self._perf.copy()
+        stats.graphs_reused = cc.graphs_reused()
+        stats.recompiles_same, stats.recompiles_diff = cc.n_same, cc.n_diff
+        stats.recompiles_sharding = cc.n_sharding
+        stats.programs = sum(s.compiles for s in cc.stats.values())
+        stats.compile_seconds = cc.compile_seconds()
         return stats
 
     def reset_perf(self) -> None:
+        """Zero the timings and graph-reuse counts (compile history is kept)."""
         self._perf = PerfStats(load_ms=self._perf.load_ms)
         for s in self.compile_cache.stats.values():
             s.calls = 0
+
+    # ---- graph reuse --------------------------------------------------------------------
+
+    def on_recompile(self, callback: Callable[[RecompileEvent], None]) -> Handle:
+        """Call `callback(event)` on every recompile; returns a handle with `.remove()`."""
+        return self.compile_cache.on_recompile(callback)
+
+    def warmup(self, *, progress: bool = True) -> dict[str, tuple[int, float]]:
+        """Compile every declared bucket now: {program: (executables, compile seconds)}.
+
+        Afterwards, in strict mode, any further compile raises RecompileError.
+        """
+        self.compile_cache.strict = False
+        jobs = []
+        for S in self.cache_buckets:
+            for B in self.batch_buckets:
+                jobs.append(("cache", B, 0, S))
+                jobs.append(("decode", B, 0, S))
+                jobs += [("prefill", B, T, S) for T in self.prefill_buckets if T <= S]
+            jobs += [("score", 1, T, S) for T in self.prefill_buckets if T <= S]
+        before = {k: (v.compiles, v.compile_seconds) for k, v in self.compile_cache.stats.items()}
+        with self._watched():
+            for i, (name, B, T, S) in enumerate(jobs):
+                if progress:
+                    print(f"\rwarmup [{i + 1}/{len(jobs)}] {name} B={B} T={T} S={S}   ",
+                          end="", file=sys.stderr, flush=True)  # fmt: skip
+                args = self._abstract_args(name, B, T, S)
+                donate = () if name == "cache" else (1,)
+                self.compile_cache.get(
+                    name, self._steps[name], args, static=self._static, donate=donate
+                )
+        report = {}
+        for name, st in self.compile_cache.stats.items():
+            n0, s0 = before.get(name, (0, 0.0))
+            report[name] = (st.compiles - n0, st.compile_seconds - s0)
+            if progress:
+                print(f"\nwarmup: {name:8s} {st.compiles - n0:3d} programs "
+                      f"{st.compile_seconds - s0:7.2f} s", end="", file=sys.stderr)  # fmt: skip
+        if progress:
+            print(file=sys.stderr)
+        self.compile_cache.strict = self.strict
+        self._warm = True
+        return report
+
+    def _abstract_args(self, name: str, B: int, T: int, S: int) -> tuple:
+        """ShapeDtypeStructs of a program's arguments, as `_run` would pass them."""
+
+        def spec(shape, dtype):
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=self._sharding())
+
+        def like(tree):
+            return jax.tree.map(lambda x: spec(x.shape, x.dtype), tree)
+
+        if name == "cache":
+            return (spec((B, S), np.bool_),)
+        cache = like(jax.eval_shape(lambda: init_cache(self.cfg, B, S, self.dtype)))
+        sp = like(pack([], [], [], B))
+        if name == "decode":
+            carry = like(_decode_carry([], B))
+            return (self.params, cache, carry, sp, spec((), np.int32))
+        tokens, start = spec((B, T), np.int32), spec((B,), np.int32)
+        if name == "score":
+            return (self.params, cache, tokens, start)
+        window = spec((B, PENALTY_WINDOW), np.int32)
+        return (self.params, cache, tokens, start, spec((B,), np.int32), window, sp)
+
+    def _sharding(self):
+        return jax.sharding.SingleDeviceSharding(self._device)
+
+    @contextlib.contextmanager
+    def _watched(self):
+        """Attribute the compile events jax.monitoring sees during an engine call to it."""
+        base = WATCHER.snapshot()
+        try:
+            yield
+        finally:
+            now = WATCHER.snapshot()
+            untracked = now[0] - base[0]
+            self._perf.untracked_compiles += untracked
+            self._perf.persistent_hits += now[1] - base[1]
+            self._perf.persistent_misses += now[2] - base[2]
+        if untracked and self.strict and self._warm:
+            raise RecompileError(
+                f"strict mode: {untracked} compile(s) outside the compile cache after warmup "
+                "(an eager jax op on the host path); rerun with jax_log_compiles to see them"
+            )

@@ -6,6 +6,7 @@ the way, so the host never holds more than one weight beyond the memory-mapped f
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import numpy as np
 from flax import nnx
 
 from .checkpoint import open_checkpoint
+from .compile import default_cache_dir, use_persistent_cache
 from .config import ModelConfig
 from .engine import Engine
 from .errors import JaxinferError
@@ -22,7 +24,15 @@ from .model import Transformer, abstract_model
 from .tokenizer import Tokenizer
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-ENGINE_OPTIONS = ("prefill_buckets", "batch_buckets", "decode_chunk", "compile_cache_size")
+ENGINE_OPTIONS = (
+    "prefill_buckets",
+    "batch_buckets",
+    "decode_chunk",
+    "compile_cache_size",
+    "strict",
+    "graph_reuse",
+)
+_DEFAULT = object()
 
 # The built-in default: random weights from a fixed seed over a byte-level vocabulary, so the
 # main job runs with no download. It produces noise, never language.
@@ -63,12 +73,16 @@ def load(
     *,
     dtype: str = "float32",
     max_seq_len: int | None = None,
+    compile_cache_dir: str | Path | None = _DEFAULT,  # type: ignore[assignment]
     **options,
 ) -> Engine:
     """Load a Hugging Face folder or a .gguf file.
 
     None gives the built-in random model; a ModelConfig gives random weights of that shape
     (for benchmarks) with the byte-level tokenizer when its vocabulary is large enough.
+    `compile_cache_dir` sets the persistent compilation cache (default: a per-user cache
+    directory or $JAXINFER_COMPILE_CACHE_DIR; None disables). `strict=True` (or
+    JAXINFER_STRICT=1) makes any compile after `warmup()` raise RecompileError.
     """
     unknown = sorted(set(options) - set(ENGINE_OPTIONS))
     if unknown:
@@ -76,6 +90,10 @@ def load(
             f"unknown load option(s) {', '.join(unknown)}; known: {', '.join(ENGINE_OPTIONS)}"
         )
     compute = _dtype(dtype)
+    use_persistent_cache(
+        default_cache_dir() if compile_cache_dir is _DEFAULT else compile_cache_dir
+    )
+    options.setdefault("strict", os.environ.get("JAXINFER_STRICT", "") not in ("", "0"))
     t0 = time.perf_counter()
     if model is None or isinstance(model, ModelConfig):
         tokenizer = Tokenizer.byte_level()

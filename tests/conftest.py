@@ -4,6 +4,10 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if "JAXINFER_COMPILE_CACHE_DIR" not in os.environ:  # keep the user's cache dir out of tests
+    import tempfile
+
+    os.environ["JAXINFER_COMPILE_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxinfer-xla-")
 
 from pathlib import Path  # noqa: E402
 
