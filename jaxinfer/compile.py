@@ -70,11 +70,12 @@ class Handle:
 
 def _leaf_key(x) -> tuple:
     sharding = x.sharding if isinstance(x, jax.Array | jax.ShapeDtypeStruct) else None
-    return (tuple(x.shape), str(x.dtype), bool(getattr(x, "weak_type", False)), sharding)
+    return (x.shape, x.dtype, getattr(x, "weak_type", False), sharding)
 
 
 def _text(leaf: tuple) -> str:
-    return f"{_DTYPE_SHORT.get(leaf[1], leaf[1])}[{','.join(map(str, leaf[0]))}]"
+    name = str(leaf[1])
+    return f"{_DTYPE_SHORT.get(name, name)}[{','.join(map(str, leaf[0]))}]"
 
 
 def _spec(sharding) -> str:
@@ -106,6 +107,7 @@ class CompileCache:
         self._history: dict[str, list[tuple]] = {}  # program -> keys compiled, in order
         self._gone: dict[tuple, str] = {}  # key -> why it left the cache
         self._callbacks: list[Callable[[RecompileEvent], None]] = []
+        self._memo: tuple[Any, tuple] = (None, ())  # (parameter tree, its leaf keys)
 
     # ---- introspection ------------------------------------------------------------------
 
@@ -151,14 +153,28 @@ class CompileCache:
 
     def get(self, name: str, fn: Callable, args: tuple, *, static: Any = None, donate=()):
         """The executable for `args` (arrays or ShapeDtypeStructs), compiled on a miss."""
-        leaves, treedef = jax.tree_util.tree_flatten(args)
-        key = (name, static, (treedef, tuple(_leaf_key(x) for x in leaves)))
+        key = (name, static, self._signature(args))
         compiled = self._entries.get(key) if self.reuse else None
         if compiled is not None:
             self._entries.move_to_end(key)
             self.stats[name].calls += 1
             return compiled
         return self._compile(key, fn, args, donate)
+
+    def _signature(self, args: tuple) -> tuple:
+        """(treedef, per leaf key). The parameter tree (a step's first argument) is the same
+        object call after call: its leaf keys are computed once, as they dominate host time."""
+        head = args[0] if args and isinstance(args[0], dict) else None
+        if head is not None and self._memo[0] is head:
+            head_keys = self._memo[1]
+        elif head is not None:
+            head_keys = tuple(map(_leaf_key, jax.tree_util.tree_leaves(head)))
+            self._memo = (head, head_keys)
+        leaves, treedef = jax.tree_util.tree_flatten(args)
+        if head is None:
+            return treedef, tuple(map(_leaf_key, leaves))
+        rest = leaves[len(head_keys) :]
+        return treedef, head_keys + tuple(map(_leaf_key, rest))
 
     def _compile(self, key, fn, args, donate):
         name, static, sig = key
