@@ -351,7 +351,7 @@ class Engine:
             stop_ids=stop_ids,
             stop_strings=stop_strings,
             budget=min(max_new_tokens, self.max_seq_len - len(ids)),
-            decoder=self.tokenizer.stream(),
+            decoder=self.tokenizer.stream(context=ids[-4:]),
         )
 
     def generate(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -248,9 +249,13 @@ class Tokenizer:
         """Text of `ids` (any int sequence, e.g. a numpy row); special tokens are skipped."""
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=True)
 
-    def stream(self) -> StreamDecoder:
-        """A fresh incremental decoder for one generated sequence."""
-        return StreamDecoder(self)
+    def stream(self, context: Sequence[int] = ()) -> StreamDecoder:
+        """A fresh incremental decoder for one generated sequence.
+
+        `context` (the prompt's last ids) is decoded but never returned: the generated text is
+        what it adds, so a continuation keeps its leading space ("Once upon" + " a time").
+        """
+        return StreamDecoder(self, context)
 
 
 class StreamDecoder:
@@ -265,9 +270,12 @@ class StreamDecoder:
     such case.
     """
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, context: Sequence[int] = ()) -> None:
         self._tokenizer = tokenizer
         self._reset()
+        self._ids = [int(i) for i in context]
+        self._read = len(self._ids)
+        self._emitted = len(tokenizer.decode(self._ids))
 
     def _reset(self) -> None:
         # Only a short window of recent ids is decoded each time (TGI/vLLM style), starting

@@ -53,7 +53,8 @@ def test_result_fields(stories_hf):
     r = stories_hf.generate("Once upon a time", max_new_tokens=5, temperature=0)
     assert r.prompt_ids == stories_hf.tokenize("Once upon a time")
     assert len(r.token_ids) == 5 and r.finish_reason == "length"
-    assert r.text == stories_hf.detokenize(r.token_ids)
+    full = stories_hf.detokenize(r.prompt_ids + r.token_ids)
+    assert "Once upon a time" + r.text == full
 
 
 def test_eos_finishes_with_stop(tmp_path):
@@ -91,6 +92,11 @@ def test_stream_concatenates_to_result(stories_hf):
     assert "".join(p.text for p in pieces) == whole.text
     assert [t for p in pieces for t in p.token_ids] == whole.token_ids
     assert pieces[-1].finish_reason == whole.finish_reason
+
+
+def test_continuation_keeps_its_leading_space(stories_hf):
+    r = stories_hf.generate("Once upon", max_new_tokens=3, temperature=0)
+    assert r.text == " a time,"
 
 
 def test_max_new_tokens_zero(stories_hf):
