@@ -41,7 +41,7 @@ def measure(engine, p: int, n: int, repeats: int) -> dict:
         "pp": statistics.median(pp),
         "tg": statistics.median(tg),
         "host": statistics.median(host),
-        "compiles": engine.perf_stats().compiles,
+        "compiles": engine.perf_stats().programs,
     }
 
 
