@@ -147,19 +147,23 @@ class CompileCache:
 
     # ---- lookup -------------------------------------------------------------------------
 
-    def run(self, name: str, fn: Callable, args: tuple, *, static: Any = None, donate=()):
+    def run(self, name: str, fn: Callable, args: tuple, *, static: Any = None, donate=(), out=None):
         """Call program `name` (pure `fn`) on `args`, compiling it on a miss."""
-        return self.get(name, fn, args, static=static, donate=donate)(*args)
+        return self.get(name, fn, args, static=static, donate=donate, out=out)(*args)
 
-    def get(self, name: str, fn: Callable, args: tuple, *, static: Any = None, donate=()):
-        """The executable for `args` (arrays or ShapeDtypeStructs), compiled on a miss."""
+    def get(self, name: str, fn: Callable, args: tuple, *, static: Any = None, donate=(), out=None):
+        """The executable for `args` (arrays or ShapeDtypeStructs), compiled on a miss.
+
+        `out` gives the output shardings (a pytree prefix); it follows from `static` (the
+        layout), so it is not part of the key beyond that.
+        """
         key = (name, static, self._signature(args))
         compiled = self._entries.get(key) if self.reuse else None
         if compiled is not None:
             self._entries.move_to_end(key)
             self.stats[name].calls += 1
             return compiled
-        return self._compile(key, fn, args, donate)
+        return self._compile(key, fn, args, donate, out)
 
     def _signature(self, args: tuple) -> tuple:
         """(treedef, per leaf key). The parameter tree (a step's first argument) is the same
@@ -176,7 +180,7 @@ class CompileCache:
         rest = leaves[len(head_keys) :]
         return treedef, head_keys + tuple(map(_leaf_key, rest))
 
-    def _compile(self, key, fn, args, donate):
+    def _compile(self, key, fn, args, donate, out):
         name, static, sig = key
         history = self._history.setdefault(name, [])
         shape_changed, sharding_changed, reason = self._classify(key, fn, history)
@@ -186,7 +190,8 @@ class CompileCache:
         TRACKING.inside = True
         try:
             with jax.profiler.TraceAnnotation(f"compile {name}: {reason}"):
-                compiled = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
+                jitted = jax.jit(fn, donate_argnums=donate, out_shardings=out)
+                compiled = jitted.lower(*args).compile()
         finally:
             TRACKING.inside = False
         seconds = time.perf_counter() - t0

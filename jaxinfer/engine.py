@@ -16,15 +16,15 @@ from dataclasses import dataclass, field
 
 import jax
 import numpy as np
-from flax import nnx
+from jax.sharding import Mesh
 
 from .compile import CompileCache, Handle, RecompileError, RecompileEvent
 from .config import ModelConfig
 from .errors import RequestError
-from .model import init_cache
 from .perf import WATCHER, PerfStats
 from .sampling import PENALTY_WINDOW, SamplingParams, pack
-from .steps import make_steps
+from .sharding import load_layout, make_mesh, named
+from .steps import Runner, make_steps
 from .tokenizer import Tokenizer
 
 DEFAULT_PREFILL_BUCKETS = (32, 128, 512)
@@ -94,7 +94,7 @@ class Engine:
         self,
         cfg: ModelConfig,
         tokenizer: Tokenizer,
-        graphdef: nnx.GraphDef,
+        runner: Runner,
         params: dict,
         *,
         dtype,
@@ -108,6 +108,9 @@ class Engine:
         strict: bool = False,
         graph_reuse: bool = True,
         load_ms: float = 0.0,
+        mesh: Mesh | None = None,
+        rules: dict[str, str] | None = None,
+        layout: str = "single",
     ):
         self.cfg = cfg
         self.tokenizer = tokenizer
@@ -122,12 +125,22 @@ class Engine:
         self.decode_chunk = decode_chunk
         self.strict = strict
         self.compile_cache = CompileCache(capacity=compile_cache_size, reuse=graph_reuse)
-        self._steps = make_steps(graphdef, decode_chunk)
-        # A zeroed cache as a compiled program; `size` [B, S] carries the shape as a key.
-        self._steps["cache"] = lambda size: init_cache(cfg, *size.shape, dtype)
-        self._static = (cfg, str(np.dtype(dtype)), decode_chunk)
-        self._device = jax.devices()[0]
+        self.runner = runner
+        self._steps = make_steps(runner, decode_chunk)
+        self.layout = layout
+        self.mesh = mesh if mesh is not None else make_mesh(load_layout("single"), jax.devices())
+        self.rules = dict(rules or {})
+        self._replicated = named(self.mesh)
+        self._cache_sharding = runner.cache_shardings()
+        mesh_key = (
+            tuple(self.mesh.shape.items()),
+            tuple(d.id for d in self.mesh.devices.flat),
+            tuple(sorted(self.rules.items())),
+        )
+        # What the programs close over besides their arguments: a change here is a recompile.
+        self._static = (cfg, str(np.dtype(dtype)), decode_chunk, mesh_key)
         self._cache = None  # the KV cache of the last batch, reused when the shape fits
+        self._cache_shape = (0, 0)
         self._perf = PerfStats(load_ms=load_ms)
         self._warm = False  # warmup() done: strict mode now refuses compiles
 
@@ -162,7 +175,7 @@ class Engine:
         ]
         if not host:
             return args
-        placed = jax.device_put([flat[i][0][j] for i, j in host], self._sharding())
+        placed = jax.device_put([flat[i][0][j] for i, j in host], self._replicated)
         for (i, j), x in zip(host, placed, strict=True):
             flat[i][0][j] = x
         touched = {i for i, _ in host}
@@ -171,11 +184,19 @@ class Engine:
             for i, a in enumerate(args)
         )
 
+    def _outputs(self, name: str):
+        """Output shardings: the cache keeps its layout, everything else is replicated."""
+        cache, rep = self._cache_sharding, self._replicated
+        return {"cache": cache, "prefill": (cache, rep), "decode": (cache, rep, rep)}.get(
+            name, (cache, rep)
+        )
+
     def _run(self, name: str, *args, donate=(1,)):
         args = self._put(args)
         program = self.compile_cache.get(
-            name, self._steps[name], args, static=self._static, donate=donate
-        )
+            name, self._steps[name], args, static=self._static, donate=donate,
+            out=self._outputs(name),
+        )  # fmt: skip
         if name != "decode":
             return program(*args)
         t0 = time.perf_counter()  # device time: the executable and its wait, nothing else
@@ -186,10 +207,10 @@ class Engine:
     def _take_cache(self, batch: int, length: int):
         """A cache of [batch, length]; stale entries need no zeroing since attention masks
         every position past the query."""
-        shape = (batch, self.cfg.n_kv_heads, length, self.cfg.head_dim)
-        if self._cache is None or self._cache[0][0].shape != shape:
+        if self._cache is None or self._cache_shape != (batch, length):
             self._cache = None  # free the old one first
             self._cache = self._run("cache", np.zeros((batch, length), np.bool_), donate=())
+            self._cache_shape = (batch, length)
         cache, self._cache = self._cache, None
         return cache
 
@@ -505,8 +526,9 @@ class Engine:
                 args = self._abstract_args(name, B, T, S)
                 donate = () if name == "cache" else (1,)
                 self.compile_cache.get(
-                    name, self._steps[name], args, static=self._static, donate=donate
-                )
+                    name, self._steps[name], args, static=self._static, donate=donate,
+                    out=self._outputs(name),
+                )  # fmt: skip
         report = {}
         for name, st in self.compile_cache.stats.items():
             n0, s0 = before.get(name, (0, 0.0))
@@ -523,15 +545,16 @@ class Engine:
     def _abstract_args(self, name: str, B: int, T: int, S: int) -> tuple:
         """ShapeDtypeStructs of a program's arguments, as `_run` would pass them."""
 
-        def spec(shape, dtype):
-            return jax.ShapeDtypeStruct(shape, dtype, sharding=self._sharding())
+        def spec(shape, dtype, sharding=self._replicated):
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
         def like(tree):
             return jax.tree.map(lambda x: spec(x.shape, x.dtype), tree)
 
         if name == "cache":
             return (spec((B, S), np.bool_),)
-        cache = like(jax.eval_shape(lambda: init_cache(self.cfg, B, S, self.dtype)))
+        shapes = jax.eval_shape(lambda: self.runner.init_cache(B, S))
+        cache = jax.tree.map(lambda x, sh: spec(x.shape, x.dtype, sh), shapes, self._cache_sharding)
         sp = like(pack([], [], [], B))
         if name == "decode":
             carry = like(_decode_carry([], B))
@@ -541,9 +564,6 @@ class Engine:
             return (self.params, cache, tokens, start)
         window = spec((B, PENALTY_WINDOW), np.int32)
         return (self.params, cache, tokens, start, spec((B,), np.int32), window, sp)
-
-    def _sharding(self):
-        return jax.sharding.SingleDeviceSharding(self._device)
 
     @contextlib.contextmanager
     def _watched(self):

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from .checkpoint import open_checkpoint
 from .compile import default_cache_dir, use_persistent_cache
@@ -21,6 +22,17 @@ from .config import ModelConfig
 from .engine import Engine
 from .errors import JaxinferError
 from .model import Transformer, abstract_model
+from .pipeline import pipeline_runner, place_params
+from .sharding import (
+    cache_spec,
+    effective_rules,
+    load_layout,
+    make_mesh,
+    named,
+    select_devices,
+    spec,
+)
+from .steps import dense_runner
 from .tokenizer import Tokenizer
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -53,19 +65,39 @@ def _dtype(name: str):
     return DTYPES[name]
 
 
-def _load_params(ckpt, cfg: ModelConfig, dtype):
+def _param_shardings(cfg: ModelConfig, mesh, rules) -> dict[tuple, NamedSharding]:
+    """Each parameter's sharding, from the logical axes it declared where it was created."""
+    state = nnx.state(abstract_model(cfg))
+    return {
+        path: named(mesh, spec(var.get_metadata()["axes"], rules))
+        for path, var in nnx.to_flat_state(state)
+    }
+
+
+def _random_reader(cfg: ModelConfig, seed: int):
+    """Random weights from a fixed seed, read like a checkpoint: (path, shape) -> array."""
+    state = nnx.state(Transformer(cfg, nnx.Rngs(seed)))
+    host = {path: np.asarray(var.value) for path, var in nnx.to_flat_state(state)}
+    return lambda path, shape: host[path].reshape(shape)
+
+
+def _place_params(read, cfg: ModelConfig, mesh, rules, dtype):
+    """(runner, params): weights placed straight into their shardings for the layout."""
+    if "layers" in rules:
+        params = place_params(read, cfg, mesh, rules, dtype)
+        return pipeline_runner(cfg, mesh, rules, dtype), params
     graphdef, state = nnx.split(abstract_model(cfg))
+    shardings = _param_shardings(cfg, mesh, rules)
 
     def place(path, leaf):
         key = tuple(k.key for k in path)
-        return jax.device_put(ckpt.tensor(key, leaf.shape).astype(np.dtype(dtype)))
+        host = read(key, leaf.shape).astype(np.dtype(dtype))
+        # Each device receives only its slice (on several hosts, only local devices ask).
+        return jax.make_array_from_callback(leaf.shape, shardings[key], lambda i: host[i])
 
-    return graphdef, jax.tree_util.tree_map_with_path(place, nnx.to_pure_dict(state))
-
-
-def _random_params(cfg: ModelConfig, dtype, seed: int):
-    graphdef, state = nnx.split(Transformer(cfg, nnx.Rngs(seed)))
-    return graphdef, jax.tree.map(lambda x: x.astype(dtype), nnx.to_pure_dict(state))
+    params = jax.tree_util.tree_map_with_path(place, nnx.to_pure_dict(state))
+    runner = dense_runner(graphdef, cfg, dtype, named(mesh, cache_spec(rules)))
+    return runner, params
 
 
 def load(
@@ -73,6 +105,8 @@ def load(
     *,
     dtype: str = "float32",
     max_seq_len: int | None = None,
+    layout: str | Path = "single",
+    devices=None,
     compile_cache_dir: str | Path | None = _DEFAULT,  # type: ignore[assignment]
     **options,
 ) -> Engine:
@@ -95,6 +129,8 @@ def load(
     )
     options.setdefault("strict", os.environ.get("JAXINFER_STRICT", "") not in ("", "0"))
     t0 = time.perf_counter()
+    plan = load_layout(layout)
+    mesh = make_mesh(plan, select_devices(devices))
     if model is None or isinstance(model, ModelConfig):
         tokenizer = Tokenizer.byte_level()
         cfg = model or builtin_config(tokenizer.vocab_size)
@@ -102,13 +138,14 @@ def load(
             raise JaxinferError(
                 f"a random model needs vocab_size >= {tokenizer.vocab_size} (byte tokenizer)"
             )
-        graphdef, params = _random_params(cfg, compute, BUILTIN_SEED)
+        read = _random_reader(cfg, BUILTIN_SEED)
         source, name = "random init", cfg.name or BUILTIN_NAME
     else:
         ckpt = open_checkpoint(model)
-        cfg, tokenizer = ckpt.config, ckpt.tokenizer
-        graphdef, params = _load_params(ckpt, cfg, compute)
+        cfg, tokenizer, read = ckpt.config, ckpt.tokenizer, ckpt.tensor
         source, name = ckpt.format, str(model)
+    rules = effective_rules(plan, mesh, cfg)
+    runner, params = _place_params(read, cfg, mesh, rules, compute)
     if max_seq_len is None:
         max_seq_len = cfg.max_position
     if not isinstance(max_seq_len, int) or max_seq_len < 2:
@@ -117,13 +154,16 @@ def load(
     return Engine(
         cfg,
         tokenizer,
-        graphdef,
+        runner,
         params,
         dtype=compute,
         max_seq_len=max_seq_len,
         name=name,
         source=source,
         load_ms=(time.perf_counter() - t0) * 1e3,
+        mesh=mesh,
+        rules=rules,
+        layout=plan.name,
         **options,
     )
 

@@ -151,11 +151,13 @@ class Block(nnx.Module):
         self.mlp = MLP(cfg, rngs)
 
     def __call__(self, x, positions, cache_k, cache_v):
-        h, cache_k, cache_v = self.attn(
-            rms_norm(x, self.attn_norm[...], self.eps), positions, cache_k, cache_v
-        )
+        with jax.named_scope("attn"):
+            h, cache_k, cache_v = self.attn(
+                rms_norm(x, self.attn_norm[...], self.eps), positions, cache_k, cache_v
+            )
         x = x + h
-        x = x + self.mlp(rms_norm(x, self.mlp_norm[...], self.eps))
+        with jax.named_scope("mlp"):
+            x = x + self.mlp(rms_norm(x, self.mlp_norm[...], self.eps))
         return x, cache_k, cache_v
 
 
@@ -170,18 +172,28 @@ class Transformer(nnx.Module):
 
     def __call__(self, tokens, positions, cache: KVCache):
         """tokens, positions [B, T] -> final hidden states [B, T, D] (normed), new cache."""
-        x = jnp.take(self.embed[...], tokens, axis=0)  # [B, T, D]
+        x = self.embed_tokens(tokens)  # [B, T, D]
         new_cache = []
         for i, layer in enumerate(self.layers):
             with jax.named_scope(f"layer_{i}"):
                 x, k, v = layer(x, positions, *cache[i])
             new_cache.append((k, v))
-        return rms_norm(x, self.norm[...], self.cfg.norm_eps), new_cache
+        return self.final_norm(x), new_cache
+
+    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+        return jnp.take(self.embed[...], tokens, axis=0)  # [B, T, D]
+
+    def final_norm(self, x: jax.Array) -> jax.Array:
+        return rms_norm(x, self.norm[...], self.cfg.norm_eps)
 
     def logits(self, h: jax.Array) -> jax.Array:
-        """h [..., D] -> float32 logits [..., V]."""
         head = self.embed if self.cfg.tie_embeddings else self.lm_head
-        return jnp.einsum("...D,VD->...V", h, head[...], preferred_element_type=jnp.float32)
+        return head_logits(h, head[...])
+
+
+def head_logits(h: jax.Array, head: jax.Array) -> jax.Array:
+    """Final hidden states h [..., D] and head [V, D] -> float32 logits [..., V]."""
+    return jnp.einsum("...D,VD->...V", h, head, preferred_element_type=jnp.float32)
 
 
 def init_cache(cfg: ModelConfig, batch: int, seq: int, dtype) -> KVCache:

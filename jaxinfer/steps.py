@@ -11,19 +11,51 @@ and leaves early when every row is done, so the host only wakes to stream and ch
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from .model import init_cache
 from .sampling import PENALTY_WINDOW, sample
 
 
-def make_steps(graphdef: nnx.GraphDef, chunk: int) -> dict[str, Callable]:
-    """The pure step functions of one model structure; `chunk` = max tokens per decode call."""
+@dataclass(frozen=True)
+class Runner:
+    """How the model runs on its mesh: the dense model, or pipeline stages (pipeline.py)."""
 
-    def model(params):
-        return nnx.merge(graphdef, params)
+    forward: Callable  # (params, tokens [B,T], positions [B,T], cache) -> (hidden [B,T,D], cache)
+    head: Callable  # (params, hidden [..., D]) -> float32 logits [..., V]
+    init_cache: Callable  # (batch, length) -> zeroed cache pytree
+    cache_shardings: Callable  # () -> shardings pytree matching the cache
+    stages: int = 1
+
+
+def dense_runner(graphdef: nnx.GraphDef, cfg, dtype, cache_sharding) -> Runner:
+    """All layers on every device of the mesh (single or tensor split)."""
+    return Runner(
+        forward=lambda p, tokens, positions, cache: nnx.merge(graphdef, p)(
+            tokens, positions, cache
+        ),
+        head=lambda p, h: nnx.merge(graphdef, p).logits(h),
+        init_cache=lambda batch, length: init_cache(cfg, batch, length, dtype),
+        cache_shardings=lambda: [(cache_sharding, cache_sharding)] * cfg.n_layers,
+    )
+
+
+def make_steps(runner: Runner, chunk: int) -> dict[str, Callable]:
+    """The pure step functions of one model on one mesh; `chunk` = max tokens per decode call."""
+
+    class model:  # the runner seen as a model bound to its parameters
+        def __init__(self, params):
+            self.params = params
+
+        def __call__(self, tokens, positions, cache):
+            return runner.forward(self.params, tokens, positions, cache)
+
+        def logits(self, h):
+            return runner.head(self.params, h)
 
     def prefill(params, cache, tokens, start, lengths, window, sp):
         """tokens [B, T] at positions start[b] + t; only the first lengths[b] are real."""
@@ -75,4 +107,8 @@ def make_steps(graphdef: nnx.GraphDef, chunk: int) -> dict[str, Callable]:
         h, cache = m(tokens, positions, cache)
         return cache, m.logits(h)  # [B, T, V]
 
-    return {"prefill": prefill, "decode": decode, "score": score}
+    def cache(size):
+        """A zeroed cache; `size` [B, S] only carries the shape (and so the key)."""
+        return runner.init_cache(*size.shape)
+
+    return {"prefill": prefill, "decode": decode, "score": score, "cache": cache}
