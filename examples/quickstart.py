@@ -1,6 +1,6 @@
 """Load a model and generate greedily; with no argument, the built-in random model.
 
-    python examples/quickstart.py [MODEL] [PROMPT]
+python examples/quickstart.py [MODEL] [PROMPT]
 """
 
 import sys

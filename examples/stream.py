@@ -1,6 +1,6 @@
 """Stream text as it is generated (sampled, seeded, with a stop string).
 
-    python examples/stream.py [MODEL] [PROMPT]
+python examples/stream.py [MODEL] [PROMPT]
 """
 
 import sys

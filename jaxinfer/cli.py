@@ -30,6 +30,11 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", help="HF folder or .gguf file (default: built-in random model)")
     p.add_argument("-c", "--ctx-size", type=int, default=None, help="context length (max_seq_len)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--layout", default="single",
+        help="single, layer, tensor, layer-tensor, or a layout .toml file",
+    )  # fmt: skip
+    p.add_argument("--devices", type=int, default=None, help="use the first N devices")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logs and tracebacks")
     p.add_argument("--compile-cache-dir", default=None, help="persistent compilation cache dir")
     p.add_argument(
@@ -77,7 +82,10 @@ def _load(args):
         options["compile_cache_dir"] = None
     elif args.compile_cache_dir:
         options["compile_cache_dir"] = args.compile_cache_dir
-    return jaxinfer.load(args.model, dtype=args.dtype, max_seq_len=args.ctx_size, **options)
+    return jaxinfer.load(
+        args.model, dtype=args.dtype, max_seq_len=args.ctx_size, layout=args.layout,
+        devices=args.devices, **options,
+    )  # fmt: skip
 
 
 def _sampling(args) -> dict:
@@ -121,6 +129,8 @@ def _generate(args) -> None:
 
 
 def _info(args) -> None:
+    import jax
+
     engine = _load(args)
     cfg, tok = engine.cfg, engine.tokenizer
     scaled = cfg.rope_scaling is not None or cfg.rope_factors is not None
@@ -143,9 +153,18 @@ def _info(args) -> None:
         ("tokenizer", f"{tok.kind}; bos {tok.bos_id}, eos {list(tok.eos_ids)}"),
         ("adds BOS", tok.add_bos),
     ]  # fmt: skip
+    mesh = ", ".join(f"{a}={n}" for a, n in engine.mesh.shape.items())
+    devices = engine.mesh.devices.size
+    rows.append(("layout", f"{engine.layout}: mesh {mesh}, {devices} device(s)"))
+    if engine.runner.plan:
+        rows.append(("stages", engine.runner.plan))
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:>{width}} : {value}")
+    print("sharding plan (parameter: shape, partition spec):")
+    for path, leaf in jax.tree_util.tree_flatten_with_path(engine.params)[0]:
+        name = ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+        print(f"  {name}: {list(leaf.shape)} {leaf.sharding.spec}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -121,7 +121,7 @@ class CompileCache:
     def entries(self) -> dict[str, list[str]]:
         """Program name -> argument shapes of each cached executable."""
         out: dict[str, list[str]] = {}
-        for name, _, sig in self._entries:
+        for name, _, _, sig in self._entries:
             out.setdefault(name, []).append(" ".join(_text(leaf) for leaf in sig[1][-8:]))
         return out
 
@@ -147,17 +147,15 @@ class CompileCache:
 
     # ---- lookup -------------------------------------------------------------------------
 
-    def run(self, name: str, fn: Callable, args: tuple, *, static: Any = None, donate=(), out=None):
-        """Call program `name` (pure `fn`) on `args`, compiling it on a miss."""
-        return self.get(name, fn, args, static=static, donate=donate, out=out)(*args)
-
-    def get(self, name: str, fn: Callable, args: tuple, *, static: Any = None, donate=(), out=None):
+    def get(
+        self, name: str, fn: Callable, args: tuple, *, static=None, layout=None, donate=(), out=None
+    ):
         """The executable for `args` (arrays or ShapeDtypeStructs), compiled on a miss.
 
-        `out` gives the output shardings (a pytree prefix); it follows from `static` (the
-        layout), so it is not part of the key beyond that.
+        `static` is what the program closes over (model config, dtype...); `layout` describes
+        the mesh (axes, devices, rules), which also fixes `out`, the output shardings.
         """
-        key = (name, static, self._signature(args))
+        key = (name, static, layout, self._signature(args))
         compiled = self._entries.get(key) if self.reuse else None
         if compiled is not None:
             self._entries.move_to_end(key)
@@ -181,7 +179,7 @@ class CompileCache:
         return treedef, head_keys + tuple(map(_leaf_key, rest))
 
     def _compile(self, key, fn, args, donate, out):
-        name, static, sig = key
+        name = key[0]
         history = self._history.setdefault(name, [])
         shape_changed, sharding_changed, reason = self._classify(key, fn, history)
         if self.strict:
@@ -240,23 +238,32 @@ class CompileCache:
         Only shapes count as a change of shape: dtype or weak-type drift, a churning static
         value, an eviction or a cleared cache are same-shape recompiles (inefficiencies).
         """
-        name, static, sig = key
+        name, static, layout, sig = key
         if not history:
             return True, False, "first compile"
         prev = history[-1]
+        if layout != prev[2]:
+            return False, True, f"layout changed: {_mesh_text(prev[2])} -> {_mesh_text(layout)}"
         shapes = [leaf[0] for leaf in sig[1]]
-        shape_changed = all([leaf[0] for leaf in old[2][1]] != shapes for old in history)
+        shape_changed = all([leaf[0] for leaf in old[3][1]] != shapes for old in history)
         shardings = [leaf[3] for leaf in sig[1]]
-        sharding_changed = prev[2][0] == sig[0] and [leaf[3] for leaf in prev[2][1]] != shardings
+        sharding_changed = prev[3][0] == sig[0] and [leaf[3] for leaf in prev[3][1]] != shardings
         if key in self._gone:
             return False, False, self._gone[key]
         if static != prev[1]:
             return False, False, f"static config changed: {prev[1]} -> {static}"
         if shape_changed or sharding_changed:
-            return shape_changed, sharding_changed, _diff(fn, prev[2], sig)
+            return shape_changed, sharding_changed, _diff(fn, prev[3], sig)
         if not self.reuse:
             return False, False, "graph reuse off: program rebuilt"
-        return False, False, _diff(fn, prev[2], sig) or "same key compiled again"
+        return False, False, _diff(fn, prev[3], sig) or "same key compiled again"
+
+
+def _mesh_text(layout) -> str:
+    if not layout:
+        return "none"
+    name, axes = layout[0], layout[1]
+    return f"{name} ({', '.join(f'{a}={n}' for a, n in axes)})"
 
 
 def _names(fn: Callable, args_sig) -> list[str]:

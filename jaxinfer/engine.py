@@ -13,18 +13,18 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import jax
 import numpy as np
-from jax.sharding import Mesh
 
 from .compile import CompileCache, Handle, RecompileError, RecompileEvent
 from .config import ModelConfig
-from .errors import RequestError
+from .errors import JaxinferError, RequestError
 from .perf import WATCHER, PerfStats
 from .sampling import PENALTY_WINDOW, SamplingParams, pack
-from .sharding import load_layout, make_mesh, named
-from .steps import Runner, make_steps
+from .sharding import named
+from .steps import Placement, make_steps
 from .tokenizer import Tokenizer
 
 DEFAULT_PREFILL_BUCKETS = (32, 128, 512)
@@ -94,8 +94,7 @@ class Engine:
         self,
         cfg: ModelConfig,
         tokenizer: Tokenizer,
-        runner: Runner,
-        params: dict,
+        placement: Placement,
         *,
         dtype,
         max_seq_len: int,
@@ -108,13 +107,10 @@ class Engine:
         strict: bool = False,
         graph_reuse: bool = True,
         load_ms: float = 0.0,
-        mesh: Mesh | None = None,
-        rules: dict[str, str] | None = None,
-        layout: str = "single",
+        place: Callable[..., Placement] | None = None,
     ):
         self.cfg = cfg
         self.tokenizer = tokenizer
-        self.params = params
         self.dtype = dtype
         self.max_seq_len = max_seq_len
         self.name = name
@@ -125,24 +121,45 @@ class Engine:
         self.decode_chunk = decode_chunk
         self.strict = strict
         self.compile_cache = CompileCache(capacity=compile_cache_size, reuse=graph_reuse)
-        self.runner = runner
-        self._steps = make_steps(runner, decode_chunk)
-        self.layout = layout
-        self.mesh = mesh if mesh is not None else make_mesh(load_layout("single"), jax.devices())
-        self.rules = dict(rules or {})
+        # What the programs close over besides their arguments: a change here is a recompile.
+        self._static = (cfg, str(np.dtype(dtype)), decode_chunk)
+        self._place = place  # (layout, devices) -> Placement, for reshard()
+        self._adopt(placement)
+        self._perf = PerfStats(load_ms=load_ms)
+        self._warm = False  # warmup() done: strict mode now refuses compiles
+
+    def _adopt(self, placement: Placement) -> None:
+        self.layout = placement.layout
+        self.mesh = placement.mesh
+        self.rules = dict(placement.rules)
+        self.runner = placement.runner
+        self.params = placement.params
+        self._steps = make_steps(self.runner, self.decode_chunk)
         self._replicated = named(self.mesh)
-        self._cache_sharding = runner.cache_shardings()
-        mesh_key = (
+        self._cache_sharding = self.runner.cache_shardings()
+        self._layout = (  # the mesh part of every program key
+            self.layout,
             tuple(self.mesh.shape.items()),
             tuple(d.id for d in self.mesh.devices.flat),
             tuple(sorted(self.rules.items())),
         )
-        # What the programs close over besides their arguments: a change here is a recompile.
-        self._static = (cfg, str(np.dtype(dtype)), decode_chunk, mesh_key)
         self._cache = None  # the KV cache of the last batch, reused when the shape fits
         self._cache_shape = (0, 0)
-        self._perf = PerfStats(load_ms=load_ms)
-        self._warm = False  # warmup() done: strict mode now refuses compiles
+
+    def reshard(self, layout: str | Path = "single", devices=None) -> None:
+        """Move the weights (and, from now on, the cache) to another layout.
+
+        The programs compile again for the new mesh; those recompiles are reported with
+        sharding_changed and not counted as same- or changed-shape recompiles.
+        """
+        if self._place is None:
+            raise JaxinferError("this engine was built without a loader; it cannot reshard")
+        self.params = None  # let the old shards go before the new ones arrive
+        self._cache = None
+        self._adopt(self._place(layout, devices))
+        if self.strict:
+            self._warm = False  # new programs are expected until the next warmup()
+            self.compile_cache.strict = False
 
     @staticmethod
     def _cache_lengths(max_seq_len: int) -> tuple[int, ...]:
@@ -194,8 +211,8 @@ class Engine:
     def _run(self, name: str, *args, donate=(1,)):
         args = self._put(args)
         program = self.compile_cache.get(
-            name, self._steps[name], args, static=self._static, donate=donate,
-            out=self._outputs(name),
+            name, self._steps[name], args, static=self._static, layout=self._layout,
+            donate=donate, out=self._outputs(name),
         )  # fmt: skip
         if name != "decode":
             return program(*args)
@@ -526,8 +543,8 @@ class Engine:
                 args = self._abstract_args(name, B, T, S)
                 donate = () if name == "cache" else (1,)
                 self.compile_cache.get(
-                    name, self._steps[name], args, static=self._static, donate=donate,
-                    out=self._outputs(name),
+                    name, self._steps[name], args, static=self._static,
+                    layout=self._layout, donate=donate, out=self._outputs(name),
                 )  # fmt: skip
         report = {}
         for name, st in self.compile_cache.stats.items():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import time
+from functools import partial
 from pathlib import Path
 
 import jax
@@ -32,7 +33,7 @@ from .sharding import (
     select_devices,
     spec,
 )
-from .steps import dense_runner
+from .steps import Placement, dense_runner
 from .tokenizer import Tokenizer
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -77,15 +78,18 @@ def _param_shardings(cfg: ModelConfig, mesh, rules) -> dict[tuple, NamedSharding
 def _random_reader(cfg: ModelConfig, seed: int):
     """Random weights from a fixed seed, read like a checkpoint: (path, shape) -> array."""
     state = nnx.state(Transformer(cfg, nnx.Rngs(seed)))
-    host = {path: np.asarray(var.value) for path, var in nnx.to_flat_state(state)}
+    host = {path: np.asarray(var[...]) for path, var in nnx.to_flat_state(state)}
     return lambda path, shape: host[path].reshape(shape)
 
 
-def _place_params(read, cfg: ModelConfig, mesh, rules, dtype):
-    """(runner, params): weights placed straight into their shardings for the layout."""
+def _place(read, cfg: ModelConfig, dtype, layout, devices) -> Placement:
+    """The model on a layout's mesh, weights placed straight into their shardings."""
+    plan = load_layout(layout)
+    mesh = make_mesh(plan, select_devices(devices, plan))
+    rules = effective_rules(plan, mesh, cfg)
     if "layers" in rules:
         params = place_params(read, cfg, mesh, rules, dtype)
-        return pipeline_runner(cfg, mesh, rules, dtype), params
+        return Placement(plan.name, mesh, rules, pipeline_runner(cfg, mesh, rules, dtype), params)
     graphdef, state = nnx.split(abstract_model(cfg))
     shardings = _param_shardings(cfg, mesh, rules)
 
@@ -97,7 +101,7 @@ def _place_params(read, cfg: ModelConfig, mesh, rules, dtype):
 
     params = jax.tree_util.tree_map_with_path(place, nnx.to_pure_dict(state))
     runner = dense_runner(graphdef, cfg, dtype, named(mesh, cache_spec(rules)))
-    return runner, params
+    return Placement(plan.name, mesh, rules, runner, params)
 
 
 def load(
@@ -129,8 +133,6 @@ def load(
     )
     options.setdefault("strict", os.environ.get("JAXINFER_STRICT", "") not in ("", "0"))
     t0 = time.perf_counter()
-    plan = load_layout(layout)
-    mesh = make_mesh(plan, select_devices(devices))
     if model is None or isinstance(model, ModelConfig):
         tokenizer = Tokenizer.byte_level()
         cfg = model or builtin_config(tokenizer.vocab_size)
@@ -144,26 +146,23 @@ def load(
         ckpt = open_checkpoint(model)
         cfg, tokenizer, read = ckpt.config, ckpt.tokenizer, ckpt.tensor
         source, name = ckpt.format, str(model)
-    rules = effective_rules(plan, mesh, cfg)
-    runner, params = _place_params(read, cfg, mesh, rules, compute)
+    place = partial(_place, read, cfg, compute)
+    placement = place(layout, devices)
     if max_seq_len is None:
         max_seq_len = cfg.max_position
     if not isinstance(max_seq_len, int) or max_seq_len < 2:
         raise JaxinferError(f"max_seq_len = {max_seq_len!r} is invalid; it must be >= 2")
-    jax.block_until_ready(params)
+    jax.block_until_ready(placement.params)
     return Engine(
         cfg,
         tokenizer,
-        runner,
-        params,
+        placement,
+        place=place,
         dtype=compute,
         max_seq_len=max_seq_len,
         name=name,
         source=source,
         load_ms=(time.perf_counter() - t0) * 1e3,
-        mesh=mesh,
-        rules=rules,
-        layout=plan.name,
         **options,
     )
 

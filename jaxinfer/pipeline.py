@@ -75,7 +75,7 @@ def place_params(read, cfg: ModelConfig, mesh: Mesh, rules: dict, dtype) -> dict
     plan = stage_plan(cfg.n_layers, mesh.shape[AXIS])
     np_dtype = np.dtype(dtype)
     block = nnx.eval_shape(lambda: Block(cfg, nnx.Rngs(0)))
-    shapes = {path: v.value.shape for path, v in nnx.to_flat_state(nnx.state(block))}
+    shapes = {path: v.get_value().shape for path, v in nnx.to_flat_state(nnx.state(block))}
     axes = block_axes(cfg)
     params: dict = {}
     table = ("vocab", "embed")
@@ -201,4 +201,19 @@ def pipeline_runner(cfg: ModelConfig, mesh: Mesh, rules: dict, dtype) -> Runner:
         init_cache=init_cache,
         cache_shardings=lambda: [(kv, kv)] * plan.slots,
         stages=pp,
+        plan=describe(plan),
     )
+
+
+def describe(plan: StagePlan) -> str:
+    parts = []
+    for s, layers in enumerate(plan.layer_of):
+        real = [n for n in layers if n >= 0]
+        pad = len(layers) - len(real)
+        text = (
+            f"stage {s}: layers {real[0]}-{real[-1]}"
+            if len(real) > 1
+            else f"stage {s}: layer {real[0]}"
+        )
+        parts.append(text + (f" (+{pad} identity slot)" if pad else ""))
+    return "; ".join(parts)

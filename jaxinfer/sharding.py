@@ -83,11 +83,15 @@ def load_layout(spec: str | Path | Layout) -> Layout:
     return Layout(name, tuple(mesh.items()), tuple(rules.items()), doc)
 
 
-def select_devices(devices=None) -> list:
-    """None: every device; an int: the first N; or an explicit list of jax devices."""
+def select_devices(devices=None, layout: Layout | None = None) -> list:
+    """An explicit list of jax devices, an int (the first N), or None: every device, or as
+    many as a layout without a -1 axis names."""
     available = jax.devices()
     if devices is None:
-        return available
+        if layout is not None and all(size != -1 for _, size in layout.axes):
+            devices = math.prod(size for _, size in layout.axes)
+        else:
+            return available
     if isinstance(devices, int) and not isinstance(devices, bool):
         if devices < 1 or devices > len(available):
             raise LayoutError(

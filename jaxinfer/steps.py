@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
 from .model import init_cache
 from .sampling import PENALTY_WINDOW, sample
@@ -30,6 +31,18 @@ class Runner:
     init_cache: Callable  # (batch, length) -> zeroed cache pytree
     cache_shardings: Callable  # () -> shardings pytree matching the cache
     stages: int = 1
+    plan: str = ""  # which layers live where, for `jaxinfer info`
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A model laid out on a mesh: the layout, its rules, the runner and the parameters."""
+
+    layout: str
+    mesh: Mesh
+    rules: dict
+    runner: Runner
+    params: dict
 
 
 def dense_runner(graphdef: nnx.GraphDef, cfg, dtype, cache_sharding) -> Runner:

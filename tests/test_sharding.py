@@ -1,0 +1,193 @@
+"""Layouts: every layout gives the single-device tokens and logits; layer split is one
+pipelined program with each device holding only its stage; bad layouts are refused."""
+
+import subprocess
+import sys
+import zipfile
+
+import jax
+import numpy as np
+import pytest
+from checkpoints import TINY, random_weights, write_hf
+from conftest import GOLDEN, model_path
+from test_compile import CompileCounter
+
+import jaxinfer
+
+LAYOUTS = [
+    ("layer", 2), ("layer", 3), ("layer", 4), ("tensor", 2), ("tensor", 4),
+    ("layer-tensor", 4), ("layer-tensor", 8),
+]  # fmt: skip
+CUSTOM = """# four pipeline stages, nothing else split
+[mesh]
+pp = 4
+
+[rules]
+layers = "pp"
+"""
+PROMPTS = ["Once upon a time", "The dog ran", [1, 203, 207]]
+
+
+@pytest.fixture(scope="module")
+def custom_layout(tmp_path_factory):
+    path = tmp_path_factory.mktemp("layouts") / "four-stages.toml"
+    path.write_text(CUSTOM)
+    return path
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    config = dict(TINY["qwen3"], num_hidden_layers=5)
+    return write_hf(tmp_path_factory.mktemp("qwen3"), config, random_weights(config, seed=3))
+
+
+def run_all(engine):
+    single = engine.generate([1], max_new_tokens=40, temperature=0, ignore_eos=True).token_ids
+    batch = [r.token_ids for r in engine.generate(PROMPTS, max_new_tokens=10, temperature=0)]
+    return single, batch, engine.logits([1, 5, 9, 33, 17, 250, 2, 77])
+
+
+@pytest.fixture(scope="module")
+def reference():
+    refs = {}
+    for key, path in [("stories", model_path("stories260K-gguf/stories260K.gguf"))]:
+        refs[key] = run_all(jaxinfer.load(path, max_seq_len=128))
+    return refs
+
+
+@pytest.mark.parametrize("layout, devices", [*LAYOUTS, ("custom", None)])
+def test_stories_same_tokens_under_every_layout(reference, custom_layout, layout, devices):
+    spec = custom_layout if layout == "custom" else layout
+    engine = jaxinfer.load(
+        model_path("stories260K-gguf/stories260K.gguf"), max_seq_len=128, layout=spec,
+        devices=devices,
+    )  # fmt: skip
+    single, batch, logits = run_all(engine)
+    ref_single, ref_batch, ref_logits = reference["stories"]
+    assert single == ref_single == GOLDEN[:40]
+    assert batch == ref_batch
+    np.testing.assert_allclose(logits, ref_logits, atol=1e-5, rtol=2e-6)  # f32 sum order
+
+
+def test_qwen3_same_tokens_under_every_layout(qwen3_dir):
+    ref = run_all(jaxinfer.load(qwen3_dir, max_seq_len=128))
+    for layout, devices in LAYOUTS:
+        single, batch, logits = run_all(
+            jaxinfer.load(qwen3_dir, max_seq_len=128, layout=layout, devices=devices)
+        )
+        assert single == ref[0] and batch == ref[1], (layout, devices)
+        np.testing.assert_allclose(logits, ref[2], atol=1e-5, rtol=2e-6)
+
+
+@pytest.mark.parametrize("layout, devices", [("layer", 2), ("tensor", 2), ("layer-tensor", 4)])
+def test_steady_decoding_compiles_nothing(layout, devices):
+    engine = jaxinfer.load(
+        model_path("stories260K-gguf/stories260K.gguf"), max_seq_len=128, layout=layout,
+        devices=devices, prefill_buckets=(16,), batch_buckets=(1, 2), strict=True,
+    )  # fmt: skip
+    engine.warmup(progress=False)
+    with CompileCounter() as seen:
+        r = engine.generate([1], max_new_tokens=100, temperature=0, ignore_eos=True)
+        engine.generate(["Once upon", "a dog"], max_new_tokens=30, temperature=0.8, seed=4)
+    assert seen.n == 0 and r.token_ids[:64] == GOLDEN[:64]
+    assert engine.perf_stats().graphs_reused >= 7
+
+
+def test_pipeline_is_one_program_and_devices_hold_their_stage():
+    path = model_path("stories260K-gguf/stories260K.gguf")
+    dense = jaxinfer.load(path, max_seq_len=128)
+    engine = jaxinfer.load(path, max_seq_len=128, layout="layer", devices=3)
+    engine.generate([1], max_new_tokens=20, temperature=0)
+    (decode,) = [
+        c for k, c in engine.compile_cache._entries.items() if k[0] == "decode"
+    ]  # one executable serves every decode call
+    assert "collective-permute" in decode.as_text()
+    assert engine.runner.stages == 3
+    # 5 layers on 3 stages: [0, 1], [2, 3], [4, padding]
+    layer_of = [[0, 1], [2, 3], [4, None]]
+    for j, slot in enumerate(engine.params["slots"]):
+        wq = slot["attn"]["wq"]
+        assert len(wq.addressable_shards) == 3
+        for shard in wq.addressable_shards:
+            assert shard.data.shape == (1, *wq.shape[1:])  # one stage's slot per device
+            stage = shard.index[0].start or 0
+            assert shard.device == engine.mesh.devices.flat[stage]
+            layer = layer_of[stage][j]
+            want = 0 if layer is None else dense.params["layers"][layer]["attn"]["wq"]
+            np.testing.assert_array_equal(np.asarray(shard.data[0]), np.asarray(want))
+
+
+def test_reshard_keeps_tokens_and_reports_sharding_changes():
+    engine = jaxinfer.load(model_path("stories260K-gguf/stories260K.gguf"), max_seq_len=128)
+    before = engine.generate([1], max_new_tokens=30, temperature=0).token_ids
+    events = []
+    engine.on_recompile(events.append)
+    engine.reshard("layer", devices=2)
+    assert engine.layout == "layer" and dict(engine.mesh.shape) == {"pp": 2}
+    assert engine.generate([1], max_new_tokens=30, temperature=0).token_ids == before
+    assert events and all(e.sharding_changed for e in events)
+    assert "layout changed: single" in events[0].reason
+    stats = engine.perf_stats()
+    assert (stats.recompiles_same, stats.recompiles_diff) == (0, 0)
+    assert stats.recompiles_sharding == len(events)
+
+
+@pytest.mark.parametrize(
+    "kw, words",
+    [
+        (dict(layout="layer", devices=8), "5 layers"),
+        (dict(layout="tensor", devices=3), "n_heads (8) divisible by tp (3)"),
+        (dict(layout="single", devices=9), "9 devices requested but 8 exist"),
+        (dict(layout="no-such-layout"), "neither a built-in"),
+    ],
+)
+def test_layouts_that_do_not_fit_are_refused(kw, words):
+    with pytest.raises(jaxinfer.LayoutError) as e:
+        jaxinfer.load(model_path("stories260K-gguf/stories260K.gguf"), **kw)
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ('[mesh]\npp = 2\n[rules]\nlayerz = "pp"\n', "unknown logical axis 'layerz'"),
+        ('[mesh]\npp = 2\n[rules]\nlayers = "xx"\n', "names no mesh axis"),
+        ("[mesh]\npp = -1\ntp = -1\n", "only one mesh axis may be -1"),
+        ("[mesh\n", "not valid TOML"),
+    ],
+)
+def test_bad_layout_files_are_refused(tmp_path, text, words):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(jaxinfer.LayoutError) as e:
+        jaxinfer.load(None, layout=path)
+    assert words in str(e.value)
+
+
+def test_cli_prints_the_plan(capsys):
+    from jaxinfer.cli import main
+
+    path = str(model_path("stories260K-gguf/stories260K.gguf"))
+    assert main(["info", "-m", path, "--layout", "layer", "--devices", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "mesh pp=2" in out and "stage 0: layers 0-2; stage 1: layers 3-4" in out
+    assert "slots.0.attn.wq: [2, 64, 64] P('pp', None, None)" in out
+
+
+def test_wheel_ships_the_builtin_layouts(tmp_path):
+    repo = __import__("pathlib").Path(__file__).resolve().parents[1]
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(repo)],
+        check=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+    (wheel,) = tmp_path.glob("jaxinfer-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    for layout in ("single", "layer", "tensor", "layer-tensor"):
+        assert f"jaxinfer/shardings/{layout}.toml" in names
+
+
+def test_devices_list_and_count_select_devices():
+    from jaxinfer.sharding import select_devices
+
+    assert select_devices(2) == jax.devices()[:2]
+    assert select_devices(jax.devices()[3:5]) == jax.devices()[3:5]
