@@ -127,6 +127,7 @@ class Engine:
         self._adopt(placement)
         self._perf = PerfStats(load_ms=load_ms)
         self._warm = False  # warmup() done: strict mode now refuses compiles
+        self._requests = 0
 
     def _adopt(self, placement: Placement) -> None:
         self.layout = placement.layout
@@ -385,12 +386,21 @@ class Engine:
         return _Row(
             prompt=ids,
             params=params,
-            seed=params.resolved_seed(),
+            seed=self._seed(params, ids),
             stop_ids=stop_ids,
             stop_strings=stop_strings,
             budget=min(max_new_tokens, self.max_seq_len - len(ids)),
             decoder=self.tokenizer.stream(context=ids[-4:]),
         )
+
+    def _seed(self, params: SamplingParams, ids: list[int]) -> int:
+        """The request's seed. Without one, a fresh random seed; on several processes every
+        process must draw the same, so it comes from the request itself and its number (all
+        processes serve the same requests in the same order)."""
+        self._requests += 1
+        if params.seed is not None or jax.process_count() == 1:
+            return params.resolved_seed()
+        return (self._requests * 1_000_003 + sum(ids) * 7919 + len(ids)) % (2**31 - 1)
 
     def generate(
         self,

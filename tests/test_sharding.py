@@ -191,3 +191,20 @@ def test_devices_list_and_count_select_devices():
 
     assert select_devices(2) == jax.devices()[:2]
     assert select_devices(jax.devices()[3:5]) == jax.devices()[3:5]
+
+
+def test_two_processes_agree_with_one_device():
+    """examples/multihost.py: two local processes on jax.distributed, layer split over their
+    4 devices; each prints the single-device greedy tokens."""
+    example = __import__("pathlib").Path(__file__).resolve().parents[1] / "examples"
+    out = subprocess.run(
+        [sys.executable, str(example / "multihost.py"), "--model",
+         str(model_path("stories260K-gguf/stories260K.gguf"))],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 2
+    for i, line in enumerate(lines):
+        assert line.startswith(f"process {i}: mesh {{'pp': 4}} tokens ")
+        assert line.endswith(str(GOLDEN[:24]))
