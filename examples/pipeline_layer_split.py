@@ -1,6 +1,6 @@
 """Layer split over 4 (fake CPU) devices: one pipelined program per bucket, reused every step.
 
-    python examples/pipeline_layer_split.py [MODEL]
+python examples/pipeline_layer_split.py [MODEL]
 """
 
 import os

@@ -122,8 +122,9 @@ def make_mesh(layout: Layout, devices: list) -> Mesh:
 def effective_rules(layout: Layout, mesh: Mesh, cfg: ModelConfig) -> dict[str, str]:
     """The layout's rules, checked against the model, with replication where it is cheap.
 
-    KV heads are replicated when they do not divide over their mesh axis (GQA with more
-    devices than kv heads); heads, MLP width and vocab must divide, or the layout is refused.
+    KV heads and the vocabulary are replicated when they do not divide over their mesh axis
+    (GQA with more devices than kv heads, odd vocab sizes); heads and MLP width must divide,
+    or the layout is refused.
     """
     rules = dict(layout.rules)
     sizes = dict(mesh.shape)
@@ -139,7 +140,7 @@ def effective_rules(layout: Layout, mesh: Mesh, cfg: ModelConfig) -> dict[str, s
         axis = rules.get(logical)
         if axis is None or value % sizes[axis] == 0:
             continue
-        if logical == "kv_heads":
+        if logical in ("kv_heads", "vocab"):
             del rules[logical]
             continue
         raise LayoutError(
