@@ -26,6 +26,25 @@ def _int_list(text: str) -> tuple[int, ...]:
     return values
 
 
+def _devices(text: str):
+    """An int, or for bench a comma list of ints."""
+    values = _int_list(text)
+    return values[0] if len(values) == 1 else values
+
+
+def _int_list0(text: str) -> tuple[int, ...]:
+    """Comma-separated integers >= 0 (0 skips a test, as in llama-bench)."""
+    try:
+        values = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+    if min(values) < 0:
+        raise argparse.ArgumentTypeError(f"expected integers >= 0, got {text!r}")
+    return values
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", help="HF folder or .gguf file (default: built-in random model)")
     p.add_argument("-c", "--ctx-size", type=int, default=None, help="context length (max_seq_len)")
@@ -34,7 +53,7 @@ def _common(p: argparse.ArgumentParser) -> None:
         "--layout", default="single",
         help="single, layer, tensor, layer-tensor, or a layout .toml file",
     )  # fmt: skip
-    p.add_argument("--devices", type=int, default=None, help="use the first N devices")
+    p.add_argument("--devices", type=_devices, default=None, help="use the first N devices")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logs and tracebacks")
     p.add_argument("--compile-cache-dir", default=None, help="persistent compilation cache dir")
     p.add_argument(
@@ -67,6 +86,19 @@ def _parser() -> argparse.ArgumentParser:
         help="prompt chunk sizes, comma-separated (default 32,128,512)",
     )  # fmt: skip
 
+    g.add_argument("--profile", default=None, metavar="DIR", help="write a jax profiler trace")
+
+    b = sub.add_parser("bench", help="llama-bench style throughput")
+    _common(b)
+    b.add_argument("-p", "--n-prompt", type=_int_list0, default=(512,), help="prompt lengths")
+    b.add_argument("-n", "--n-gen", type=_int_list0, default=(128,), help="generated lengths")
+    b.add_argument("-r", "--repetitions", type=int, default=5)
+    b.add_argument("--parallel", type=_int_list, default=(1,), help="rows decoded together")
+    b.add_argument("--graph-reuse", default="on", help="on, off or on,off")
+    b.add_argument("-o", "--output", default="md", choices=["md", "json", "csv"])
+    b.add_argument("--mem-bw", type=float, default=None, help="memory bandwidth in GB/s")
+    b.add_argument("--profile", default=None, metavar="DIR", help="write a jax profiler trace")
+
     i = sub.add_parser("info", help="describe a model")
     _common(i)
     return parser
@@ -78,10 +110,7 @@ def _load(args):
     options = {}
     if getattr(args, "ubatch_size", None):
         options["prefill_buckets"] = args.ubatch_size
-    if args.no_compile_cache:
-        options["compile_cache_dir"] = None
-    elif args.compile_cache_dir:
-        options["compile_cache_dir"] = args.compile_cache_dir
+    options.update(_cache_options(args))
     return jaxinfer.load(
         args.model, dtype=args.dtype, max_seq_len=args.ctx_size, layout=args.layout,
         devices=args.devices, **options,
@@ -105,6 +134,55 @@ def _sampling(args) -> dict:
 
 
 def _generate(args) -> None:
+    from .profiler import profile
+
+    with profile(args.profile):
+        _generate_run(args)
+    if args.profile:
+        print(f"profile written to {args.profile}", file=sys.stderr)
+
+
+def _bench(args) -> None:
+    import jaxinfer
+
+    from .bench import render, run_bench
+    from .profiler import profile
+
+    reuse = {"on": [True], "off": [False], "on,off": [True, False], "off,on": [False, True]}
+    if args.graph_reuse not in reuse:
+        raise JaxinferError(f"--graph-reuse {args.graph_reuse!r}: use on, off or on,off")
+    devices = args.devices if isinstance(args.devices, tuple) else (args.devices,)
+
+    def make_engine(layout, dev, slots, graph_reuse, need):
+        ctx = args.ctx_size or max(need, 128)
+        return jaxinfer.load(
+            args.model, dtype=args.dtype, max_seq_len=ctx, layout=layout, devices=dev,
+            batch_buckets=(slots,), graph_reuse=graph_reuse, **_cache_options(args),
+        )  # fmt: skip
+
+    def progress(row):
+        if args.verbose:
+            print(f"bench: {row.layout} {row.test} {row.ts} t/s", file=sys.stderr)
+
+    with profile(args.profile):
+        rows = run_bench(
+            make_engine, prompts=list(args.n_prompt), gens=list(args.n_gen),
+            repeats=args.repetitions, layouts=args.layout.split(","), devices=list(devices),
+            slots=list(args.parallel), graph_reuse=reuse[args.graph_reuse],
+            mem_bw=args.mem_bw * 1e9 if args.mem_bw else None, progress=progress,
+        )  # fmt: skip
+    print(render(rows, args.output))
+
+
+def _cache_options(args) -> dict:
+    if args.no_compile_cache:
+        return {"compile_cache_dir": None}
+    if args.compile_cache_dir:
+        return {"compile_cache_dir": args.compile_cache_dir}
+    return {}
+
+
+def _generate_run(args) -> None:
     engine = _load(args)
     print(f"model: {engine.name} [{engine.source}]", file=sys.stderr)
     kw = _sampling(args)
@@ -176,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     for noisy in ("jax", "absl"):  # -v is for jaxinfer's own debug lines (recompiles...)
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
-        {"generate": _generate, "info": _info}[args.command](args)
+        {"generate": _generate, "info": _info, "bench": _bench}[args.command](args)
     except JaxinferError as e:
         if args.verbose:
             traceback.print_exc()

@@ -84,7 +84,7 @@ def _decode_carry(rows: list[_Row], batch: int) -> dict[str, np.ndarray]:
     }
 
 
-def _bucket(n: int, buckets: Sequence[int]) -> int:
+def bucket_for(n: int, buckets: Sequence[int]) -> int:
     """Smallest bucket >= n, else the largest."""
     return next((b for b in buckets if b >= n), buckets[-1])
 
@@ -128,6 +128,7 @@ class Engine:
         self._perf = PerfStats(load_ms=load_ms)
         self._warm = False  # warmup() done: strict mode now refuses compiles
         self._requests = 0
+        self._step_counts: dict[str, int] = {}  # step numbers of the trace annotations
 
     def _adopt(self, placement: Placement) -> None:
         self.layout = placement.layout
@@ -215,10 +216,12 @@ class Engine:
             name, self._steps[name], args, static=self._static, layout=self._layout,
             donate=donate, out=self._outputs(name),
         )  # fmt: skip
-        if name != "decode":
-            return program(*args)
-        t0 = time.perf_counter()  # device time: the executable and its wait, nothing else
-        out = jax.block_until_ready(program(*args))
+        step = self._step_counts[name] = self._step_counts.get(name, -1) + 1
+        with jax.profiler.StepTraceAnnotation(name, step_num=step):
+            if name != "decode":
+                return program(*args)
+            t0 = time.perf_counter()  # device time: the executable and its wait, nothing else
+            out = jax.block_until_ready(program(*args))
         self._perf.eval_device_ms += (time.perf_counter() - t0) * 1e3
         return out
 
@@ -251,7 +254,7 @@ class Engine:
         picks = []  # (rows ending in this chunk, their sampled tokens)
         offset = 0
         while offset < longest:
-            T = _bucket(longest - offset, self.prefill_buckets)
+            T = bucket_for(longest - offset, self.prefill_buckets)
             tokens = np.zeros((batch, T), np.int32)
             lengths = np.zeros(batch, np.int32)
             ending = []
@@ -273,10 +276,10 @@ class Engine:
 
     def _generate_batch(self, rows: list[_Row]) -> Iterator[tuple[int, StreamPiece]]:
         """Prefill and decode one batch, yielding (row index, piece) as text is produced."""
-        batch = _bucket(len(rows), self.batch_buckets)
+        batch = bucket_for(len(rows), self.batch_buckets)
         # The last generated token is never fed back, so it needs no cache position.
         need = max(len(r.prompt) + r.budget - 1 for r in rows)
-        length = _bucket(need, self.cache_buckets)
+        length = bucket_for(need, self.cache_buckets)
         cache = self._take_cache(batch, length)
         clock = self._clock
         t0 = clock()
@@ -494,11 +497,11 @@ class Engine:
             return self._score(row.prompt)
 
     def _score(self, ids: list[int]) -> np.ndarray:
-        cache = self._take_cache(1, _bucket(len(ids), self.cache_buckets))
+        cache = self._take_cache(1, bucket_for(len(ids), self.cache_buckets))
         out = []
         offset = 0
         while offset < len(ids):
-            T = _bucket(len(ids) - offset, self.prefill_buckets)
+            T = bucket_for(len(ids) - offset, self.prefill_buckets)
             tokens = np.zeros((1, T), np.int32)
             seg = ids[offset : offset + T]
             tokens[0, : len(seg)] = seg
