@@ -22,6 +22,7 @@ from .compile import CompileCache, Handle, RecompileError, RecompileEvent
 from .config import ModelConfig
 from .errors import JaxinferError, RequestError
 from .perf import WATCHER, PerfStats
+from .profiler import profile
 from .sampling import PENALTY_WINDOW, SamplingParams, pack
 from .sharding import named
 from .steps import Placement, make_steps
@@ -422,11 +423,13 @@ class Engine:
         stop_tokens: Sequence[int] | None = None,
         ignore_eos: bool = False,
         stream: bool = False,
+        profile_dir: str | Path | None = None,
     ):
         """Generate from one prompt (text or token ids) or a list of prompts.
 
         Returns a Result (a list of them for a list of prompts), or with stream=True an
-        iterator of StreamPiece for a single prompt.
+        iterator of StreamPiece for a single prompt. `profile_dir` wraps the call in a jax
+        profiler trace written there.
         """
         params = SamplingParams(
             temperature=temperature,
@@ -447,14 +450,15 @@ class Engine:
         if stream:
             if many:
                 raise RequestError("stream=True takes a single prompt; call it once per prompt")
-            return self._stream(rows[0])
-        self._drive(rows)
+            return self._stream(rows[0], profile_dir)
+        with profile(profile_dir):
+            self._drive(rows)
         results = [self._result(r) for r in rows]
         return results if many else results[0]
 
-    def _stream(self, row: _Row) -> Iterator[StreamPiece]:
+    def _stream(self, row: _Row, profile_dir=None) -> Iterator[StreamPiece]:
         t0 = time.perf_counter()
-        with self._watched():
+        with profile(profile_dir), self._watched():
             for _, piece in self._batches([row]):
                 if piece.text or piece.token_ids:
                     yield piece

@@ -69,3 +69,9 @@ def test_profile_run_writes_a_trace_with_steps_and_scopes(tmp_path, capsys):
     traced = {e["args"]["hlo_op"] for e in events if "hlo_op" in e.get("args", {})}
     named = {scopes[op] for op in traced if op in scopes}
     assert any("layer_0/attn" in s for s in named) and any("layer_4/mlp" in s for s in named)
+
+
+def test_profile_dir_api(tmp_path, stories_hf):
+    result = stories_hf.generate([1], max_new_tokens=20, temperature=0, profile_dir=tmp_path)
+    assert len(result.token_ids) == 20
+    assert any(e.get("name") == "decode" for e in read_events(tmp_path))
