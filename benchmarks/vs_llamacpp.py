@@ -141,8 +141,10 @@ def main():
     rows = [f"| model | test | llama.cpp ({name}) t/s | jaxinfer t/s | jaxinfer / llama.cpp |",
             "|---|---|---:|---:|---:|"]  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
-        models = [("stories260K F32", STORIES),
-                  ("llama-110M F32", write_random_gguf(Path(tmp) / "llama110m.gguf", LLAMA_110M))]
+        models = [
+            ("stories260K F32", STORIES),
+            ("llama-110M F32", write_random_gguf(Path(tmp) / "llama110m.gguf", LLAMA_110M)),
+        ]
         for label, path in models:
             theirs = peer(path, args.p, args.n, args.r, args.threads)
             ours = jaxinfer_rates(path, args.p, args.n, args.r)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import time
 import traceback
 
 from .errors import JaxinferError
@@ -87,6 +88,10 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
 
     g.add_argument("--profile", default=None, metavar="DIR", help="write a jax profiler trace")
+    g.add_argument(
+        "-np", "--parallel", type=int, default=None,
+        help="slots: requests decoded together with continuous batching",
+    )  # fmt: skip
 
     b = sub.add_parser("bench", help="llama-bench style throughput")
     _common(b)
@@ -111,6 +116,8 @@ def _load(args):
     if getattr(args, "ubatch_size", None):
         options["prefill_buckets"] = args.ubatch_size
     options.update(_cache_options(args))
+    if getattr(args, "parallel", None) and args.command == "generate":
+        options["slots"] = args.parallel
     return jaxinfer.load(
         args.model, dtype=args.dtype, max_seq_len=args.ctx_size, layout=args.layout,
         devices=args.devices, **options,
@@ -194,8 +201,22 @@ def _generate_run(args) -> None:
             raise JaxinferError(f"cannot read prompt file {args.file!r}: {e.strerror}") from None
         if not prompts:
             raise JaxinferError(f"prompt file {args.file!r} holds no prompts")
-        for n, result in enumerate(engine.generate(prompts, **kw)):
+        t0 = time.perf_counter()
+        requests = [engine.submit(p, **kw) for p in prompts] if engine.slots else None
+        results = [r.result() for r in requests] if requests else engine.generate(prompts, **kw)
+        wall = time.perf_counter() - t0
+        for n, result in enumerate(results):
             print(f"--- [{n}] {prompts[n]}{result.text}  ({result.finish_reason})")
+        if requests:
+            lat = sorted(r.latency for r in requests)
+            ttft = sorted(r.time_to_first_token for r in requests if r.time_to_first_token)
+            total = sum(len(r.token_ids) for r in results)
+            print(
+                f"slots: {engine.slots}, {len(requests)} requests, {total} tokens in {wall:.2f} s "
+                f"({total / wall:.1f} tokens/s); latency p50 {_pct(lat, 50):.3f} s, "
+                f"p95 {_pct(lat, 95):.3f} s; first token p50 {_pct(ttft, 50):.3f} s",
+                file=sys.stderr,
+            )
     else:
         prompt = args.prompt if args.prompt is not None else "Once upon a time"
         sys.stdout.write(prompt)
@@ -204,6 +225,12 @@ def _generate_run(args) -> None:
             sys.stdout.flush()
         sys.stdout.write("\n")
     print(engine.perf_stats(), file=sys.stderr)
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    return values[min(len(values) - 1, round(q / 100 * (len(values) - 1)))]
 
 
 def _info(args) -> None:

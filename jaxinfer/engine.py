@@ -24,6 +24,7 @@ from .errors import JaxinferError, RequestError
 from .perf import WATCHER, PerfStats
 from .profiler import profile
 from .sampling import PENALTY_WINDOW, SamplingParams, pack
+from .scheduler import Request, Slots, bucket_for
 from .sharding import named
 from .steps import Placement, make_steps
 from .tokenizer import Tokenizer
@@ -85,11 +86,6 @@ def _decode_carry(rows: list[_Row], batch: int) -> dict[str, np.ndarray]:
     }
 
 
-def bucket_for(n: int, buckets: Sequence[int]) -> int:
-    """Smallest bucket >= n, else the largest."""
-    return next((b for b in buckets if b >= n), buckets[-1])
-
-
 class Engine:
     def __init__(
         self,
@@ -109,6 +105,7 @@ class Engine:
         graph_reuse: bool = True,
         load_ms: float = 0.0,
         place: Callable[..., Placement] | None = None,
+        slots: int | None = None,
     ):
         self.cfg = cfg
         self.tokenizer = tokenizer
@@ -129,6 +126,11 @@ class Engine:
         self._perf = PerfStats(load_ms=load_ms)
         self._warm = False  # warmup() done: strict mode now refuses compiles
         self._requests = 0
+        bad = not isinstance(slots, int) or isinstance(slots, bool) or slots < 1
+        if slots is not None and bad:
+            raise JaxinferError(f"slots = {slots!r} is invalid; it must be an integer >= 1")
+        self.slots = slots
+        self._slots = Slots(self, slots) if slots else None
         self._step_counts: dict[str, int] = {}  # step numbers of the trace annotations
 
     def _adopt(self, placement: Placement) -> None:
@@ -207,9 +209,8 @@ class Engine:
     def _outputs(self, name: str):
         """Output shardings: the cache keeps its layout, everything else is replicated."""
         cache, rep = self._cache_sharding, self._replicated
-        return {"cache": cache, "prefill": (cache, rep), "decode": (cache, rep, rep)}.get(
-            name, (cache, rep)
-        )
+        outputs = {"cache": cache, "grow": cache, "decode": (cache, rep, rep)}
+        return outputs.get(name, (cache, rep))
 
     def _run(self, name: str, *args, donate=(1,)):
         args = self._put(args)
@@ -447,14 +448,50 @@ class Engine:
         rows = [
             self._row(p, max_new_tokens, params, stop, stop_tokens, ignore_eos) for p in prompts
         ]
+        if stream and many:
+            raise RequestError("stream=True takes a single prompt; call it once per prompt")
+        if self._slots is not None:
+            requests = [self._slots.submit(r) for r in rows]
+            if stream:
+                return self._stream_request(requests[0], profile_dir)
+            with profile(profile_dir), self._watched():
+                while not all(q.done for q in requests):
+                    self._slots.step()
+            results = [self._result(r) for r in rows]
+            return results if many else results[0]
         if stream:
-            if many:
-                raise RequestError("stream=True takes a single prompt; call it once per prompt")
             return self._stream(rows[0], profile_dir)
         with profile(profile_dir):
             self._drive(rows)
         results = [self._result(r) for r in rows]
         return results if many else results[0]
+
+    def submit(self, prompt, **sampling) -> Request:
+        """Queue one request on the slots (continuous batching); it is checked at once, and a
+        bad one raises without disturbing the others. `Request.result()`, `.stream()` and
+        `.cancel()` drive or stop it. Engines loaded without `slots` get one slot."""
+        if self._slots is None:
+            self.slots, self._slots = 1, Slots(self, 1)
+        stop, stop_tokens = sampling.pop("stop", None), sampling.pop("stop_tokens", None)
+        max_new_tokens = sampling.pop("max_new_tokens", 128)
+        ignore_eos = sampling.pop("ignore_eos", False)
+        defaults = SamplingParams()
+        unknown = set(sampling) - set(defaults.__dataclass_fields__)
+        if unknown:
+            raise RequestError(f"unknown sampling option(s): {', '.join(sorted(unknown))}")
+        params = SamplingParams(**{**defaults.__dict__, **sampling})
+        row = self._row(prompt, max_new_tokens, params, stop, stop_tokens, ignore_eos)
+        return self._slots.submit(row)
+
+    def step(self) -> None:
+        """One scheduling step of the slots (admit, one prefill chunk, one decode call)."""
+        if self._slots is not None:
+            with self._watched():
+                self._slots.step()
+
+    def _stream_request(self, request: Request, profile_dir=None) -> Iterator[StreamPiece]:
+        with profile(profile_dir), self._watched():
+            yield from request.stream()
 
     def _stream(self, row: _Row, profile_dir=None) -> Iterator[StreamPiece]:
         t0 = time.perf_counter()
@@ -546,11 +583,19 @@ class Engine:
         self.compile_cache.strict = False
         jobs = []
         for S in self.cache_buckets:
-            for B in self.batch_buckets:
-                jobs.append(("cache", B, 0, S))
-                jobs.append(("decode", B, 0, S))
-                jobs += [("prefill", B, T, S) for T in self.prefill_buckets if T <= S]
+            if not self.slots:  # the batch path (with slots, generate() uses the slots)
+                for B in self.batch_buckets:
+                    jobs.append(("cache", B, 0, S))
+                    jobs.append(("decode", B, 0, S))
+                    jobs += [("prefill", B, T, S) for T in self.prefill_buckets if T <= S]
             jobs += [("score", 1, T, S) for T in self.prefill_buckets if T <= S]
+            if self.slots:
+                N = self.slots
+                jobs += [("cache", N, 0, S), ("decode", N, 0, S)]
+                jobs += [("prefill_slot", N, T, S) for T in self.prefill_buckets]
+                if S != self.cache_buckets[-1]:
+                    jobs.append(("grow", N, 0, S))
+        jobs = list(dict.fromkeys(jobs))  # the slot programs may repeat a batch bucket's
         before = {k: (v.compiles, v.compile_seconds) for k, v in self.compile_cache.stats.items()}
         with self._watched():
             for i, (name, B, T, S) in enumerate(jobs):
@@ -558,7 +603,7 @@ class Engine:
                     print(f"\rwarmup [{i + 1}/{len(jobs)}] {name} B={B} T={T} S={S}   ",
                           end="", file=sys.stderr, flush=True)  # fmt: skip
                 args = self._abstract_args(name, B, T, S)
-                donate = () if name == "cache" else (1,)
+                donate = {"cache": (), "grow": ()}.get(name, (1,))
                 self.compile_cache.get(
                     name, self._steps[name], args, static=self._static,
                     layout=self._layout, donate=donate, out=self._outputs(name),
@@ -589,6 +634,13 @@ class Engine:
             return (spec((B, S), np.bool_),)
         shapes = jax.eval_shape(lambda: self.runner.init_cache(B, S))
         cache = jax.tree.map(lambda x, sh: spec(x.shape, x.dtype, sh), shapes, self._cache_sharding)
+        if name == "grow":  # to the next cache length
+            nxt = self.cache_buckets[self.cache_buckets.index(S) + 1]
+            return (cache, spec((nxt,), np.bool_))
+        if name == "prefill_slot":
+            one = (spec((1, T), np.int32), spec((1,), np.int32), spec((1,), np.int32))
+            window = spec((1, PENALTY_WINDOW), np.int32)
+            return (self.params, cache, spec((), np.int32), *one, window, like(pack([], [], [], 1)))
         sp = like(pack([], [], [], B))
         if name == "decode":
             carry = like(_decode_carry([], B))

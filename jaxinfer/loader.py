@@ -44,6 +44,7 @@ ENGINE_OPTIONS = (
     "compile_cache_size",
     "strict",
     "graph_reuse",
+    "slots",
 )
 _DEFAULT = object()
 

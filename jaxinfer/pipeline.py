@@ -202,6 +202,7 @@ def pipeline_runner(cfg: ModelConfig, mesh: Mesh, rules: dict, dtype) -> Runner:
         cache_shardings=lambda: [(kv, kv)] * plan.slots,
         stages=pp,
         plan=describe(plan),
+        batch_axis=1,
     )
 
 

@@ -32,6 +32,7 @@ class Runner:
     cache_shardings: Callable  # () -> shardings pytree matching the cache
     stages: int = 1
     plan: str = ""  # which layers live where, for `jaxinfer info`
+    batch_axis: int = 0  # the rows axis of each cache array ([B, K, S, H]; pipeline: 1)
 
 
 @dataclass(frozen=True)
@@ -120,8 +121,33 @@ def make_steps(runner: Runner, chunk: int) -> dict[str, Callable]:
         h, cache = m(tokens, positions, cache)
         return cache, m.logits(h)  # [B, T, V]
 
+    def prefill_slot(params, cache, slot, tokens, start, lengths, window, sp):
+        """Prefill one slot's rows of a shared cache (continuous batching): the other slots'
+        rows are untouched. slot [] int32; tokens [1, T]."""
+        axis = runner.batch_axis
+        rows = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, slot, 1, axis), cache)
+        rows, token = prefill(params, rows, tokens, start, lengths, window, sp)
+        cache = jax.tree.map(
+            lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r, slot, axis), cache, rows
+        )
+        return cache, token
+
+    def grow(cache, size):
+        """The cache with more positions (zeros appended); `size` [S_new] carries the shape."""
+        pad = size.shape[0] - jax.tree_util.tree_leaves(cache)[0].shape[-2]
+        widths = [(0, 0)] * jax.tree_util.tree_leaves(cache)[0].ndim
+        widths[-2] = (0, pad)
+        return jax.tree.map(lambda a: jnp.pad(a, widths), cache)
+
     def cache(size):
         """A zeroed cache; `size` [B, S] only carries the shape (and so the key)."""
         return runner.init_cache(*size.shape)
 
-    return {"prefill": prefill, "decode": decode, "score": score, "cache": cache}
+    return {
+        "prefill": prefill,
+        "decode": decode,
+        "score": score,
+        "cache": cache,
+        "prefill_slot": prefill_slot,
+        "grow": grow,
+    }
