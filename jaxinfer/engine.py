@@ -99,7 +99,8 @@ class Engine:
         source: str = "",
         prefill_buckets: Sequence[int] = DEFAULT_PREFILL_BUCKETS,
         batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS,
-        decode_chunk: int = 16,
+        decode_chunk: int = 64,
+        stream_chunk: int = 16,
         compile_cache_size: int = 64,
         strict: bool = False,
         graph_reuse: bool = True,
@@ -116,7 +117,10 @@ class Engine:
         self.prefill_buckets = tuple(sorted({min(b, max_seq_len) for b in prefill_buckets}))
         self.batch_buckets = tuple(sorted(set(batch_buckets)))
         self.cache_buckets = self._cache_lengths(max_seq_len)
-        self.decode_chunk = decode_chunk
+        self.decode_chunk = decode_chunk  # most tokens one decode call makes (compiled)
+        # Tokens per call while streaming, with stop strings, or serving slots: the host
+        # wakes more often there (text to show, strings to find, requests to admit).
+        self.stream_chunk = min(stream_chunk, decode_chunk)
         self.strict = strict
         self.compile_cache = CompileCache(capacity=compile_cache_size, reuse=graph_reuse)
         # What the programs close over besides their arguments: a change here is a recompile.
@@ -252,6 +256,7 @@ class Engine:
         sp = pack(
             [r.params for r in rows], [r.seed for r in rows], [r.stop_ids for r in rows], batch
         )
+        (sp,) = self._put((sp,))  # on the device once for every call of this batch
         first = np.zeros(batch, np.int32)
         picks = []  # (rows ending in this chunk, their sampled tokens)
         offset = 0
@@ -276,8 +281,11 @@ class Engine:
             first[ending] = np.asarray(sampled)[ending]
         return cache, first, sp
 
-    def _generate_batch(self, rows: list[_Row]) -> Iterator[tuple[int, StreamPiece]]:
+    def _generate_batch(
+        self, rows: list[_Row], streaming: bool
+    ) -> Iterator[tuple[int, StreamPiece]]:
         """Prefill and decode one batch, yielding (row index, piece) as text is produced."""
+        interactive = streaming or any(r.stop_strings for r in rows)
         batch = bucket_for(len(rows), self.batch_buckets)
         # The last generated token is never fed back, so it needs no cache position.
         need = max(len(r.prompt) + r.budget - 1 for r in rows)
@@ -299,7 +307,7 @@ class Engine:
         carry["done"][:] = done
         generated = 0
         while not all(r.finish for r in rows):
-            n = np.int32(self.decode_chunk)
+            n = np.int32(self.stream_chunk if interactive else self.decode_chunk)
             cache, carry, out = self._run("decode", self.params, cache, carry, sp, n)
             out = np.asarray(out)
             host_done = np.asarray(carry["done"]).copy()
@@ -327,12 +335,35 @@ class Engine:
         """Append new ids to a row: detokenize, apply stops and the budget, stream text."""
         if r.finish or not ids:
             return
+        if r.stop_strings:
+            new_ids = self._accept_each(r, ids)
+        else:  # the device already stopped at stop tokens: take the chunk whole
+            new_ids = ids[: r.budget - len(r.token_ids)]
+            hit = next((k for k, t in enumerate(new_ids) if t in r.stop_ids), None)
+            if hit is not None:
+                new_ids = new_ids[: hit + 1]
+                r.finish = "stop"
+            elif len(r.token_ids) + len(new_ids) >= r.budget:
+                r.finish = "length"
+            r.token_ids += new_ids
+            r.text += r.decoder.push(new_ids[:hit] if hit is not None else new_ids)
+            if r.finish:
+                r.text += r.decoder.flush()
+        hold = 0 if r.finish else max((len(s) for s in r.stop_strings), default=1) - 1
+        upto = max(r.emitted, len(r.text) - hold)
+        piece = r.text[r.emitted : upto]
+        r.emitted = upto
+        yield b, StreamPiece(piece, new_ids, r.finish)
+
+    def _accept_each(self, r: _Row, ids: list[int]) -> list[int]:
+        """Token by token, so that a stop string ends the ids right where it completes."""
         new_ids = []
         for tok in ids:
             new_ids.append(tok)
             r.token_ids.append(tok)
             if tok in r.stop_ids:
                 r.finish = "stop"
+                r.text += r.decoder.flush()
                 break
             r.text += r.decoder.push([tok])
             if self._cut_stop_string(r):
@@ -341,13 +372,7 @@ class Engine:
                 r.finish = "length"
                 r.text += r.decoder.flush()
                 break
-        if r.finish == "stop" and tok in r.stop_ids:
-            r.text += r.decoder.flush()
-        hold = 0 if r.finish else max((len(s) for s in r.stop_strings), default=1) - 1
-        upto = max(r.emitted, len(r.text) - hold)
-        piece = r.text[r.emitted : upto]
-        r.emitted = upto
-        yield b, StreamPiece(piece, new_ids, r.finish)
+        return new_ids
 
     @staticmethod
     def _cut_stop_string(r: _Row) -> bool:
@@ -496,7 +521,7 @@ class Engine:
     def _stream(self, row: _Row, profile_dir=None) -> Iterator[StreamPiece]:
         t0 = time.perf_counter()
         with profile(profile_dir), self._watched():
-            for _, piece in self._batches([row]):
+            for _, piece in self._batches([row], streaming=True):
                 if piece.text or piece.token_ids:
                     yield piece
         self._perf.total_ms += (time.perf_counter() - t0) * 1e3
@@ -508,7 +533,9 @@ class Engine:
                 pass
         self._perf.total_ms += (time.perf_counter() - t0) * 1e3
 
-    def _batches(self, rows: list[_Row]) -> Iterator[tuple[int, StreamPiece]]:
+    def _batches(
+        self, rows: list[_Row], streaming: bool = False
+    ) -> Iterator[tuple[int, StreamPiece]]:
         """Serve rows in batches of at most the largest batch bucket."""
         live = [r for r in rows if r.budget > 0]
         for r in rows:
@@ -516,7 +543,7 @@ class Engine:
                 r.finish = "length"
         step = self.batch_buckets[-1]
         for i in range(0, len(live), step):
-            yield from self._generate_batch(live[i : i + step])
+            yield from self._generate_batch(live[i : i + step], streaming)
 
     @staticmethod
     def _result(r: _Row) -> Result:

@@ -41,6 +41,7 @@ ENGINE_OPTIONS = (
     "prefill_buckets",
     "batch_buckets",
     "decode_chunk",
+    "stream_chunk",
     "compile_cache_size",
     "strict",
     "graph_reuse",

@@ -194,7 +194,7 @@ class Slots:
     def _decode(self) -> None:
         engine = self.engine
         t0 = engine._clock()
-        n = np.int32(engine.decode_chunk)
+        n = np.int32(engine.stream_chunk)
         self.cache, carry, out = engine._run(
             "decode", engine.params, self.cache, self.carry, self.sp, n
         )

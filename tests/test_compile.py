@@ -82,6 +82,7 @@ def test_graphs_reused_counts_every_call(warm):
     warm.generate([1] * 20, max_new_tokens=40, temperature=0, ignore_eos=True)
     prefill_calls = 1  # 20 tokens fit one 64-token chunk
     decode_calls = -(-(40 - 1) // warm.decode_chunk)  # the first token comes from prefill
+    assert warm.decode_chunk == 64 and decode_calls == 1
     assert warm.perf_stats().graphs_reused == prefill_calls + decode_calls
 
 
