@@ -50,7 +50,7 @@ def main():
     ap.add_argument("-p", type=int, default=512)
     ap.add_argument("-n", type=int, default=128)
     ap.add_argument("-r", type=int, default=5)
-    ap.add_argument("--decode-chunk", type=int, default=16)
+    ap.add_argument("--decode-chunk", type=int, default=64)
     args = ap.parse_args()
     models = [("stories260K (GGUF F32)", STORIES), ("llama-110M random F32", LLAMA_110M)]
     rows = [

@@ -1,7 +1,8 @@
 """jaxinfer: a JAX/XLA compiled inference stack for Llama- and Qwen-family decoders."""
 
+from .compile import RecompileError, RecompileEvent
 from .config import ModelConfig
-from .engine import Engine, PerfStats, Result, StreamPiece
+from .engine import Engine
 from .errors import (
     CheckpointError,
     JaxinferError,
@@ -10,6 +11,9 @@ from .errors import (
     UnsupportedModelError,
 )
 from .loader import generate, load
+from .perf import PerfStats
+from .request import Result, StreamPiece
+from .scheduler import Request
 
 __all__ = [
     "CheckpointError",
@@ -18,6 +22,9 @@ __all__ = [
     "LayoutError",
     "ModelConfig",
     "PerfStats",
+    "RecompileError",
+    "RecompileEvent",
+    "Request",
     "RequestError",
     "Result",
     "StreamPiece",

@@ -15,35 +15,32 @@ import traceback
 from .errors import JaxinferError
 
 
-def _int_list(text: str) -> tuple[int, ...]:
+def _ints(text: str, minimum: int = 1) -> tuple[int, ...]:
+    """Comma-separated integers >= minimum."""
     try:
         values = tuple(int(x) for x in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"expected comma-separated integers, got {text!r}"
         ) from None
-    if not values or min(values) <= 0:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    if min(values) < minimum:
+        raise argparse.ArgumentTypeError(f"expected integers >= {minimum}, got {text!r}")
     return values
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    return _ints(text, 1)
+
+
+def _int_list0(text: str) -> tuple[int, ...]:
+    """Integers >= 0 (0 skips a test, as in llama-bench)."""
+    return _ints(text, 0)
 
 
 def _devices(text: str):
     """An int, or for bench a comma list of ints."""
-    values = _int_list(text)
+    values = _ints(text, 1)
     return values[0] if len(values) == 1 else values
-
-
-def _int_list0(text: str) -> tuple[int, ...]:
-    """Comma-separated integers >= 0 (0 skips a test, as in llama-bench)."""
-    try:
-        values = tuple(int(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}"
-        ) from None
-    if min(values) < 0:
-        raise argparse.ArgumentTypeError(f"expected integers >= 0, got {text!r}")
-    return values
 
 
 def _common(p: argparse.ArgumentParser) -> None:

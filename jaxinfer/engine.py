@@ -12,7 +12,6 @@ import contextlib
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import jax
@@ -23,6 +22,7 @@ from .config import ModelConfig
 from .errors import JaxinferError, RequestError
 from .perf import WATCHER, PerfStats
 from .profiler import profile
+from .request import Row, StreamPiece
 from .sampling import PENALTY_WINDOW, SamplingParams, pack
 from .scheduler import Request, Slots, bucket_for
 from .sharding import named
@@ -34,43 +34,7 @@ DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8)
 MIN_CACHE = 128  # smallest cache length; lengths double from here up to max_seq_len
 
 
-@dataclass
-class Result:
-    text: str
-    token_ids: list[int]  # generated ids only (a final EOS / stop token included)
-    prompt_ids: list[int]
-    finish_reason: str  # "stop" (EOS, stop token or stop string) or "length"
-    prompt_ms: float = 0.0  # prefill time of the batch this request was in
-    decode_ms: float = 0.0  # decode time of the batch this request was in
-
-
-@dataclass(frozen=True)
-class StreamPiece:
-    text: str  # newly completed text (held back while it could start a stop string)
-    token_ids: list[int]  # ids produced since the previous piece
-    finish_reason: str | None = None  # set on the last piece
-
-
-@dataclass
-class _Row:
-    """One request inside a running batch."""
-
-    prompt: list[int]
-    params: SamplingParams
-    seed: int
-    stop_ids: list[int]
-    stop_strings: list[str]
-    budget: int  # new tokens allowed (max_new_tokens clipped to the context)
-    decoder: object
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    emitted: int = 0  # characters of `text` already streamed
-    finish: str | None = None
-    prompt_ms: float = 0.0
-    decode_ms: float = 0.0
-
-
-def _decode_carry(rows: list[_Row], batch: int) -> dict[str, np.ndarray]:
+def _decode_carry(rows: list[Row], batch: int) -> dict[str, np.ndarray]:
     """The decode loop state for rows entering decode (padding rows start done)."""
     n = len(rows)
     window = np.full((batch, PENALTY_WINDOW), -1, np.int32)
@@ -246,7 +210,7 @@ class Engine:
         llama.cpp's do (compiles are reported on their own)."""
         return time.perf_counter() - self.compile_cache.compile_seconds()
 
-    def _prefill(self, rows: list[_Row], batch: int, cache):
+    def _prefill(self, rows: list[Row], batch: int, cache):
         """Run every row's prompt through the model; returns the cache and first tokens."""
         longest = max(len(r.prompt) for r in rows)
         window = np.full((batch, PENALTY_WINDOW), -1, np.int32)
@@ -282,7 +246,7 @@ class Engine:
         return cache, first, sp
 
     def _generate_batch(
-        self, rows: list[_Row], streaming: bool
+        self, rows: list[Row], streaming: bool
     ) -> Iterator[tuple[int, StreamPiece]]:
         """Prefill and decode one batch, yielding (row index, piece) as text is produced."""
         interactive = streaming or any(r.stop_strings for r in rows)
@@ -300,7 +264,7 @@ class Engine:
 
         done = np.ones(batch, bool)
         for b, r in enumerate(rows):
-            yield from self._accept(b, r, [int(first[b])])
+            yield b, r.accept([int(first[b])])
             done[b] = r.finish is not None
         carry = _decode_carry(rows, batch)
         carry["tokens"][:] = first
@@ -317,7 +281,7 @@ class Engine:
                     continue
                 ids = [int(t) for t in out[b] if t >= 0]
                 generated += len(ids)
-                yield from self._accept(b, r, ids)
+                yield b, r.accept(ids)
                 if r.finish and not host_done[b]:  # a stop string the device cannot see
                     host_done[b] = True
                     changed = True
@@ -331,62 +295,9 @@ class Engine:
         for r in rows:
             r.prompt_ms, r.decode_ms = (t1 - t0) * 1e3, (t2 - t1) * 1e3
 
-    def _accept(self, b: int, r: _Row, ids: list[int]) -> Iterator[tuple[int, StreamPiece]]:
-        """Append new ids to a row: detokenize, apply stops and the budget, stream text."""
-        if r.finish or not ids:
-            return
-        if r.stop_strings:
-            new_ids = self._accept_each(r, ids)
-        else:  # the device already stopped at stop tokens: take the chunk whole
-            new_ids = ids[: r.budget - len(r.token_ids)]
-            hit = next((k for k, t in enumerate(new_ids) if t in r.stop_ids), None)
-            if hit is not None:
-                new_ids = new_ids[: hit + 1]
-                r.finish = "stop"
-            elif len(r.token_ids) + len(new_ids) >= r.budget:
-                r.finish = "length"
-            r.token_ids += new_ids
-            r.text += r.decoder.push(new_ids[:hit] if hit is not None else new_ids)
-            if r.finish:
-                r.text += r.decoder.flush()
-        hold = 0 if r.finish else max((len(s) for s in r.stop_strings), default=1) - 1
-        upto = max(r.emitted, len(r.text) - hold)
-        piece = r.text[r.emitted : upto]
-        r.emitted = upto
-        yield b, StreamPiece(piece, new_ids, r.finish)
-
-    def _accept_each(self, r: _Row, ids: list[int]) -> list[int]:
-        """Token by token, so that a stop string ends the ids right where it completes."""
-        new_ids = []
-        for tok in ids:
-            new_ids.append(tok)
-            r.token_ids.append(tok)
-            if tok in r.stop_ids:
-                r.finish = "stop"
-                r.text += r.decoder.flush()
-                break
-            r.text += r.decoder.push([tok])
-            if self._cut_stop_string(r):
-                break
-            if len(r.token_ids) >= r.budget:
-                r.finish = "length"
-                r.text += r.decoder.flush()
-                break
-        return new_ids
-
-    @staticmethod
-    def _cut_stop_string(r: _Row) -> bool:
-        for s in r.stop_strings:
-            at = r.text.find(s, max(0, r.emitted - len(s)))
-            if at >= 0:
-                r.text = r.text[:at]
-                r.finish = "stop"
-                return True
-        return False
-
     # ---- requests -----------------------------------------------------------------------
 
-    def _row(self, prompt, max_new_tokens, params, stop, stop_tokens, ignore_eos) -> _Row:
+    def _row(self, prompt, max_new_tokens, params, stop, stop_tokens, ignore_eos) -> Row:
         if isinstance(prompt, str):
             if not prompt:
                 raise RequestError("the prompt is empty; pass some text or token ids")
@@ -413,7 +324,7 @@ class Engine:
         stop_ids = list(stop_tokens or [])
         if not ignore_eos:
             stop_ids += [t for t in self.tokenizer.eos_ids if t not in stop_ids]
-        return _Row(
+        return Row(
             prompt=ids,
             params=params,
             seed=self._seed(params, ids),
@@ -482,13 +393,13 @@ class Engine:
             with profile(profile_dir), self._watched():
                 while not all(q.done for q in requests):
                     self._slots.step()
-            results = [self._result(r) for r in rows]
+            results = [r.result() for r in rows]
             return results if many else results[0]
         if stream:
             return self._stream(rows[0], profile_dir)
         with profile(profile_dir):
             self._drive(rows)
-        results = [self._result(r) for r in rows]
+        results = [r.result() for r in rows]
         return results if many else results[0]
 
     def submit(self, prompt, **sampling) -> Request:
@@ -518,7 +429,7 @@ class Engine:
         with profile(profile_dir), self._watched():
             yield from request.stream()
 
-    def _stream(self, row: _Row, profile_dir=None) -> Iterator[StreamPiece]:
+    def _stream(self, row: Row, profile_dir=None) -> Iterator[StreamPiece]:
         t0 = time.perf_counter()
         with profile(profile_dir), self._watched():
             for _, piece in self._batches([row], streaming=True):
@@ -526,7 +437,7 @@ class Engine:
                     yield piece
         self._perf.total_ms += (time.perf_counter() - t0) * 1e3
 
-    def _drive(self, rows: list[_Row]) -> None:
+    def _drive(self, rows: list[Row]) -> None:
         t0 = time.perf_counter()
         with self._watched():
             for _ in self._batches(rows):
@@ -534,7 +445,7 @@ class Engine:
         self._perf.total_ms += (time.perf_counter() - t0) * 1e3
 
     def _batches(
-        self, rows: list[_Row], streaming: bool = False
+        self, rows: list[Row], streaming: bool = False
     ) -> Iterator[tuple[int, StreamPiece]]:
         """Serve rows in batches of at most the largest batch bucket."""
         live = [r for r in rows if r.budget > 0]
@@ -544,17 +455,6 @@ class Engine:
         step = self.batch_buckets[-1]
         for i in range(0, len(live), step):
             yield from self._generate_batch(live[i : i + step], streaming)
-
-    @staticmethod
-    def _result(r: _Row) -> Result:
-        return Result(
-            text=r.text,
-            token_ids=list(r.token_ids),
-            prompt_ids=list(r.prompt),
-            finish_reason=r.finish or "length",
-            prompt_ms=r.prompt_ms,
-            decode_ms=r.decode_ms,
-        )
 
     # ---- evaluation ---------------------------------------------------------------------
 

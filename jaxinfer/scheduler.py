@@ -20,13 +20,14 @@ import numpy as np
 from .sampling import PENALTY_WINDOW, pack
 
 if TYPE_CHECKING:
-    from .engine import Engine, Result, StreamPiece, _Row
+    from .engine import Engine
+    from .request import Result, Row, StreamPiece
 
 
 class Request:
     """A submitted request: `result()` and `stream()` drive the engine until it is done."""
 
-    def __init__(self, slots: Slots, row: _Row):
+    def __init__(self, slots: Slots, row: Row):
         self._slots = slots
         self.row = row
         self.pieces: deque[StreamPiece] = deque()
@@ -41,7 +42,7 @@ class Request:
     def result(self) -> Result:
         while not self.done:
             self._slots.engine.step()
-        return self._slots.engine._result(self.row)
+        return self.row.result()
 
     def stream(self) -> Iterator[StreamPiece]:
         while True:
@@ -91,7 +92,7 @@ class Slots:
 
     # ---- requests -----------------------------------------------------------------------
 
-    def submit(self, row: _Row) -> Request:
+    def submit(self, row: Row) -> Request:
         request = Request(self, row)
         if row.budget <= 0:
             row.finish = "length"
@@ -212,11 +213,11 @@ class Slots:
 
     def _deliver(self, b: int, ids: list[int]) -> None:
         request = self.active[b].request
-        for _, piece in self.engine._accept(b, request.row, ids):
-            if request.first_token_at is None:
-                request.first_token_at = time.perf_counter()
-            if piece.text or piece.token_ids:
-                request.pieces.append(piece)
+        piece = request.row.accept(ids)
+        if request.first_token_at is None:
+            request.first_token_at = time.perf_counter()
+        if piece.text or piece.token_ids:
+            request.pieces.append(piece)
         if request.done:
             request.finished_at = time.perf_counter()
             self._free(b)

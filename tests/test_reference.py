@@ -15,16 +15,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import checkpoints as C  # noqa: E402
 import reference as R  # noqa: E402
+from conftest import GOLDEN  # noqa: E402
 
 MODELS = Path(__file__).resolve().parents[1].parent / "shared" / "models"
 STORIES_HF = MODELS / "stories260K-hf-derived"
 
-GOLDEN_IDS = [
-    403, 407, 261, 378, 432, 383, 286, 261, 376, 298, 315, 421, 395, 317, 426, 338, 401, 396,
-    267, 337, 410, 408, 419, 292, 411, 322, 265, 282, 295, 433, 426, 385, 328, 432, 358, 394,
-    261, 370, 432, 352, 266, 268, 388, 426, 338, 391, 266, 267, 337, 335, 312, 432, 398, 312,
-    286, 267, 414, 270, 333, 415, 426, 13, 438, 310,
-]  # fmt: skip
+GOLDEN_IDS = GOLDEN  # published greedy ids (conftest)
 GOLDEN_TOP5_IDS = [403, 385, 410, 317, 407]
 GOLDEN_TOP5_VALUES = [17.0235, 15.4062, 13.1083, 12.7692, 12.4181]
 
