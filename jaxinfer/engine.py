@@ -386,13 +386,15 @@ class Engine:
         ]
         if stream and many:
             raise RequestError("stream=True takes a single prompt; call it once per prompt")
-        if self._slots is not None:
+        if self.slots:  # loaded with slots: every request goes through them
             requests = [self._slots.submit(r) for r in rows]
             if stream:
                 return self._stream_request(requests[0], profile_dir)
+            t0 = time.perf_counter()
             with profile(profile_dir), self._watched():
                 while not all(q.done for q in requests):
                     self._slots.step()
+            self._perf.total_ms += (time.perf_counter() - t0) * 1e3
             results = [r.result() for r in rows]
             return results if many else results[0]
         if stream:
@@ -405,9 +407,10 @@ class Engine:
     def submit(self, prompt, **sampling) -> Request:
         """Queue one request on the slots (continuous batching); it is checked at once, and a
         bad one raises without disturbing the others. `Request.result()`, `.stream()` and
-        `.cancel()` drive or stop it. Engines loaded without `slots` get one slot."""
+        `.cancel()` drive or stop it. Engines loaded without `slots` get one slot here
+        (generate() keeps its batch path there)."""
         if self._slots is None:
-            self.slots, self._slots = 1, Slots(self, 1)
+            self._slots = Slots(self, 1)
         stop, stop_tokens = sampling.pop("stop", None), sampling.pop("stop_tokens", None)
         max_new_tokens = sampling.pop("max_new_tokens", 128)
         ignore_eos = sampling.pop("ignore_eos", False)
