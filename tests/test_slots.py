@@ -115,3 +115,13 @@ def test_cli_parallel_file(tmp_path, capsys):
     out = captured.out.strip().splitlines()
     assert [line.split("]")[0] for line in out] == ["--- [0", "--- [1", "--- [2"]
     assert "latency p50" in captured.err and "p95" in captured.err
+
+
+def test_submit_on_an_engine_without_slots():
+    from conftest import GOLDEN
+
+    engine = load()
+    request = engine.submit([1], max_new_tokens=8, temperature=0)
+    assert request.result().token_ids == GOLDEN[:8]
+    batch = engine.generate([[1], [1, 403]], max_new_tokens=4, temperature=0)
+    assert batch[0].token_ids == GOLDEN[:4] and engine.slots is None
