@@ -210,7 +210,13 @@ class Engine:
         llama.cpp's do (compiles are reported on their own)."""
         return time.perf_counter() - self.compile_cache.compile_seconds()
 
-    def _prefill(self, rows: list[Row], batch: int, cache):
+    def chunk_for(self, remaining: int, cache_length: int) -> int:
+        """The prompt chunk for `remaining` tokens: the smallest bucket that holds them, else
+        the largest, never longer than the cache (warmup compiles exactly these pairs)."""
+        fitting = [b for b in self.prefill_buckets if b <= cache_length]
+        return bucket_for(remaining, fitting or self.prefill_buckets[:1])
+
+    def _prefill(self, rows: list[Row], batch: int, cache, cache_length: int):
         """Run every row's prompt through the model; returns the cache and first tokens."""
         longest = max(len(r.prompt) for r in rows)
         window = np.full((batch, PENALTY_WINDOW), -1, np.int32)
@@ -225,7 +231,7 @@ class Engine:
         picks = []  # (rows ending in this chunk, their sampled tokens)
         offset = 0
         while offset < longest:
-            T = bucket_for(longest - offset, self.prefill_buckets)
+            T = self.chunk_for(longest - offset, cache_length)
             tokens = np.zeros((batch, T), np.int32)
             lengths = np.zeros(batch, np.int32)
             ending = []
@@ -257,7 +263,7 @@ class Engine:
         cache = self._take_cache(batch, length)
         clock = self._clock
         t0 = clock()
-        cache, first, sp = self._prefill(rows, batch, cache)
+        cache, first, sp = self._prefill(rows, batch, cache, length)
         t1 = clock()
         self._perf.prompt_tokens += sum(len(r.prompt) for r in rows)
         self._perf.prompt_ms += (t1 - t0) * 1e3
@@ -468,11 +474,12 @@ class Engine:
             return self._score(row.prompt)
 
     def _score(self, ids: list[int]) -> np.ndarray:
-        cache = self._take_cache(1, bucket_for(len(ids), self.cache_buckets))
+        length = bucket_for(len(ids), self.cache_buckets)
+        cache = self._take_cache(1, length)
         out = []
         offset = 0
         while offset < len(ids):
-            T = bucket_for(len(ids) - offset, self.prefill_buckets)
+            T = self.chunk_for(len(ids) - offset, length)
             tokens = np.zeros((1, T), np.int32)
             seg = ids[offset : offset + T]
             tokens[0, : len(seg)] = seg
@@ -517,12 +524,12 @@ class Engine:
                 for B in self.batch_buckets:
                     jobs.append(("cache", B, 0, S))
                     jobs.append(("decode", B, 0, S))
-                    jobs += [("prefill", B, T, S) for T in self.prefill_buckets if T <= S]
-            jobs += [("score", 1, T, S) for T in self.prefill_buckets if T <= S]
+                    jobs += [("prefill", B, T, S) for T in self._chunks(S)]
+            jobs += [("score", 1, T, S) for T in self._chunks(S)]
             if self.slots:
                 N = self.slots
                 jobs += [("cache", N, 0, S), ("decode", N, 0, S)]
-                jobs += [("prefill_slot", N, T, S) for T in self.prefill_buckets]
+                jobs += [("prefill_slot", N, T, S) for T in self._chunks(S)]
                 if S != self.cache_buckets[-1]:
                     jobs.append(("grow", N, 0, S))
         jobs = list(dict.fromkeys(jobs))  # the slot programs may repeat a batch bucket's
@@ -550,6 +557,10 @@ class Engine:
         self.compile_cache.strict = self.strict
         self._warm = True
         return report
+
+    def _chunks(self, S: int) -> list[int]:
+        """Every chunk length `chunk_for` can pick with a cache of S positions."""
+        return sorted({self.chunk_for(T, S) for T in self.prefill_buckets})
 
     def _abstract_args(self, name: str, B: int, T: int, S: int) -> tuple:
         """ShapeDtypeStructs of a program's arguments, as `_run` would pass them."""

@@ -159,7 +159,7 @@ class Slots:
         engine = self.engine
         b, slot = min(waiting, key=lambda bs: bs[1].request.submitted)
         prompt = slot.request.row.prompt
-        T = bucket_for(len(prompt) - slot.offset, engine.prefill_buckets)
+        T = engine.chunk_for(len(prompt) - slot.offset, self.length)
         seg = prompt[slot.offset : slot.offset + T]
         tokens = np.zeros((1, T), np.int32)
         tokens[0, : len(seg)] = seg

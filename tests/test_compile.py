@@ -232,3 +232,16 @@ def test_second_process_loads_every_program_from_disk(tmp_path):
     assert first["misses"] >= first["programs"] > 0
     assert second["misses"] == 0 and second["hits"] >= second["programs"]
     assert second["ids"] == first["ids"]
+
+
+def test_default_buckets_prompt_chunks_never_outgrow_the_cache():
+    """A 130-token prompt with the default chunks (32, 128, 512) and a 256-position cache:
+    the chunk is capped at the cache, so warmup covered it (strict mode stays quiet)."""
+    engine = jaxinfer.load(model_path(STORIES), max_seq_len=512, batch_buckets=(1,), strict=True)
+    engine.warmup(progress=False)
+    prompt = [1] + [(7 * i) % 500 + 3 for i in range(129)]
+    with CompileCounter() as seen:
+        r = engine.generate(prompt, max_new_tokens=20, temperature=0)
+        logits = engine.logits(prompt)
+    assert seen.n == 0 and len(r.token_ids) == 20
+    assert int(logits[-1].argmax()) == r.token_ids[0]
