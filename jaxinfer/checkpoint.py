@@ -138,7 +138,7 @@ def _open_hf(folder: Path) -> Checkpoint:
             raise CheckpointError(f"{f} is not a readable safetensors file ({e})") from None
         for key in handles[name].keys():
             owner[key] = name
-    dtypes = sorted({str(h.get_slice(k).get_dtype()) for k, h in _first_keys(handles)})
+    dtypes = sorted({str(handles[owner[k]].get_slice(k).get_dtype()) for k in owner})
 
     def read(name: str) -> np.ndarray:
         try:
@@ -155,12 +155,6 @@ def _open_hf(folder: Path) -> Checkpoint:
         names=set(owner),
         gguf=False,
     )
-
-
-def _first_keys(handles):
-    for h in handles.values():
-        for k in list(h.keys())[:3]:
-            yield k, h
 
 
 def _open_gguf(file: Path) -> Checkpoint:
