@@ -23,7 +23,7 @@ from .errors import JaxinferError, RequestError
 from .perf import WATCHER, PerfStats
 from .profiler import profile
 from .request import Row, StreamPiece
-from .sampling import PENALTY_WINDOW, SamplingParams, pack
+from .sampling import PENALTY_WINDOW, SamplingParams, pack, recent_window
 from .scheduler import Request, Slots, bucket_for
 from .sharding import named
 from .steps import Placement, make_steps
@@ -38,9 +38,8 @@ def _decode_carry(rows: list[Row], batch: int) -> dict[str, np.ndarray]:
     """The decode loop state for rows entering decode (padding rows start done)."""
     n = len(rows)
     window = np.full((batch, PENALTY_WINDOW), -1, np.int32)
-    for b, r in enumerate(rows):  # the step writes the current token itself; seed the rest
-        for p in range(max(0, len(r.prompt) - PENALTY_WINDOW + 1), len(r.prompt)):
-            window[b, p % PENALTY_WINDOW] = r.prompt[p]
+    for b, r in enumerate(rows):
+        window[b] = recent_window(r.prompt)
     return {
         "tokens": np.zeros(batch, np.int32),
         "pos": np.array([len(r.prompt) for r in rows] + [0] * (batch - n), np.int32),
@@ -127,9 +126,13 @@ class Engine:
         """
         if self._place is None:
             raise JaxinferError("this engine was built without a loader; it cannot reshard")
+        if self._slots is not None and not self._slots.idle():
+            raise JaxinferError("requests are still running on the slots; finish or cancel them")
         self.params = None  # let the old shards go before the new ones arrive
         self._cache = None
         self._adopt(self._place(layout, devices))
+        if self._slots is not None:  # its cache lived on the old mesh
+            self._slots = Slots(self, self._slots.n)
         if self.strict:
             self._warm = False  # new programs are expected until the next warmup()
             self.compile_cache.strict = False
@@ -221,8 +224,7 @@ class Engine:
         longest = max(len(r.prompt) for r in rows)
         window = np.full((batch, PENALTY_WINDOW), -1, np.int32)
         for b, r in enumerate(rows):
-            tail = range(max(0, len(r.prompt) - PENALTY_WINDOW), len(r.prompt))
-            window[b, [p % PENALTY_WINDOW for p in tail]] = [r.prompt[p] for p in tail]
+            window[b] = recent_window(r.prompt)
         sp = pack(
             [r.params for r in rows], [r.seed for r in rows], [r.stop_ids for r in rows], batch
         )

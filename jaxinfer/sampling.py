@@ -63,6 +63,15 @@ class SamplingParams:
         return self.seed % (2**31 - 1)
 
 
+def recent_window(ids: list[int]) -> np.ndarray:
+    """The penalty window [W] of a context: its last W ids, each at (position mod W), -1 where
+    empty. The decode step keeps it up to date by writing each new token at its position."""
+    window = np.full(PENALTY_WINDOW, -1, np.int32)
+    tail = range(max(0, len(ids) - PENALTY_WINDOW), len(ids))
+    window[[p % PENALTY_WINDOW for p in tail]] = [ids[p] for p in tail]
+    return window
+
+
 def pack(params: list[SamplingParams], seeds: list[int], stop_ids: list[list[int]], batch: int):
     """Rows for the device: floats [B, 6], ints [B, 2] (top_k, seed), stops [B, N_STOP_IDS].
 

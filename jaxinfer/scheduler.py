@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .sampling import PENALTY_WINDOW, pack
+from .sampling import PENALTY_WINDOW, pack, recent_window
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -163,9 +163,7 @@ class Slots:
         seg = prompt[slot.offset : slot.offset + T]
         tokens = np.zeros((1, T), np.int32)
         tokens[0, : len(seg)] = seg
-        window = np.full((1, PENALTY_WINDOW), -1, np.int32)
-        tail = range(max(0, len(prompt) - PENALTY_WINDOW), len(prompt))
-        window[0, [p % PENALTY_WINDOW for p in tail]] = [prompt[p] for p in tail]
+        window = recent_window(prompt)[None]  # [1, W]
         t0 = engine._clock()
         self.cache, token = engine._run(
             "prefill_slot", engine.params, self.cache, np.int32(b), tokens,
@@ -188,9 +186,7 @@ class Slots:
         self.carry["pos"][b] = len(prompt)
         self.carry["budget"][b] = row.budget - 1
         self.carry["done"][b] = False
-        self.carry["window"][b] = -1
-        for p in range(max(0, len(prompt) - PENALTY_WINDOW + 1), len(prompt)):
-            self.carry["window"][b, p % PENALTY_WINDOW] = prompt[p]
+        self.carry["window"][b] = recent_window(prompt)
 
     def _decode(self) -> None:
         engine = self.engine

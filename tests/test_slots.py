@@ -125,3 +125,12 @@ def test_submit_on_an_engine_without_slots():
     assert request.result().token_ids == GOLDEN[:8]
     batch = engine.generate([[1], [1, 403]], max_new_tokens=4, temperature=0)
     assert batch[0].token_ids == GOLDEN[:4] and engine.slots is None
+
+
+def test_reshard_with_slots_keeps_results(alone):
+    engine = load(slots=2)
+    first = engine.submit(PROMPTS[2], max_new_tokens=MAX_NEW[2], temperature=0)
+    assert first.result().token_ids == alone[2]
+    engine.reshard("layer", devices=2)
+    again = engine.submit(PROMPTS[2], max_new_tokens=MAX_NEW[2], temperature=0)
+    assert again.result().token_ids == alone[2]
