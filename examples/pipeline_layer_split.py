@@ -16,7 +16,7 @@ engine = jaxinfer.load(
     batch_buckets=(1, 4), strict=True,
 )  # fmt: skip
 print(f"model: {engine.name}; layout {engine.layout}, mesh {dict(engine.mesh.shape)}")
-print(f"stages: {engine.runner.plan}")
+print(f"stages: {engine.runner.description}")
 engine.warmup()
 engine.reset_perf()
 r = engine.generate("Once upon a time", max_new_tokens=48, temperature=0)

@@ -28,9 +28,8 @@ summary = summarize(trace_dir, step="decode")
 print(f"decode steps: {summary['steps']}, {summary['ms_per_step']:.3f} ms per step, "
       f"device busy {summary['device_share']:.0%} of it, host the rest")  # fmt: skip
 scopes = {}
-for key, compiled in engine.compile_cache._entries.items():
-    if key[0] == "decode":
-        scopes.update(op_scopes(compiled.as_text()))
+for compiled in engine.compile_cache.executables("decode"):
+    scopes.update(op_scopes(compiled.as_text()))
 print("top ops in decode steps:")
 for name, ms in summary["top_ops"]:
     print(f"  {ms:8.3f} ms  {name:40s} {scopes.get(name, '')[:70]}")

@@ -1,5 +1,7 @@
-"""Watch recompiles: a hook sees a changed-shape recompile (a new prompt bucket) and same-shape
-ones (a compile cache too small to hold both buckets), then the perf stats count them.
+"""Watch recompiles: a hook sees a changed-shape recompile (a prompt bucket compiled lazily,
+since no warmup ran) and same-shape ones (the compile cache cleared, so programs it held are
+built again), then the perf stats count them. After `warmup()` neither would happen: warmup
+compiles the whole plan, and planned compiles are not recompiles.
 
     python examples/recompile_hook.py [MODEL]
 """
@@ -9,9 +11,7 @@ import sys
 import jaxinfer
 
 model = sys.argv[1] if len(sys.argv) > 1 else None
-# Capacity 2: each request needs a prefill and a decode program, so alternating prompt
-# buckets evict each other's prefill executable.
-engine = jaxinfer.load(model, max_seq_len=256, prefill_buckets=(16, 64), compile_cache_size=2)
+engine = jaxinfer.load(model, max_seq_len=256, prefill_buckets=(16, 64), batch_buckets=(1,))
 
 
 def on_recompile(event):
@@ -22,8 +22,12 @@ def on_recompile(event):
 
 handle = engine.on_recompile(on_recompile)
 short, long = [1] * 10, [1] * 40  # prompt chunks of 16 and 64 tokens
-for label, prompt in [("short", short), ("long (new bucket)", long), ("short again", short)]:
-    print(f"request: {label}")
-    engine.generate(prompt, max_new_tokens=8, temperature=0)
+print("request: short (first compiles: not recompiles)")
+engine.generate(short, max_new_tokens=8, temperature=0)
+print("request: long (a new prompt bucket)")
+engine.generate(long, max_new_tokens=8, temperature=0)
+print("compile cache cleared; request: short again")
+engine.compile_cache.clear()
+engine.generate(short, max_new_tokens=8, temperature=0)
 handle.remove()
 print(engine.perf_stats())

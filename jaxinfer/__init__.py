@@ -1,19 +1,19 @@
 """jaxinfer: a JAX/XLA compiled inference stack for Llama- and Qwen-family decoders."""
 
-from .compile import RecompileError, RecompileEvent
+from .compile import RecompileEvent
 from .config import ModelConfig
-from .engine import Engine
+from .engine import Engine, PlannedProgram
 from .errors import (
     CheckpointError,
     JaxinferError,
     LayoutError,
+    RecompileError,
     RequestError,
     UnsupportedModelError,
 )
 from .loader import generate, load
 from .perf import PerfStats
-from .request import Result, StreamPiece
-from .scheduler import Request
+from .request import Request, Result, StreamPiece
 
 __all__ = [
     "CheckpointError",
@@ -22,6 +22,7 @@ __all__ = [
     "LayoutError",
     "ModelConfig",
     "PerfStats",
+    "PlannedProgram",
     "RecompileError",
     "RecompileEvent",
     "Request",

@@ -18,9 +18,8 @@ from dataclasses import asdict, dataclass
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from .engine import Engine, bucket_for
+from .engine import Engine
 
 
 @dataclass
@@ -116,10 +115,12 @@ def run_bench(
             stats = engine.perf_stats()
             mbu = None
             if test == "tg":
-                cfg = engine.cfg
-                S = bucket_for(n + 1, engine.cache_buckets)
-                kv = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * S * n_slots
-                kv *= np.dtype(engine.dtype).itemsize
+                # KV read per step: the live positions, on average the prompt (2) + n / 2.
+                kv_stats = engine.kv_stats()
+                per_token = kv_stats["bytes_allocated"] / (
+                    (kv_stats["pages_total"] + 1) * kv_stats["page_size"]
+                )
+                kv = per_token * (2 + n / 2) * n_slots
                 steps = statistics.mean(rates) / n_slots
                 mbu = (wbytes + kv) * steps / bandwidth
             rows.append(

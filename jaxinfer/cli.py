@@ -52,6 +52,11 @@ def _common(p: argparse.ArgumentParser) -> None:
         help="single, layer, tensor, layer-tensor, or a layout .toml file",
     )  # fmt: skip
     p.add_argument("--devices", type=_devices, default=None, help="use the first N devices")
+    p.add_argument(
+        "--kv-cache-tokens", type=int, default=None,
+        help="KV page pool size in tokens (default: context x max(parallel, 1))",
+    )  # fmt: skip
+    p.add_argument("--page-size", type=int, default=None, help="KV page size in tokens (128)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logs and tracebacks")
     p.add_argument("--compile-cache-dir", default=None, help="persistent compilation cache dir")
     p.add_argument(
@@ -115,6 +120,10 @@ def _load(args):
     options.update(_cache_options(args))
     if getattr(args, "parallel", None) and args.command == "generate":
         options["slots"] = args.parallel
+    if args.kv_cache_tokens is not None:
+        options["kv_cache_tokens"] = args.kv_cache_tokens
+    if args.page_size is not None:
+        options["page_size"] = args.page_size
     return jaxinfer.load(
         args.model, dtype=args.dtype, max_seq_len=args.ctx_size, layout=args.layout,
         devices=args.devices, **options,
@@ -161,7 +170,8 @@ def _bench(args) -> None:
         ctx = args.ctx_size or max(need, 128)
         return jaxinfer.load(
             args.model, dtype=args.dtype, max_seq_len=ctx, layout=layout, devices=dev,
-            batch_buckets=(slots,), graph_reuse=graph_reuse, **_cache_options(args),
+            batch_buckets=(slots,), graph_reuse=graph_reuse, kv_cache_tokens=ctx * slots,
+            **_cache_options(args),
         )  # fmt: skip
 
     def progress(row):
@@ -258,8 +268,15 @@ def _info(args) -> None:
     mesh = ", ".join(f"{a}={n}" for a, n in engine.mesh.shape.items())
     devices = engine.mesh.devices.size
     rows.append(("layout", f"{engine.layout}: mesh {mesh}, {devices} device(s)"))
-    if engine.runner.plan:
-        rows.append(("stages", engine.runner.plan))
+    if engine.runner.description:
+        rows.append(("stages", engine.runner.description))
+    kv = engine.kv_stats()
+    rows.append((
+        "kv cache",
+        f"{kv['pages_total']} pages of {kv['page_size']} tokens "
+        f"({kv['pages_total'] * kv['page_size']} tokens, {kv['bytes_allocated'] / 2**20:.2f} MiB); "
+        f"{len(engine.compile_plan())} programs in the compile plan",
+    ))  # fmt: skip
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:>{width}} : {value}")

@@ -1,13 +1,21 @@
 """CompileCache: every compiled program is looked up here, keyed by shape and sharding.
 
-A key is (program name, static config, per argument leaf (shape, dtype, weak_type, sharding)).
-A hit is a graph reuse. A miss compiles ahead of time (`jit(fn).lower(*args).compile()`); every
-compile after a program's first is a recompile, classified against what that program compiled
-before (DESIGN.md section 2) and reported to the listeners as a `RecompileEvent`.
+A key is (program name, context, per-call argument leaves (shape, dtype, weak_type, sharding)).
+The context stands for what is the same call after call: the static config the program closes
+over, the mesh, and the leaves of the leading arguments (parameters, KV pools), described once
+per placement. A hit is a graph reuse. A miss compiles ahead of time
+(`jit(fn).lower(*args).compile()`). Compiles of the warmup plan are planned; any other compile
+after a program's first is a recompile, classified against what that program compiled before
+(DESIGN.md section 2) and reported to the listeners as a `RecompileEvent`.
+
+The compile watcher counts, through `jax.monitoring`, XLA compiles the cache did not start
+(untracked: a stray eager op, a jit outside the cache) and persistent-cache hits and misses, on
+the threads that are inside an engine call.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import inspect
 import logging
@@ -15,14 +23,14 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import jax
 
-from .errors import JaxinferError
+from .errors import JaxinferError, RecompileError
 
 log = logging.getLogger("jaxinfer.compile")
 
@@ -30,14 +38,10 @@ _DTYPE_SHORT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "int32":
                 "uint32": "u32", "bool": "bool", "int64": "i64", "float64": "f64"}  # fmt: skip
 
 
-class RecompileError(JaxinferError):
-    """Strict mode: a program was compiled after warmup()."""
-
-
 @dataclass(frozen=True)
 class RecompileEvent:
-    program: str  # stable role name: "prefill", "decode", "score", "cache"
-    nodes: int  # HLO instructions of the new executable
+    program: str  # stable role name: "cache", "prefill", "decode", "score"
+    nodes: int  # HLO instructions of the new executable (lines of its HLO text with " = ")
     stages: int  # pipeline stages the program spans
     shape_changed: bool  # argument shapes never compiled before for this program
     sharding_changed: bool  # mesh or shardings differ from this program's previous compile
@@ -57,8 +61,10 @@ class RecompileEvent:
 @dataclass
 class ProgramStats:
     calls: int = 0  # calls served by a cached executable (graphs reused)
-    compiles: int = 0  # initial compile + recompiles
+    compiles: int = 0  # every compile: planned, initial and recompiles
     compile_seconds: float = 0.0
+    planned: int = 0  # compiles of the warmup plan
+    planned_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -68,9 +74,48 @@ class Handle:
     remove: Callable[[], None]
 
 
-def _leaf_key(x) -> tuple:
+@dataclass(frozen=True)
+class Context:
+    """What stays the same between calls of a program on one placement."""
+
+    static: Any  # what the programs close over (model config, dtype, KV geometry...)
+    layout: tuple  # (name, mesh axes, device ids, rules)
+    fixed: tuple[tuple[str, tuple], ...]  # (label, leaf key) of the leading arguments
+    n_fixed: int  # how many leading arguments `fixed` describes
+    stages: int  # pipeline stages of the programs
+
+
+@dataclass(frozen=True)
+class Job:
+    """One compile of the warmup plan."""
+
+    name: str
+    context: int
+    fn: Callable
+    args: tuple  # ShapeDtypeStructs (or arrays)
+    donate: tuple[str, ...]
+    out: Any  # output shardings
+    label: str = ""  # e.g. "B=4 T=128", for the progress bar
+
+
+def leaf_key(x) -> tuple:
     sharding = x.sharding if isinstance(x, jax.Array | jax.ShapeDtypeStruct) else None
     return (x.shape, x.dtype, getattr(x, "weak_type", False), sharding)
+
+
+def labelled_leaves(names: list[str], args: tuple) -> tuple[tuple[str, tuple], ...]:
+    """(argument name + path inside it, leaf key) of every leaf of `args`."""
+    out = []
+    for i, arg in enumerate(args):
+        for path, leaf in jax.tree_util.tree_flatten_with_path(arg)[0]:
+            out.append((names[i] + jax.tree_util.keystr(path), leaf_key(leaf)))
+    return tuple(out)
+
+
+def shapes_text(fn: Callable, args: tuple, skip: int) -> str:
+    """`name shape` of every leaf of fn's arguments after the first `skip`."""
+    names = list(inspect.signature(fn).parameters)[skip:]
+    return " ".join(f"{label} {_text(key)}" for label, key in labelled_leaves(names, args[skip:]))
 
 
 def _text(leaf: tuple) -> str:
@@ -92,11 +137,10 @@ TRACKING = _Tracking()
 class CompileCache:
     """Compiled programs by key, bounded (LRU), with recompile classification and hooks."""
 
-    def __init__(self, capacity: int = 64, *, stages: int = 1, reuse: bool = True):
+    def __init__(self, capacity: int = 64, *, reuse: bool = True):
         if capacity < 1:
             raise JaxinferError(f"compile_cache_size = {capacity} is invalid; it must be >= 1")
         self.capacity = capacity
-        self.stages = stages
         self.reuse = reuse  # False: rebuild every call (the graph-reuse-off benchmark mode)
         self.strict = False  # set by Engine.warmup() in strict mode
         self.stats: dict[str, ProgramStats] = {}
@@ -104,10 +148,13 @@ class CompileCache:
         self.n_diff = 0
         self.n_sharding = 0
         self._entries: OrderedDict[tuple, Any] = OrderedDict()
-        self._history: dict[str, list[tuple]] = {}  # program -> keys compiled, in order
+        self._contexts: list[Context] = []
+        self._context_ids: dict[Context, int] = {}
+        self._seen: dict[str, set[tuple]] = {}  # program -> argument shapes compiled
+        self._last: dict[str, tuple] = {}  # program -> (key, labelled leaves) of its last compile
         self._gone: dict[tuple, str] = {}  # key -> why it left the cache
         self._callbacks: list[Callable[[RecompileEvent], None]] = []
-        self._memo: tuple[Any, tuple] = (None, ())  # (parameter tree, its leaf keys)
+        self._lock = threading.Lock()
 
     # ---- introspection ------------------------------------------------------------------
 
@@ -115,15 +162,16 @@ class CompileCache:
     def size(self) -> int:
         return len(self._entries)
 
-    def __len__(self) -> int:
-        return len(self._entries)
-
     def entries(self) -> dict[str, list[str]]:
-        """Program name -> argument shapes of each cached executable."""
+        """Program name -> per-call argument shapes of each cached executable."""
         out: dict[str, list[str]] = {}
-        for name, _, _, sig in self._entries:
-            out.setdefault(name, []).append(" ".join(_text(leaf) for leaf in sig[1][-8:]))
+        for name, _, _, leaves in self._entries:
+            out.setdefault(name, []).append(" ".join(_text(leaf) for leaf in leaves))
         return out
+
+    def executables(self, name: str) -> list:
+        """The cached executables (jax `Compiled`) of one program."""
+        return [c for key, c in self._entries.items() if key[0] == name]
 
     def compile_seconds(self) -> float:
         return sum(s.compile_seconds for s in self.stats.values())
@@ -145,66 +193,51 @@ class CompileCache:
 
         return Handle(remove)
 
+    def context(self, static, layout: tuple, names: list[str], fixed: tuple, stages=1) -> int:
+        """The id of the context in which the leading arguments `fixed` (named `names`) are
+        the same call after call; their leaves are described once, here."""
+        ctx = Context(static, layout, labelled_leaves(names, fixed), len(fixed), stages)
+        with self._lock:
+            if ctx not in self._context_ids:
+                self._context_ids[ctx] = len(self._contexts)
+                self._contexts.append(ctx)
+            return self._context_ids[ctx]
+
     # ---- lookup -------------------------------------------------------------------------
 
-    def get(
-        self, name: str, fn: Callable, args: tuple, *, static=None, layout=None, donate=(), out=None
-    ):
-        """The executable for `args` (arrays or ShapeDtypeStructs), compiled on a miss.
+    @staticmethod
+    def key(name: str, context: int, args: tuple, fixed: int) -> tuple:
+        """The key of calling `name` on `args`, whose first `fixed` are the context's."""
+        leaves, treedef = jax.tree_util.tree_flatten(args[fixed:])
+        return (name, context, treedef, tuple(map(leaf_key, leaves)))
 
-        `static` is what the program closes over (model config, dtype...); `layout` describes
-        the mesh (axes, devices, rules), which also fixes `out`, the output shardings.
-        """
-        key = (name, static, layout, self._signature(args))
+    def get(self, name: str, context: int, fn: Callable, args: tuple, *, donate=(), out=None):
+        """The executable for `args` (arrays or ShapeDtypeStructs), compiled on a miss."""
+        key = self.key(name, context, args, self._contexts[context].n_fixed)
+        compiled = self.lookup(key)
+        if compiled is None:
+            compiled = self.compile(key, fn, args, donate=donate, out=out)
+        return compiled
+
+    def lookup(self, key: tuple):
+        """A cached executable, counted as a graph reuse; None on a miss."""
         compiled = self._entries.get(key) if self.reuse else None
         if compiled is not None:
             self._entries.move_to_end(key)
-            self.stats[name].calls += 1
-            return compiled
-        return self._compile(key, fn, args, donate, out)
+            self.stats[key[0]].calls += 1
+        return compiled
 
-    def _signature(self, args: tuple) -> tuple:
-        """(treedef, per leaf key). The parameter tree (a step's first argument) is the same
-        object call after call: its leaf keys are computed once, as they dominate host time."""
-        head = args[0] if args and isinstance(args[0], dict) else None
-        if head is not None and self._memo[0] is head:
-            head_keys = self._memo[1]
-        elif head is not None:
-            head_keys = tuple(map(_leaf_key, jax.tree_util.tree_leaves(head)))
-            self._memo = (head, head_keys)
-        leaves, treedef = jax.tree_util.tree_flatten(args)
-        if head is None:
-            return treedef, tuple(map(_leaf_key, leaves))
-        rest = leaves[len(head_keys) :]
-        return treedef, head_keys + tuple(map(_leaf_key, rest))
-
-    def _compile(self, key, fn, args, donate, out):
+    def compile(self, key: tuple, fn: Callable, args: tuple, *, donate=(), out=None):
+        """Compile `key` now, outside any plan: an initial compile or a recompile."""
         name = key[0]
-        history = self._history.setdefault(name, [])
-        shape_changed, sharding_changed, reason = self._classify(key, fn, history)
+        shape_changed, sharding_changed, reason, labelled = self._classify(key, fn, args)
         if self.strict:
             raise RecompileError(f"strict mode: {name} would compile after warmup: {reason}")
-        t0 = time.perf_counter()
-        TRACKING.inside = True
-        try:
-            with jax.profiler.TraceAnnotation(f"compile {name}: {reason}"):
-                jitted = jax.jit(fn, donate_argnums=donate, out_shardings=out)
-                compiled = jitted.lower(*args).compile()
-        finally:
-            TRACKING.inside = False
-        seconds = time.perf_counter() - t0
-        stats = self.stats.setdefault(name, ProgramStats())
-        stats.compiles += 1
-        stats.compile_seconds += seconds
-        if self.reuse:
-            self._entries[key] = compiled
-            self._gone.pop(key, None)
-            while len(self._entries) > self.capacity:
-                old, _ = self._entries.popitem(last=False)
-                self._gone[old] = f"evicted (cache capacity {self.capacity})"
-        initial = not history
-        history.append(key)
-        if initial:
+        first = name not in self._last
+        compiled, seconds = self._build(key, fn, args, donate, out, reason)
+        with self._lock:
+            self._record(key, compiled, seconds, labelled, planned=False)
+        if first:
             log.debug("compile: %s (%.2f s)", name, seconds)
             return compiled
         if sharding_changed:
@@ -216,7 +249,7 @@ class CompileCache:
         event = RecompileEvent(
             program=name,
             nodes=sum(1 for ln in compiled.as_text().splitlines() if " = " in ln),
-            stages=self.stages,
+            stages=self._contexts[key[1]].stages,
             shape_changed=shape_changed,
             sharding_changed=sharding_changed,
             reason=reason,
@@ -232,31 +265,102 @@ class CompileCache:
                 log.exception("recompile hook %r raised", callback)
         return compiled
 
-    def _classify(self, key, fn, history) -> tuple[bool, bool, str]:
-        """(shape_changed, sharding_changed, reason) of compiling `key` now.
+    def compile_planned(
+        self, jobs: list[Job], *, workers: int = 0, on_done: Callable[[Job, float], None] = None
+    ) -> dict[str, tuple[int, float]]:
+        """Compile the warmup plan (what is not cached yet) in a thread pool: XLA compiles
+        release the GIL. Planned compiles are not recompiles: no events, no counts. Returns
+        {program: (executables compiled, compile seconds)}."""
+        todo = []
+        for job in jobs:
+            key = self.key(job.name, job.context, job.args, self._contexts[job.context].n_fixed)
+            if key not in self._entries or not self.reuse:
+                todo.append((key, job))
+        report: dict[str, tuple[int, float]] = {}
+        counts = _THREAD.counts  # the workers' compile events belong to the caller's engine call
+
+        def build(item):
+            key, job = item
+            with watching(counts) if counts is not None else contextlib.nullcontext():
+                compiled, seconds = self._build(key, job.fn, job.args, job.donate, job.out, "plan")
+            labelled = self._labelled(key, job.fn, job.args)
+            with self._lock:
+                self._record(key, compiled, seconds, labelled, planned=True)
+                n, s = report.get(job.name, (0, 0.0))
+                report[job.name] = (n + 1, s + seconds)
+            if on_done is not None:
+                on_done(job, seconds)
+
+        workers = workers or min(len(todo), os.cpu_count() or 1) or 1
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            for future in [pool.submit(build, item) for item in todo]:
+                future.result()
+        return report
+
+    def _build(self, key, fn, args, donate, out, reason):
+        t0 = time.perf_counter()
+        TRACKING.inside = True
+        try:
+            with jax.profiler.TraceAnnotation(f"compile {key[0]}: {reason}"):
+                jitted = jax.jit(fn, donate_argnames=donate, out_shardings=out)
+                compiled = jitted.lower(*args).compile()
+        finally:
+            TRACKING.inside = False
+        return compiled, time.perf_counter() - t0
+
+    def _record(self, key, compiled, seconds, labelled, planned: bool) -> None:
+        name = key[0]
+        stats = self.stats.setdefault(name, ProgramStats())
+        stats.compiles += 1
+        stats.compile_seconds += seconds
+        if planned:
+            stats.planned += 1
+            stats.planned_seconds += seconds
+        self._seen.setdefault(name, set()).add(tuple(leaf[1][0] for leaf in labelled))
+        self._last[name] = (key, labelled)
+        if not self.reuse:
+            return
+        self._entries[key] = compiled
+        self._gone.pop(key, None)
+        while len(self._entries) > self.capacity:
+            old, _ = self._entries.popitem(last=False)
+            self._gone[old] = f"evicted (cache capacity {self.capacity})"
+
+    def _labelled(self, key, fn, args) -> tuple:
+        """Every argument leaf, named: the context's, then the per-call ones."""
+        ctx = self._contexts[key[1]]
+        names = list(inspect.signature(fn).parameters)[ctx.n_fixed :]
+        return ctx.fixed + labelled_leaves(names, args[ctx.n_fixed :])
+
+    def _classify(self, key, fn, args) -> tuple[bool, bool, str, tuple]:
+        """(shape_changed, sharding_changed, reason, labelled leaves) of compiling `key` now.
 
         Only shapes count as a change of shape: dtype or weak-type drift, a churning static
         value, an eviction or a cleared cache are same-shape recompiles (inefficiencies).
         """
-        name, static, layout, sig = key
-        if not history:
-            return True, False, "first compile"
-        prev = history[-1]
-        if layout != prev[2]:
-            return False, True, f"layout changed: {_mesh_text(prev[2])} -> {_mesh_text(layout)}"
-        shapes = [leaf[0] for leaf in sig[1]]
-        shape_changed = all([leaf[0] for leaf in old[3][1]] != shapes for old in history)
-        shardings = [leaf[3] for leaf in sig[1]]
-        sharding_changed = prev[3][0] == sig[0] and [leaf[3] for leaf in prev[3][1]] != shardings
+        name = key[0]
+        labelled = self._labelled(key, fn, args)
+        if name not in self._last:
+            return True, False, "first compile", labelled
+        prev_key, prev = self._last[name]
+        ctx, prev_ctx = self._contexts[key[1]], self._contexts[prev_key[1]]
+        if ctx.layout != prev_ctx.layout:
+            reason = f"layout changed: {_mesh_text(prev_ctx.layout)} -> {_mesh_text(ctx.layout)}"
+            return False, True, reason, labelled
+        shapes = tuple(leaf[1][0] for leaf in labelled)
+        shape_changed = shapes not in self._seen.get(name, set())
+        same_tree = prev_key[2] == key[2] and len(prev) == len(labelled)
+        sharding_changed = same_tree and [x[1][3] for x in prev] != [x[1][3] for x in labelled]
         if key in self._gone:
-            return False, False, self._gone[key]
-        if static != prev[1]:
-            return False, False, f"static config changed: {prev[1]} -> {static}"
+            return False, False, self._gone[key], labelled
+        if ctx.static != prev_ctx.static:
+            reason = f"static config changed: {prev_ctx.static} -> {ctx.static}"
+            return False, False, reason, labelled
         if shape_changed or sharding_changed:
-            return shape_changed, sharding_changed, _diff(fn, prev[3], sig)
+            return shape_changed, sharding_changed, _diff(prev, labelled), labelled
         if not self.reuse:
-            return False, False, "graph reuse off: program rebuilt"
-        return False, False, _diff(fn, prev[3], sig) or "same key compiled again"
+            return False, False, "graph reuse off: program rebuilt", labelled
+        return False, False, _diff(prev, labelled) or "same key compiled again", labelled
 
 
 def _mesh_text(layout) -> str:
@@ -266,28 +370,14 @@ def _mesh_text(layout) -> str:
     return f"{name} ({', '.join(f'{a}={n}' for a, n in axes)})"
 
 
-def _names(fn: Callable, args_sig) -> list[str]:
-    """A readable name per argument leaf: the parameter name plus its path inside."""
-    treedef = args_sig[0]
-    params = list(inspect.signature(fn).parameters)
-    dummy = jax.tree_util.tree_unflatten(treedef, list(range(treedef.num_leaves)))
-    names = []
-    for path, _ in jax.tree_util.tree_flatten_with_path(dummy)[0]:
-        head = path[0].idx if hasattr(path[0], "idx") else 0
-        label = params[head] if head < len(params) else f"arg{head}"
-        names.append(label + jax.tree_util.keystr(path[1:]))
-    return names
-
-
-def _diff(fn: Callable, old: tuple, new: tuple) -> str:
-    """Which arguments changed between two signatures, e.g. `tokens: i32[1,16] -> i32[1,64]`.
-
-    Leaves of one argument that changed the same way are reported once, with their count.
-    """
-    if old[0] != new[0]:
+def _diff(old: tuple, new: tuple) -> str:
+    """Which arguments changed between two labelled signatures, e.g.
+    `tokens: i32[1,16] -> i32[1,64]`. Leaves of one argument that changed the same way are
+    reported once, with their count."""
+    if [label for label, _ in old] != [label for label, _ in new]:
         return "argument structure changed"
     changes: dict[tuple[str, str], list[str]] = {}
-    for label, a, b in zip(_names(fn, new), old[1], new[1], strict=True):
+    for (label, a), (_, b) in zip(old, new, strict=True):
         if a[:2] != b[:2]:
             what = f"{_text(a)} -> {_text(b)}"
         elif a[2] != b[2]:
@@ -296,13 +386,74 @@ def _diff(fn: Callable, old: tuple, new: tuple) -> str:
             what = f"sharding {_spec(a[3])} -> {_spec(b[3])}"
         else:
             continue
-        changes.setdefault((label.split("[")[0], what), []).append(label)
+        changes.setdefault((label.split("[")[0].split(".")[0], what), []).append(label)
     parts = []
     for (arg, what), labels in changes.items():
         name = labels[0] if len(labels) == 1 else f"{arg} ({len(labels)} arrays)"
         parts.append(f"{name}: {what}")
     more = f" (+{len(parts) - 3} more)" if len(parts) > 3 else ""
     return "; ".join(parts[:3]) + more
+
+
+# ---- the compile watcher ------------------------------------------------------------------
+
+_BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+_CACHE_HIT = "/jax/compilation_cache/cache_hits"
+_CACHE_MISS = "/jax/compilation_cache/cache_misses"
+
+
+@dataclass
+class CompileCounts:
+    untracked: int = 0  # XLA compiles the CompileCache did not start
+    persistent_hits: int = 0  # executables loaded from the persistent compilation cache
+    persistent_misses: int = 0
+
+
+class _Watcher(threading.local):
+    counts: CompileCounts | None = None  # where this thread's compile events go
+
+
+_THREAD = _Watcher()
+_LOCK = threading.Lock()
+_INSTALLED = False
+
+
+def _on_duration(name, _secs, **_kw):
+    counts = _THREAD.counts
+    if counts is not None and name == _BACKEND_COMPILE and not TRACKING.inside:
+        with _LOCK:
+            counts.untracked += 1
+
+
+def _on_event(name, **_kw):
+    counts = _THREAD.counts
+    if counts is None or name not in (_CACHE_HIT, _CACHE_MISS):
+        return
+    with _LOCK:
+        if name == _CACHE_HIT:
+            counts.persistent_hits += 1
+        else:
+            counts.persistent_misses += 1
+
+
+@contextlib.contextmanager
+def watching(counts: CompileCounts) -> Iterator[CompileCounts]:
+    """Send the compile events of this thread to `counts` while inside (listeners are
+    registered with jax.monitoring the first time)."""
+    global _INSTALLED
+    with _LOCK:
+        if not _INSTALLED:
+            jax.monitoring.register_event_duration_secs_listener(_on_duration)
+            jax.monitoring.register_event_listener(_on_event)
+            _INSTALLED = True
+    previous, _THREAD.counts = _THREAD.counts, counts
+    try:
+        yield counts
+    finally:
+        _THREAD.counts = previous
+
+
+# ---- the persistent compilation cache -----------------------------------------------------
 
 
 def default_cache_dir() -> Path | None:

@@ -23,3 +23,7 @@ class RequestError(JaxinferError):
 
 class LayoutError(JaxinferError):
     """A device layout that does not fit the model or the devices."""
+
+
+class RecompileError(JaxinferError):
+    """Strict mode: a program was compiled after warmup()."""

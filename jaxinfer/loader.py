@@ -13,27 +13,15 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from flax import nnx
-from jax.sharding import NamedSharding
 
 from .checkpoint import open_checkpoint
 from .compile import default_cache_dir, use_persistent_cache
 from .config import ModelConfig
 from .engine import Engine
 from .errors import JaxinferError
-from .model import Transformer, abstract_model
-from .pipeline import pipeline_runner, place_params
-from .sharding import (
-    cache_spec,
-    effective_rules,
-    load_layout,
-    make_mesh,
-    named,
-    select_devices,
-    spec,
-)
-from .steps import Placement, dense_runner
+from .pipeline import place_pipeline
+from .placement import Placement, Reader, place_dense, random_reader
+from .sharding import effective_rules, load_layout, make_mesh, select_devices
 from .tokenizer import Tokenizer
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -46,6 +34,8 @@ ENGINE_OPTIONS = (
     "strict",
     "graph_reuse",
     "slots",
+    "kv_cache_tokens",
+    "page_size",
 )
 _DEFAULT = object()
 
@@ -68,42 +58,13 @@ def _dtype(name: str):
     return DTYPES[name]
 
 
-def _param_shardings(cfg: ModelConfig, mesh, rules) -> dict[tuple, NamedSharding]:
-    """Each parameter's sharding, from the logical axes it declared where it was created."""
-    state = nnx.state(abstract_model(cfg))
-    return {
-        path: named(mesh, spec(var.get_metadata()["axes"], rules))
-        for path, var in nnx.to_flat_state(state)
-    }
-
-
-def _random_reader(cfg: ModelConfig, seed: int):
-    """Random weights from a fixed seed, read like a checkpoint: (path, shape) -> array."""
-    state = nnx.state(Transformer(cfg, nnx.Rngs(seed)))
-    host = {path: np.asarray(var[...]) for path, var in nnx.to_flat_state(state)}
-    return lambda path, shape: host[path].reshape(shape)
-
-
-def _place(read, cfg: ModelConfig, dtype, layout, devices) -> Placement:
-    """The model on a layout's mesh, weights placed straight into their shardings."""
+def place(read: Reader, cfg: ModelConfig, dtype, layout, devices) -> Placement:
+    """The model on a layout's mesh: pipeline stages when the layout splits the layers."""
     plan = load_layout(layout)
     mesh = make_mesh(plan, select_devices(devices, plan))
     rules = effective_rules(plan, mesh, cfg)
-    if "layers" in rules:
-        params = place_params(read, cfg, mesh, rules, dtype)
-        return Placement(plan.name, mesh, rules, pipeline_runner(cfg, mesh, rules, dtype), params)
-    graphdef, state = nnx.split(abstract_model(cfg))
-    shardings = _param_shardings(cfg, mesh, rules)
-
-    def place(path, leaf):
-        key = tuple(k.key for k in path)
-        host = read(key, leaf.shape).astype(np.dtype(dtype))
-        # Each device receives only its slice (on several hosts, only local devices ask).
-        return jax.make_array_from_callback(leaf.shape, shardings[key], lambda i: host[i])
-
-    params = jax.tree_util.tree_map_with_path(place, nnx.to_pure_dict(state))
-    runner = dense_runner(graphdef, cfg, dtype, named(mesh, cache_spec(rules)))
-    return Placement(plan.name, mesh, rules, runner, params)
+    how = place_pipeline if "layers" in rules else place_dense
+    return how(read, cfg, dtype, plan.name, mesh, rules)
 
 
 def load(
@@ -142,24 +103,25 @@ def load(
             raise JaxinferError(
                 f"a random model needs vocab_size >= {tokenizer.vocab_size} (byte tokenizer)"
             )
-        read = _random_reader(cfg, BUILTIN_SEED)
+        read = random_reader(cfg, BUILTIN_SEED)
         source, name = "random init", cfg.name or BUILTIN_NAME
     else:
         ckpt = open_checkpoint(model)
         cfg, tokenizer, read = ckpt.config, ckpt.tokenizer, ckpt.tensor
         source, name = ckpt.format, str(model)
-    place = partial(_place, read, cfg, compute)
-    placement = place(layout, devices)
     if max_seq_len is None:
         max_seq_len = cfg.max_position
-    if not isinstance(max_seq_len, int) or max_seq_len < 2:
+    bad = not isinstance(max_seq_len, int) or isinstance(max_seq_len, bool)
+    if bad or max_seq_len < 2:
         raise JaxinferError(f"max_seq_len = {max_seq_len!r} is invalid; it must be >= 2")
+    placer = partial(place, read, cfg, compute)
+    placement = placer(layout, devices)
     jax.block_until_ready(placement.params)
     return Engine(
         cfg,
         tokenizer,
         placement,
-        place=place,
+        place=placer,
         dtype=compute,
         max_seq_len=max_seq_len,
         name=name,

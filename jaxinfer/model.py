@@ -14,11 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from . import kvcache
 from .config import ModelConfig, rope_inv_freq
-
-# Per layer: (k, v), each [B, K, S, H]. One donated buffer per layer and tensor keeps the
-# attention dot free of transposes (a stacked [L, B, S, K, H] forces a copy per layer).
-KVCache = list[tuple[jax.Array, jax.Array]]
+from .kvcache import AttentionKV, KVView
 
 
 def _param(rngs: nnx.Rngs, shape, axes, scale=0.02, init_one=False) -> nnx.Param:
@@ -37,37 +35,18 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     return (y * w.astype(jnp.float32)).astype(x.dtype)
 
 
-def rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotate-half RoPE. x [B, T, *, H], positions [B, T]."""
+def rope_table(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """cos, sin [B, T, 1, H/2] of rotate-half RoPE at positions [B, T] (once per forward)."""
     angle = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, H/2]
-    cos = jnp.cos(angle)[:, :, None, :]  # [B, T, 1, H/2]
-    sin = jnp.sin(angle)[:, :, None, :]
+    return jnp.cos(angle)[:, :, None, :], jnp.sin(angle)[:, :, None, :]
+
+
+def rope(x: jax.Array, table: tuple[jax.Array, jax.Array]) -> jax.Array:
+    """Rotate-half RoPE of x [B, T, *, H] with a `rope_table`."""
+    cos, sin = table
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)  # [B, T, *, H/2] each
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)
-
-
-def write_cache(cache_k, cache_v, k, v, positions):
-    """Store k, v [B, T, K, H] at `positions` [B, T] of caches [B, K, S, H].
-
-    One token per row (decode) is a dynamic_update_slice per row, which XLA performs in place
-    on the donated cache. Prompt chunks scatter instead: their padding positions may run past
-    S, and a scatter drops those where an update slice would clamp onto valid entries.
-    """
-    B, T = positions.shape
-    k = k.astype(cache_k.dtype).transpose(0, 2, 1, 3)  # [B, K, T, H]
-    v = v.astype(cache_v.dtype).transpose(0, 2, 1, 3)
-    if T == 1:
-        zero = jnp.zeros((), positions.dtype)
-        for b in range(B):
-            at = (b, zero, positions[b, 0], zero)
-            cache_k = jax.lax.dynamic_update_slice(cache_k, k[b : b + 1], at)
-            cache_v = jax.lax.dynamic_update_slice(cache_v, v[b : b + 1], at)
-        return cache_k, cache_v
-    rows = jnp.arange(B)[:, None]  # [B, 1]
-    cache_k = cache_k.at[rows, :, positions, :].set(k.transpose(0, 2, 1, 3), mode="drop")
-    cache_v = cache_v.at[rows, :, positions, :].set(v.transpose(0, 2, 1, 3), mode="drop")
-    return cache_k, cache_v
 
 
 class Attention(nnx.Module):
@@ -88,12 +67,11 @@ class Attention(nnx.Module):
             self.q_norm = _param(rngs, (H,), ("head_dim",), init_one=True)
             self.k_norm = _param(rngs, (H,), ("head_dim",), init_one=True)
 
-    def __call__(self, x, positions, cache_k, cache_v):
-        """x [B, T, D], positions [B, T]; cache_k/v [B, K, S, H] -> out [B, T, D], new caches."""
+    def __call__(self, x, rope_tab, kv, view: KVView):
+        """x [B, T, D] at the view's positions; kv this layer's (K, V) pools -> [B, T, D], kv."""
         cfg = self.cfg
         B, T, _ = x.shape
         K, G, H = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
-        S = cache_k.shape[2]
         q = jnp.einsum("BTD,ED->BTE", x, self.wq[...])  # [B, T, N*H]
         k = jnp.einsum("BTD,ED->BTE", x, self.wk[...])  # [B, T, K*H]
         v = jnp.einsum("BTD,ED->BTE", x, self.wv[...])  # [B, T, K*H]
@@ -105,26 +83,13 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             q = rms_norm(q, self.q_norm[...], cfg.norm_eps)
             k = rms_norm(k, self.k_norm[...], cfg.norm_eps)
-        inv_freq = rope_inv_freq(cfg)
-        q, k = rope(q, positions, inv_freq), rope(k, positions, inv_freq)
+        q, k = rope(q, rope_tab), rope(k, rope_tab)
+        q = (q * (1.0 / np.sqrt(H))).reshape(B, T, K, G, H)  # [B, T, K, G, H]
 
-        cache_k, cache_v = write_cache(cache_k, cache_v, k, v, positions)
-
-        q = q.reshape(B, T, K, G, H)  # [B, T, K, G, H]
-        scores = jnp.einsum(
-            "BTKGH,BKSH->BKGTS", q, cache_k, preferred_element_type=jnp.float32
-        )  # [B, K, G, T, S]
-        scores = scores * (1.0 / np.sqrt(H))
-        # Entries past a query's position are stale (earlier requests, padding): masked.
-        key_pos = jnp.arange(S)  # [S]
-        visible = key_pos[None, None, :] <= positions[:, :, None]  # [B, T, S]
-        if cfg.sliding_window:
-            visible &= positions[:, :, None] - key_pos[None, None, :] < cfg.sliding_window
-        scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
-        probs = jax.nn.softmax(scores, axis=-1).astype(cache_v.dtype)  # [B, K, G, T, S]
-        out = jnp.einsum("BKGTS,BKSH->BTKGH", probs, cache_v)  # [B, T, K, G, H]
+        kv = kvcache.write(kv, k, v, view)
+        out = kvcache.attend(q, k, v, kv, view, cfg.sliding_window)  # [B, T, K, G, H]
         out = out.reshape(B, T, K * G * H).astype(x.dtype)  # [B, T, N*H]
-        return jnp.einsum("BTE,DE->BTD", out, self.wo[...]), cache_k, cache_v
+        return jnp.einsum("BTE,DE->BTD", out, self.wo[...]), kv
 
 
 class MLP(nnx.Module):
@@ -150,15 +115,13 @@ class Block(nnx.Module):
         self.mlp_norm = _param(rngs, (cfg.d_model,), ("embed",), init_one=True)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x, positions, cache_k, cache_v):
+    def __call__(self, x, rope_tab, kv, view: KVView):
         with jax.named_scope("attn"):
-            h, cache_k, cache_v = self.attn(
-                rms_norm(x, self.attn_norm[...], self.eps), positions, cache_k, cache_v
-            )
+            h, kv = self.attn(rms_norm(x, self.attn_norm[...], self.eps), rope_tab, kv, view)
         x = x + h
         with jax.named_scope("mlp"):
             x = x + self.mlp(rms_norm(x, self.mlp_norm[...], self.eps))
-        return x, cache_k, cache_v
+        return x, kv
 
 
 class Transformer(nnx.Module):
@@ -170,15 +133,17 @@ class Transformer(nnx.Module):
         if not cfg.tie_embeddings:
             self.lm_head = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"))
 
-    def __call__(self, tokens, positions, cache: KVCache):
-        """tokens, positions [B, T] -> final hidden states [B, T, D] (normed), new cache."""
+    def __call__(self, tokens, view: KVView, kv: list):
+        """tokens [B, T] at the view's positions; kv per layer (K, V) pools ->
+        final hidden states [B, T, D] (normed), new kv."""
         x = self.embed_tokens(tokens)  # [B, T, D]
-        new_cache = []
+        rope_tab = rope_table(view.positions(tokens.shape[1]), rope_inv_freq(self.cfg))
+        new_kv = []
         for i, layer in enumerate(self.layers):
             with jax.named_scope(f"layer_{i}"):
-                x, k, v = layer(x, positions, *cache[i])
-            new_cache.append((k, v))
-        return self.final_norm(x), new_cache
+                x, layer_kv = layer(x, rope_tab, kv[i], view)
+            new_kv.append(layer_kv)
+        return self.final_norm(x), new_kv
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
         return jnp.take(self.embed[...], tokens, axis=0)  # [B, T, D]
@@ -196,10 +161,9 @@ def head_logits(h: jax.Array, head: jax.Array) -> jax.Array:
     return jnp.einsum("...D,VD->...V", h, head, preferred_element_type=jnp.float32)
 
 
-def init_cache(cfg: ModelConfig, batch: int, seq: int, dtype) -> KVCache:
-    """A zeroed cache of `seq` positions for `batch` rows: per layer (k, v) [B, K, S, H]."""
-    shape = (batch, cfg.n_kv_heads, seq, cfg.head_dim)
-    return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.n_layers)]
+def cache_layers(cfg: ModelConfig, dtype) -> list[AttentionKV]:
+    """The typed cache of every layer, in layer order."""
+    return [AttentionKV(cfg.n_kv_heads, cfg.head_dim, dtype) for _ in range(cfg.n_layers)]
 
 
 def abstract_model(cfg: ModelConfig) -> Transformer:

@@ -1,52 +1,8 @@
-"""Perf stats (llama.cpp style) and the process-wide compile watcher.
-
-The watcher listens to `jax.monitoring`: every XLA compile that the CompileCache did not
-start is an untracked compile (a stray eager op, a jit outside the cache), and persistent
-compilation cache hits and misses are counted for the stats.
-"""
+"""Perf stats, llama.cpp style: phase timings, graph reuse, recompiles, compiles, KV pages."""
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, fields
-
-import jax
-
-from .compile import TRACKING
-
-_BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
-_CACHE_HIT = "/jax/compilation_cache/cache_hits"
-_CACHE_MISS = "/jax/compilation_cache/cache_misses"
-
-
-class _Watcher:
-    """Counts compile events for the whole process (jax listeners are global)."""
-
-    def __init__(self):
-        self.untracked = 0
-        self.persistent_hits = 0
-        self.persistent_misses = 0
-        self._lock = threading.Lock()
-        jax.monitoring.register_event_duration_secs_listener(self._on_duration)
-        jax.monitoring.register_event_listener(self._on_event)
-
-    def _on_duration(self, name, _secs, **_kw):
-        if name == _BACKEND_COMPILE and not TRACKING.inside:
-            with self._lock:
-                self.untracked += 1
-
-    def _on_event(self, name, **_kw):
-        with self._lock:
-            if name == _CACHE_HIT:
-                self.persistent_hits += 1
-            elif name == _CACHE_MISS:
-                self.persistent_misses += 1
-
-    def snapshot(self) -> tuple[int, int, int]:
-        return self.untracked, self.persistent_hits, self.persistent_misses
-
-
-WATCHER = _Watcher()
 
 
 @dataclass
@@ -62,11 +18,18 @@ class PerfStats:
     recompiles_same: int = 0  # same-shape recompiles: something should have been reused
     recompiles_diff: int = 0  # changed-shape recompiles: new buckets
     recompiles_sharding: int = 0  # after a layout change; expected, not counted above
-    programs: int = 0  # executables compiled (initial compiles + recompiles)
+    programs: int = 0  # executables compiled: the warmup plan, initial compiles, recompiles
     compile_seconds: float = 0.0
+    warmup_programs: int = 0  # of `programs`, compiled by warmup() (the plan)
+    warmup_seconds: float = 0.0  # wall time of warmup() compiles (they run in parallel)
     untracked_compiles: int = 0  # compiles outside the CompileCache (jax.monitoring)
     persistent_hits: int = 0  # executables loaded from the persistent compilation cache
     persistent_misses: int = 0
+    kv_pages_in_use: int = 0  # at the time of the snapshot
+    kv_pages_total: int = 0
+    kv_page_size: int = 0
+    kv_bytes_in_use: int = 0
+    kv_bytes_allocated: int = 0
 
     def host_share(self) -> float:
         """Share of decode wall time spent on the host outside compiled code."""
@@ -84,6 +47,8 @@ class PerfStats:
                 f"({per:8.2f} ms per token, {tps:8.2f} tokens per second)"
             )
 
+        lazy = self.programs - self.warmup_programs
+        mib = 2.0**20
         return "\n".join(
             [
                 f"perf:        load time = {self.load_ms:10.2f} ms",
@@ -94,8 +59,13 @@ class PerfStats:
                 f"perf:    graphs reused = {self.graphs_reused}",
                 f"perf:       recompiles = {self.recompiles_same} / {self.recompiles_diff} "
                 f"(same shape) / (changed shape), {self.recompiles_sharding} after resharding",
-                f"perf:         compiles = {self.programs} programs, {self.compile_seconds:.2f} s; "
-                f"untracked = {self.untracked_compiles}; persistent cache hits = "
-                f"{self.persistent_hits}, misses = {self.persistent_misses}",
+                f"perf:         compiles = {self.warmup_programs} programs (warmup, "
+                f"{self.warmup_seconds:.2f} s) + {lazy} outside warmup "
+                f"({self.compile_seconds:.2f} s compiling in all); untracked = "
+                f"{self.untracked_compiles}; persistent cache hits = {self.persistent_hits}, "
+                f"misses = {self.persistent_misses}",
+                f"perf:         kv cache = {self.kv_pages_in_use} / {self.kv_pages_total} pages "
+                f"of {self.kv_page_size} tokens in use ({self.kv_bytes_in_use / mib:.2f} / "
+                f"{self.kv_bytes_allocated / mib:.2f} MiB)",
             ]
         )

@@ -2,7 +2,7 @@
 
 Layers are assigned to stages as evenly as possible; slot j of every stage is stacked on a
 leading [pp] axis sharded over `pp`, so each device holds only its own layers (and their KV
-cache) and unrolls its slots in Python, as the dense model does. Inside `jax.shard_map` over
+page pools) and unrolls its slots in Python, as the dense model does. Inside `jax.shard_map` over
 `pp`, rows are split into microbatches that flow stage to stage with `lax.ppermute` (GPipe):
 with M microbatches all stages work at once after a bubble of pp - 1 steps; with one row the
 stages run in sequence, as llama.cpp's layer split does. Stages with fewer layers than slots
@@ -22,10 +22,12 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from .config import ModelConfig
-from .model import Block, head_logits, rms_norm
-from .sharding import cache_spec, named, spec
-from .steps import Runner
+from . import kvcache
+from .config import ModelConfig, rope_inv_freq
+from .kvcache import AttentionKV, KVConfig, KVView
+from .model import Block, head_logits, rms_norm, rope_table
+from .placement import Placement, Reader, Runner
+from .sharding import named, spec
 
 AXIS = "pp"
 
@@ -65,7 +67,15 @@ def block_axes(cfg: ModelConfig) -> dict[tuple, tuple]:
     return {path: v.get_metadata()["axes"] for path, v in nnx.to_flat_state(nnx.state(block))}
 
 
-def place_params(read, cfg: ModelConfig, mesh: Mesh, rules: dict, dtype) -> dict:
+def place_pipeline(
+    read: Reader, cfg: ModelConfig, dtype, name: str, mesh: Mesh, rules
+) -> Placement:
+    """The model split into stages over the mesh's `pp` axis."""
+    params = place_params(read, cfg, mesh, rules, dtype)
+    return Placement(name, mesh, rules, pipeline_runner(cfg, mesh, rules, dtype), params)
+
+
+def place_params(read: Reader, cfg: ModelConfig, mesh: Mesh, rules: dict, dtype) -> dict:
     """Parameters in pipeline form: {embed, norm, [lm_head], slots: [per slot, leaves [pp, ...]]}.
 
     `read(path, shape)` gives one parameter of the plain model as a host array (path as in the
@@ -115,94 +125,86 @@ def pipeline_runner(cfg: ModelConfig, mesh: Mesh, rules: dict, dtype) -> Runner:
     plan = stage_plan(cfg.n_layers, mesh.shape[AXIS])
     pp = plan.stages
     block_def = nnx.graphdef(nnx.eval_shape(lambda: Block(cfg, nnx.Rngs(0))))
-    kv_spec = P(AXIS, *cache_spec(rules))
+    layer = AttentionKV(cfg.n_kv_heads, cfg.head_dim, dtype)
     manual = frozenset({AXIS})
     valid = plan.valid
 
-    def init_cache(batch: int, length: int):
-        shape = (pp, batch, cfg.n_kv_heads, length, cfg.head_dim)
-        return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(plan.slots)]
+    def init_kv(kv: KVConfig):
+        """Per slot, the (K, V) pools of that slot's layer on every stage: [pp, P, K, H, page]."""
+        return [jax.tree.map(lambda a: jnp.broadcast_to(a, (pp, *a.shape)), layer.init(kv))
+                for _ in range(plan.slots)]  # fmt: skip
 
-    def stage(slots, x, positions, cache):
-        """One device's stage. slots/cache leaves [1, ...]; x [B, T, D]; positions [B, T]."""
+    def stage(slots, x, rope_tab, view, kv):
+        """One device's stage. slots/kv leaves [1, ...]; x [B, T, D]; view rows [B]."""
         s = lax.axis_index(AXIS)
         slots = jax.tree.map(lambda a: a[0], slots)
-        cache = jax.tree.map(lambda a: a[0], cache)  # per slot (k, v) [B, K, S, H]
+        kv = jax.tree.map(lambda a: a[0], kv)  # per slot (K, V) [P, K, H, page]
         B = x.shape[0]
         M = microbatches(B, pp)
         mb = B // M
         xs = x.reshape(M, mb, *x.shape[1:])  # [M, mb, T, D]
-        ps = positions.reshape(M, mb, -1)  # [M, mb, T]
         ok = jnp.asarray(valid)[s]  # [slots]
 
-        def run_stage(y, pos, cache, m):
+        def rows(tree, m):  # microbatch m's rows of a [B, ...] tree (all of it when M = 1)
+            if M == 1:
+                return tree
+            return jax.tree.map(lambda a: lax.dynamic_slice_in_dim(a, m * mb, mb, 0), tree)
+
+        def run_stage(y, kv, m):
+            # Microbatches write disjoint pages of the shared pools: no slicing of the cache.
+            tab, v = rows(rope_tab, m), rows(view, m)
             new = []
             for j in range(plan.slots):
-                k, v = cache[j]
-                if M > 1:  # this microbatch's rows of the cache
-                    k_m = lax.dynamic_slice_in_dim(k, m * mb, mb, 0)
-                    v_m = lax.dynamic_slice_in_dim(v, m * mb, mb, 0)
-                else:
-                    k_m, v_m = k, v
                 with jax.named_scope(f"slot_{j}"):
-                    out, k_m, v_m = nnx.merge(block_def, slots[j])(y, pos, k_m, v_m)
-                y = jnp.where(ok[j], out, y)  # padding slots are identity layers
-                if M > 1:
-                    k = lax.dynamic_update_slice_in_dim(k, k_m, m * mb, 0)
-                    v = lax.dynamic_update_slice_in_dim(v, v_m, m * mb, 0)
-                else:
-                    k, v = k_m, v_m
-                new.append((k, v))
+                    out, layer_kv = nnx.merge(block_def, slots[j])(y, tab, kv[j], v)
+                # Padding slots are identity layers; what they write lands in their own pools.
+                y = jnp.where(ok[j], out, y)
+                new.append(layer_kv)
             return y, new
 
         def step(t, carry):
-            state, outs, cache = carry
+            state, outs, kv = carry
             m = t - s  # the microbatch this stage holds at time t
             live = (m >= 0) & (m < M)
             mi = jnp.clip(m, 0, M - 1)
             y = jnp.where(s == 0, xs[mi], state)
             # Idle stages (the pipeline bubble) skip their layers and keep their cache.
-            y, cache = lax.cond(
-                live,
-                partial(run_stage, m=mi),
-                lambda y, pos, cache: (y, cache),
-                y, ps[mi], cache,
-            )  # fmt: skip
+            y, kv = lax.cond(live, partial(run_stage, m=mi), lambda y, kv: (y, kv), y, kv)
             outs = jnp.where((s == pp - 1) & live, outs.at[mi].set(y), outs)
             state = lax.ppermute(y, AXIS, [(i, (i + 1) % pp) for i in range(pp)])
-            return state, outs, cache
+            return state, outs, kv
 
         init = lax.pcast((jnp.zeros_like(xs[0]), jnp.zeros_like(xs)), (AXIS,), to="varying")
-        _, outs, cache = lax.fori_loop(0, M + pp - 1, step, (*init, cache))
+        _, outs, kv = lax.fori_loop(0, M + pp - 1, step, (*init, kv))
         out = lax.psum(jnp.where(s == pp - 1, outs, jnp.zeros_like(outs)), AXIS)  # [M, mb, T, D]
-        return out.reshape(x.shape), jax.tree.map(lambda a: a[None], cache)
+        return out.reshape(x.shape), jax.tree.map(lambda a: a[None], kv)
 
     staged = jax.shard_map(
         stage,
         mesh=mesh,
-        in_specs=(P(AXIS), P(), P(), P(AXIS)),
+        in_specs=(P(AXIS), P(), P(), P(), P(AXIS)),
         out_specs=(P(), P(AXIS)),
         axis_names=manual,
     )
 
-    def forward(params, tokens, positions, cache):
+    def forward(params, tokens, view: KVView, kv):
         x = jnp.take(params["embed"], tokens, axis=0)  # [B, T, D]
+        rope_tab = rope_table(view.positions(tokens.shape[1]), rope_inv_freq(cfg))
         with jax.named_scope("stages"):
-            x, cache = staged(params["slots"], x, positions, cache)
-        return rms_norm(x, params["norm"], cfg.norm_eps), cache
+            x, kv = staged(params["slots"], x, rope_tab, view, kv)
+        return rms_norm(x, params["norm"], cfg.norm_eps), kv
 
     def head(params, h):
         return head_logits(h, params["embed"] if cfg.tie_embeddings else params["lm_head"])
 
-    kv = named(mesh, kv_spec)
+    pool = named(mesh, P(AXIS, *spec(kvcache.AXES, rules)))
     return Runner(
         forward=forward,
         head=head,
-        init_cache=init_cache,
-        cache_shardings=lambda: [(kv, kv)] * plan.slots,
+        init_kv=init_kv,
+        kv_shardings=lambda: [(pool, pool)] * plan.slots,
         stages=pp,
-        plan=describe(plan),
-        batch_axis=1,
+        description=describe(plan),
     )
 
 

@@ -1,12 +1,16 @@
 """A request on the host: its prompt, sampling values and stops, and the text it has made.
 
-`Row.accept(ids)` takes the ids a compiled decode call produced for this request: it applies
+`RequestState.accept(ids)` takes the ids a compiled call produced for this request: it applies
 stop tokens, stop strings and the token budget, detokenizes incrementally, and returns the
 piece of text that can be shown (held back while it could still start a stop string).
+`Request` is the handle `Engine.submit` returns.
 """
 
 from __future__ import annotations
 
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from .sampling import SamplingParams
@@ -19,8 +23,9 @@ class Result:
     token_ids: list[int]  # generated ids only (a final EOS / stop token included)
     prompt_ids: list[int]
     finish_reason: str  # "stop" (EOS, stop token or stop string), "length" or "cancelled"
-    prompt_ms: float = 0.0  # prefill time of the batch this request was in
-    decode_ms: float = 0.0  # decode time of the batch this request was in
+    queue_ms: float = 0.0  # from submit to admission (waiting for a slot or KV pages)
+    prompt_ms: float = 0.0  # from admission to the first new token (prefill)
+    decode_ms: float = 0.0  # from the first new token to the last
 
 
 @dataclass(frozen=True)
@@ -30,9 +35,9 @@ class StreamPiece:
     finish_reason: str | None = None  # set on the last piece
 
 
-@dataclass
-class Row:
-    """One request being served (a row of a batch, or a slot)."""
+@dataclass(eq=False)
+class RequestState:
+    """One request being served, from submit to its last token."""
 
     prompt: list[int]
     params: SamplingParams
@@ -41,17 +46,40 @@ class Row:
     stop_strings: list[str]
     budget: int  # new tokens allowed (max_new_tokens clipped to the context)
     decoder: StreamDecoder
+    sampling: tuple  # its packed sampling row (SamplingRows.row), checked at submit
+    interactive: bool = False  # streamed or with stop strings: the host wakes more often
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     emitted: int = 0  # characters of `text` already streamed
     finish: str | None = None
-    prompt_ms: float = 0.0
-    decode_ms: float = 0.0
+    pieces: deque = field(default_factory=deque)  # delivered, not yet streamed
+    submitted_at: float = field(default_factory=time.perf_counter)
+    admitted_at: float | None = None
+    first_token_at: float | None = None
+    finished_at: float | None = None
+
+    @property
+    def need(self) -> int:
+        """KV positions it can ever write: the prompt and every generated token but the last
+        (which is never fed back)."""
+        return len(self.prompt) + max(self.budget, 1) - 1
+
+    def end(self, reason: str) -> None:
+        self.finish = reason
+        self.finished_at = time.perf_counter()
 
     def accept(self, ids: list[int]) -> StreamPiece:
         """Append newly generated ids; the piece they complete (maybe empty)."""
         if self.finish or not ids:
             return StreamPiece("", [], self.finish)
+        if self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+        piece = self._accept(ids)
+        if self.finish:
+            self.finished_at = time.perf_counter()
+        return piece
+
+    def _accept(self, ids: list[int]) -> StreamPiece:
         if self.stop_strings:
             new_ids = self._accept_each(ids)
         else:  # the device already stopped at stop tokens: take the chunk whole
@@ -101,11 +129,62 @@ class Row:
         return False
 
     def result(self) -> Result:
+        def ms(a, b):
+            return (b - a) * 1e3 if a is not None and b is not None else 0.0
+
         return Result(
             text=self.text,
             token_ids=list(self.token_ids),
             prompt_ids=list(self.prompt),
             finish_reason=self.finish or "length",
-            prompt_ms=self.prompt_ms,
-            decode_ms=self.decode_ms,
+            queue_ms=ms(self.submitted_at, self.admitted_at),
+            prompt_ms=ms(self.admitted_at, self.first_token_at),
+            decode_ms=ms(self.first_token_at, self.finished_at),
         )
+
+
+class Request:
+    """A submitted request: `result()` and `stream()` drive the engine until it is done."""
+
+    def __init__(self, state: RequestState, drive: Callable[[], None], cancel: Callable):
+        self.state = state
+        self._drive = drive  # one engine step
+        self._cancel = cancel
+
+    @property
+    def done(self) -> bool:
+        return self.state.finish is not None
+
+    def result(self) -> Result:
+        while not self.done:
+            self._drive()
+        return self.state.result()
+
+    def stream(self) -> Iterator[StreamPiece]:
+        """Pieces of text as they are produced. Closing the stream early (a client gone, a
+        `break`) cancels the request, so its slot and pages free at once."""
+        pieces = self.state.pieces
+        try:
+            while True:
+                while pieces:
+                    yield pieces.popleft()
+                if self.done:
+                    return
+                self._drive()
+        finally:
+            if not self.done:
+                self.cancel()
+
+    def cancel(self) -> None:
+        self._cancel(self.state)
+
+    @property
+    def latency(self) -> float | None:
+        """Seconds from submit to the last token."""
+        s = self.state
+        return None if s.finished_at is None else s.finished_at - s.submitted_at
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        s = self.state
+        return None if s.first_token_at is None else s.first_token_at - s.submitted_at

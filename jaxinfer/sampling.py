@@ -1,8 +1,9 @@
 """Sampling: per-request values checked on the host, tokens drawn on the device.
 
 Every sampling value travels as an array row, never as a static argument, so changing the
-temperature or the seed between requests compiles nothing. The chain follows llama.cpp's
-order: penalties over the last `PENALTY_WINDOW` tokens, then temperature, top-k, top-p, min-p.
+temperature or the seed between requests compiles nothing. The chain is llama.cpp's default
+(common/common.h): penalties over the last `PENALTY_WINDOW` tokens, then top-k, top-p and
+min-p on the untempered logits, then temperature on the survivors, then the draw.
 """
 
 from __future__ import annotations
@@ -13,14 +14,20 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from .errors import RequestError
 
 PENALTY_WINDOW = 64  # llama.cpp's --repeat-last-n default; the prompt tail counts too
 N_STOP_IDS = 8  # stop-token slots per row (EOS ids + user stop tokens)
 
-# Column order of the float and int rows packed for the device.
-_F = ("temperature", "top_p", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty")
+# Columns of the float and int rows packed for the device (one array each keeps the number of
+# arguments of a compiled call small).
+FLOATS = (
+    "temperature", "top_p", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty",
+)  # fmt: skip
+INTS = ("top_k", "seed")
+_C = {name: i for i, name in enumerate(FLOATS)} | {name: i for i, name in enumerate(INTS)}
 
 
 @dataclass(frozen=True)
@@ -38,7 +45,7 @@ class SamplingParams:
         def bad(name, value, want):
             raise RequestError(f"{name} = {value!r} is invalid; it must be {want}")
 
-        for name in _F:
+        for name in FLOATS:
             v = getattr(self, name)
             if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v):
                 bad(name, v, "a finite number")
@@ -72,22 +79,53 @@ def recent_window(ids: list[int]) -> np.ndarray:
     return window
 
 
-def pack(params: list[SamplingParams], seeds: list[int], stop_ids: list[list[int]], batch: int):
-    """Rows for the device: floats [B, 6], ints [B, 2] (top_k, seed), stops [B, N_STOP_IDS].
+@struct.dataclass
+class SamplingRows:
+    """The sampling values of B rows; padding rows sample greedily."""
 
-    Rows past len(params) are padding and sample greedily.
-    """
-    f = np.zeros((batch, len(_F)), np.float32)
-    f[:, 1] = f[:, 3] = 1.0  # padding rows: top_p 1, repeat_penalty 1
-    i = np.zeros((batch, 2), np.int32)
-    stops = np.full((batch, N_STOP_IDS), -1, np.int32)
-    for b, (p, seed, ids) in enumerate(zip(params, seeds, stop_ids, strict=True)):
-        f[b] = [getattr(p, name) for name in _F]
-        i[b] = [p.top_k, seed]
-        if len(ids) > N_STOP_IDS:
-            raise RequestError(f"at most {N_STOP_IDS} stop tokens per request, got {len(ids)}")
-        stops[b, : len(ids)] = ids
-    return {"f": f, "i": i, "stops": stops}
+    floats: jax.Array  # [B, len(FLOATS)] float32
+    ints: jax.Array  # [B, len(INTS)] int32
+    stops: jax.Array  # [B, N_STOP_IDS] int32 stop ids, -1 = unused
+
+    @staticmethod
+    def row(params: SamplingParams, seed: int, stop_ids: list[int]) -> tuple:
+        """One request's packed row; checked here, so a bad request fails at submit."""
+        if len(stop_ids) > N_STOP_IDS:
+            raise RequestError(
+                f"at most {N_STOP_IDS} stop tokens per request (EOS ids included), got "
+                f"{len(stop_ids)}; pass fewer stop_tokens or ignore_eos=True"
+            )
+        stops = np.full(N_STOP_IDS, -1, np.int32)
+        stops[: len(stop_ids)] = stop_ids
+        return (
+            np.array([getattr(params, name) for name in FLOATS], np.float32),
+            np.array([params.top_k, seed], np.int32),
+            stops,
+        )
+
+    @staticmethod
+    def abstract(batch: int) -> SamplingRows:
+        def spec(width, dtype):
+            return jax.ShapeDtypeStruct((batch, width), dtype)
+
+        return SamplingRows(
+            spec(len(FLOATS), np.float32), spec(len(INTS), np.int32), spec(N_STOP_IDS, np.int32)
+        )
+
+    @staticmethod
+    def stack(rows: list[tuple], batch: int) -> SamplingRows:
+        """Host rows for `batch` rows: `rows` first, then greedy padding."""
+        floats = np.zeros((batch, len(FLOATS)), np.float32)
+        floats[:, _C["top_p"]] = floats[:, _C["repeat_penalty"]] = 1.0
+        ints = np.zeros((batch, len(INTS)), np.int32)
+        stops = np.full((batch, N_STOP_IDS), -1, np.int32)
+        for b, (f, i, s) in enumerate(rows):
+            floats[b], ints[b], stops[b] = f, i, s
+        return SamplingRows(floats, ints, stops)
+
+
+def _col(rows: jax.Array, name: str) -> jax.Array:
+    return rows[:, _C[name], None]  # [B, 1]
 
 
 def _penalize(logits, window, f):
@@ -100,45 +138,52 @@ def _penalize(logits, window, f):
         .add((window >= 0).astype(jnp.float32), mode="drop")
     )  # [B, V]
     seen = counts > 0
-    rp = f[:, 3:4]
+    rp = _col(f, "repeat_penalty")
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rp, logits * rp), logits)
-    return logits - counts * f[:, 5:6] - seen * f[:, 4:5]
+    return logits - counts * _col(f, "frequency_penalty") - seen * _col(f, "presence_penalty")
 
 
 def _filter(logits, f, top_k):
-    """Temperature, then top-k, top-p and min-p masks (-inf outside). logits [B, V] f32."""
+    """top-k, then top-p, then min-p on untempered logits [B, V] f32 (-inf outside), as
+    llama.cpp's samplers do: each filter with its "off" value (k <= 0, p >= 1, min_p <= 0) is
+    skipped, and the best token always survives."""
     V = logits.shape[-1]
-    logits = logits / jnp.maximum(f[:, 0:1], 1e-6)
     desc = -jnp.sort(-logits, axis=-1)  # [B, V] descending
     k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)  # [B]
     kth = jnp.take_along_axis(desc, (k - 1)[:, None], axis=-1)  # [B, 1]
     desc = jnp.where(jnp.arange(V)[None] < k[:, None], desc, -jnp.inf)
     probs = jax.nn.softmax(desc, axis=-1)  # [B, V] over the top-k survivors
     before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each candidate
-    keep = (before < f[:, 1:2]) | (jnp.arange(V)[None] == 0)  # the best token always stays
+    top_p = _col(f, "top_p")
+    keep = (before < top_p) | (top_p >= 1) | (jnp.arange(V)[None] == 0)
     p_cut = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)  # [B, 1]
-    min_cut = desc[:, :1] + jnp.log(jnp.maximum(f[:, 2:3], 1e-30))  # p >= min_p * p_max
+    min_p = _col(f, "min_p")
+    min_cut = jnp.where(  # p >= min_p * p_max, over the top-p survivors
+        min_p > 0, desc[:, :1] + jnp.log(jnp.maximum(min_p, 1e-30)), -jnp.inf
+    )
     cut = jnp.maximum(jnp.maximum(kth, p_cut), min_cut)
     return jnp.where(logits >= cut, logits, -jnp.inf)
 
 
-def sample(logits, window, sp, positions):
-    """logits [B, V] f32, window [B, W], sp packed rows, positions [B] of the new tokens -> [B].
+def sample(logits, window, rows: SamplingRows, positions):
+    """logits [B, V] f32, window [B, W], the rows' values, positions [B] of the new tokens
+    -> tokens [B].
 
     The key of each draw is (seed, position): the same seed gives the same text however the
     decode is split into calls.
     """
-    f, i = sp["f"], sp["i"]
+    f = rows.floats
     logits = _penalize(logits, window, f)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    temperature = _col(f, "temperature")
 
     def draw(_):
-        masked = _filter(logits, f, i[:, 0])
-        keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.PRNGKey(s), p))(
-            i[:, 1], positions
+        tempered = _filter(logits, f, rows.ints[:, _C["top_k"]]) / jnp.maximum(temperature, 1e-6)
+        keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(
+            rows.ints[:, _C["seed"]], positions
         )
-        drawn = jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)
-        return jnp.where(f[:, 0] > 0, drawn, greedy)
+        drawn = jax.vmap(jax.random.categorical)(keys, tempered).astype(jnp.int32)
+        return jnp.where(temperature[:, 0] > 0, drawn, greedy)
 
     # All-greedy batches skip the sort over the vocabulary.
-    return jax.lax.cond(jnp.any(f[:, 0] > 0), draw, lambda _: greedy, None)
+    return jax.lax.cond(jnp.any(temperature > 0), draw, lambda _: greedy, None)

@@ -1,237 +1,256 @@
-"""Slots: continuous batching over a fixed number of slots.
+"""Scheduler: the one loop behind generate(), submit() and streaming.
 
-Requests queue and take free slots; each slot's prompt is prefilled chunk by chunk (one chunk
-per step, interleaved with one decode call for the running slots); a finished or cancelled
-request frees its slot at once. All slots share one KV cache [N, K, S, H] (N = slots, rows of
-idle slots are masked), grown through the cache-length buckets as requests need, so the
-programs are the same N-row decode and one-row prefill whatever requests come and go.
+Each step admits queued requests while a row and their KV pages are free, runs one prompt
+chunk for every row still prefilling (as one batch), runs one decode call for the rows that are
+decoding, and returns what each request produced. Rows are compacted into the smallest batch
+bucket that holds them: the KV lives in pages reached through block tables, so moving a
+request to another row moves nothing but its table row. A request reserves every page it can
+need when admitted and takes them as it grows, so it never fails mid-generation; finishing or
+cancelling gives them back at once.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .sampling import PENALTY_WINDOW, pack, recent_window
+from .buckets import ShapePlan
+from .errors import RequestError
+from .executor import Executor
+from .kvcache import NULL_PAGE, KVView
+from .perf import PerfStats
+from .programs import Chunk, DecodeState
+from .request import RequestState, StreamPiece
+from .sampling import PENALTY_WINDOW, SamplingRows, recent_window
 
-if TYPE_CHECKING:
-    from .engine import Engine
-    from .request import Result, Row, StreamPiece
-
-
-class Request:
-    """A submitted request: `result()` and `stream()` drive the engine until it is done."""
-
-    def __init__(self, slots: Slots, row: Row):
-        self._slots = slots
-        self.row = row
-        self.pieces: deque[StreamPiece] = deque()
-        self.submitted = time.perf_counter()
-        self.first_token_at: float | None = None
-        self.finished_at: float | None = None
-
-    @property
-    def done(self) -> bool:
-        return self.row.finish is not None
-
-    def result(self) -> Result:
-        while not self.done:
-            self._slots.engine.step()
-        return self.row.result()
-
-    def stream(self) -> Iterator[StreamPiece]:
-        while True:
-            while self.pieces:
-                yield self.pieces.popleft()
-            if self.done:
-                return
-            self._slots.engine.step()
-
-    def cancel(self) -> None:
-        self._slots.cancel(self)
-
-    @property
-    def latency(self) -> float | None:
-        """Seconds from submit to the last token."""
-        return None if self.finished_at is None else self.finished_at - self.submitted
-
-    @property
-    def time_to_first_token(self) -> float | None:
-        return None if self.first_token_at is None else self.first_token_at - self.submitted
+Delivery = tuple[RequestState, StreamPiece]
 
 
-@dataclass
+@dataclass(eq=False)
 class _Active:
-    request: Request
-    offset: int = 0  # prompt tokens already prefilled
+    """An admitted request: its pages, its prompt progress and a host copy of its decode row."""
+
+    state: RequestState | None  # None: a scoring pass (Engine.logits)
+    reserved: int  # pages promised to it and not yet taken
+    pages: list[int] = field(default_factory=list)  # held, in position order
+    offset: int = 0  # prompt tokens prefilled
     decoding: bool = False
-    sp: dict = field(default_factory=dict)  # this request's packed sampling row
+    token: int = 0  # the next input token
+    pos: int = 0  # its position
+    left: int = 0  # tokens still allowed
 
 
-class Slots:
-    def __init__(self, engine: Engine, n: int):
-        self.engine = engine
-        self.n = n
-        self.queue: deque[Request] = deque()
-        self.active: list[_Active | None] = [None] * n
-        self.cache = None
-        self.length = 0  # cache positions S
-        self.carry = {
-            "tokens": np.zeros(n, np.int32),
-            "pos": np.zeros(n, np.int32),
-            "budget": np.zeros(n, np.int32),
-            "done": np.ones(n, bool),
-            "window": np.full((n, PENALTY_WINDOW), -1, np.int32),
-        }
-        self.sp = pack([], [], [], n)
+class Scheduler:
+    def __init__(
+        self,
+        executor: Executor,
+        shapes: ShapePlan,
+        perf: PerfStats,
+        clock: Callable[[], float],
+        *,
+        decode_chunk: int,
+        stream_chunk: int,
+        always_interactive: bool,
+    ):
+        self.executor = executor
+        self.shapes = shapes
+        self.perf = perf
+        self.clock = clock  # seconds, compile time excluded
+        self.decode_chunk = decode_chunk
+        self.stream_chunk = stream_chunk
+        # Slots serve requests that arrive between steps: always wake every `stream_chunk`.
+        self.always_interactive = always_interactive
+        self.queue: deque[RequestState] = deque()
+        self.running: list[_Active] = []  # in admission order
+        self._last: tuple[tuple[_Active, ...], object] = ((), None)  # rows, device state
 
     # ---- requests -----------------------------------------------------------------------
 
-    def submit(self, row: Row) -> Request:
-        request = Request(self, row)
-        if row.budget <= 0:
-            row.finish = "length"
-            request.finished_at = time.perf_counter()
-        else:
-            self.queue.append(request)
-        return request
+    def check(self, state: RequestState) -> None:
+        """Refuse a request that could never get its pages, with the numbers."""
+        pages = self.executor.pages
+        need, total = pages.pages_for(state.need), pages.kv.usable_pages
+        if need > total:
+            raise RequestError(
+                f"the request needs {need} KV pages ({state.need} positions, "
+                f"{pages.page_size} per page) but the pool holds {total}; "
+                "lower max_new_tokens or load with a larger kv_cache_tokens"
+            )
 
-    def cancel(self, request: Request) -> None:
-        if request.done:
+    def submit(self, state: RequestState) -> None:
+        self.check(state)
+        if state.budget <= 0:
+            state.end("length")
+        else:
+            self.queue.append(state)
+
+    def cancel(self, state: RequestState) -> None:
+        if state.finish is not None:
             return
-        request.row.finish = "cancelled"
-        request.finished_at = time.perf_counter()
-        if request in self.queue:
-            self.queue.remove(request)
-            return
-        for b, slot in enumerate(self.active):
-            if slot is not None and slot.request is request:
-                self._free(b)
+        state.end("cancelled")
+        if state in self.queue:
+            self.queue.remove(state)
+        for active in self.running:
+            if active.state is state:
+                self._retire(active)
+                break
 
     def idle(self) -> bool:
-        return not self.queue and all(s is None for s in self.active)
+        return not self.queue and not self.running
 
-    # ---- one scheduling step ------------------------------------------------------------
+    # ---- one step -----------------------------------------------------------------------
 
-    def step(self) -> None:
-        """Admit queued requests, prefill one chunk, run one decode call."""
+    def step(self) -> list[Delivery]:
+        """Admit, one prompt chunk, one decode call; the pieces each request produced."""
+        out: list[Delivery] = []
         self._admit()
-        self._prefill_one_chunk()
-        if any(s is not None and s.decoding for s in self.active):
-            self._decode()
+        self._prefill(out)
+        self._decode(out)
+        return out
 
     def _admit(self) -> None:
-        for b in range(self.n):
-            if self.active[b] is None and self.queue:
-                request = self.queue.popleft()
-                row = request.row
-                sp = pack([row.params], [row.seed], [row.stop_ids], 1)
-                self.active[b] = _Active(request, sp=sp)
-                for key in ("f", "i", "stops"):
-                    self.sp[key][b] = sp[key][0]
-                # One position beyond what the request writes: the parking spot (see _park).
-                self._ensure_length(len(row.prompt) + row.budget)
-                self._park()
+        pages = self.executor.pages
+        while self.queue and len(self.running) < self.shapes.rows:
+            state = self.queue[0]
+            need = pages.pages_for(state.need)
+            if not pages.reserve(need):
+                return  # it waits for pages; later requests wait behind it
+            self.queue.popleft()
+            state.admitted_at = time.perf_counter()
+            self.running.append(_Active(state, need))
 
-    def _ensure_length(self, need: int) -> None:
-        """A cache long enough for `need` positions, grown one bucket at a time."""
-        engine = self.engine
-        target = engine.cache_buckets.index(bucket_for(need, engine.cache_buckets))
-        if self.cache is None:
-            size = np.zeros((self.n, engine.cache_buckets[target]), np.bool_)
-            self.cache = engine._run("cache", size, donate=())
-            self.length = engine.cache_buckets[target]
-            return
-        while self.length < engine.cache_buckets[target]:
-            nxt = engine.cache_buckets[engine.cache_buckets.index(self.length) + 1]
-            self.cache = engine._run("grow", self.cache, np.zeros(nxt, np.bool_), donate=())
-            self.length = nxt
+    def _table(self, rows: list[_Active], batch: int) -> np.ndarray:
+        table = np.full((batch, self.executor.kv_config.table_width), NULL_PAGE, np.int32)
+        for b, active in enumerate(rows):
+            table[b, : len(active.pages)] = active.pages
+        return table
 
-    def _prefill_one_chunk(self) -> None:
-        waiting = [(b, s) for b, s in enumerate(self.active) if s is not None and not s.decoding]
-        if not waiting:
-            return
-        engine = self.engine
-        b, slot = min(waiting, key=lambda bs: bs[1].request.submitted)
-        prompt = slot.request.row.prompt
-        T = engine.chunk_for(len(prompt) - slot.offset, self.length)
-        seg = prompt[slot.offset : slot.offset + T]
-        tokens = np.zeros((1, T), np.int32)
-        tokens[0, : len(seg)] = seg
-        window = recent_window(prompt)[None]  # [1, W]
-        t0 = engine._clock()
-        self.cache, token = engine._run(
-            "prefill_slot", engine.params, self.cache, np.int32(b), tokens,
-            np.array([slot.offset], np.int32), np.array([len(seg)], np.int32), window, slot.sp,
-        )  # fmt: skip
-        slot.offset += len(seg)
-        if slot.offset < len(prompt):
-            engine._perf.prompt_ms += (engine._clock() - t0) * 1e3
-            engine._perf.prompt_tokens += len(seg)
-            return
-        first = int(np.asarray(token)[0])  # the prompt is in: its first new token
-        engine._perf.prompt_ms += (engine._clock() - t0) * 1e3
-        engine._perf.prompt_tokens += len(seg)
-        self._deliver(b, [first])
-        if self.active[b] is None:
-            return  # finished on its first token
-        slot.decoding = True
-        row = slot.request.row
-        self.carry["tokens"][b] = first
-        self.carry["pos"][b] = len(prompt)
-        self.carry["budget"][b] = row.budget - 1
-        self.carry["done"][b] = False
-        self.carry["window"][b] = recent_window(prompt)
+    def _grow(self, active: _Active, tokens: int) -> None:
+        active.reserved = self.executor.pages.grow(active.pages, tokens, active.reserved)
 
-    def _decode(self) -> None:
-        engine = self.engine
-        t0 = engine._clock()
-        n = np.int32(engine.stream_chunk)
-        self.cache, carry, out = engine._run(
-            "decode", engine.params, self.cache, self.carry, self.sp, n
-        )
-        out = np.asarray(out)
-        self.carry = {k: np.array(v) for k, v in carry.items()}  # host copies we may edit
-        generated = 0
-        for b, slot in enumerate(self.active):
-            if slot is None or not slot.decoding:
+    def _prefill(self, out: list[Delivery]) -> None:
+        rows = [a for a in self.running if not a.decoding]
+        if not rows:
+            return
+        B = self.shapes.batch_for(len(rows))
+        T = self.shapes.chunk_for(max(len(a.state.prompt) - a.offset for a in rows))
+        tokens = np.zeros((B, T), np.int32)
+        start = np.zeros(B, np.int32)
+        length = np.zeros(B, np.int32)
+        window = np.full((B, PENALTY_WINDOW), -1, np.int32)
+        for b, active in enumerate(rows):
+            prompt = active.state.prompt
+            seg = prompt[active.offset : active.offset + T]
+            tokens[b, : len(seg)] = seg
+            start[b], length[b] = active.offset, len(seg)
+            self._grow(active, active.offset + len(seg))
+            if active.offset + len(seg) == len(prompt):  # the chunk that samples a token
+                window[b] = recent_window(prompt)
+        chunk = Chunk(tokens, KVView(self._table(rows, B), start, length))
+        sampling = SamplingRows.stack([a.state.sampling for a in rows], B)
+        t0 = self.clock()
+        (first,) = self.executor.run("prefill", chunk, window, sampling)
+        first = np.asarray(first)
+        self.perf.prompt_ms += (self.clock() - t0) * 1e3
+        self.perf.prompt_tokens += int(length.sum())
+        for b, active in enumerate(rows):
+            active.offset += int(length[b])
+            state = active.state
+            if active.offset < len(state.prompt):
                 continue
-            ids = [int(t) for t in out[b] if t >= 0]
-            generated += len(ids)
-            self._deliver(b, ids)
-        engine._perf.eval_tokens += generated
-        engine._perf.eval_ms += (engine._clock() - t0) * 1e3
+            token = int(first[b])  # the prompt is in: its first new token
+            out.append((state, state.accept([token])))
+            if state.finish:
+                self._retire(active)
+                continue
+            active.decoding = True
+            active.token, active.pos, active.left = token, len(state.prompt), state.budget - 1
 
-    def _deliver(self, b: int, ids: list[int]) -> None:
-        request = self.active[b].request
-        piece = request.row.accept(ids)
-        if request.first_token_at is None:
-            request.first_token_at = time.perf_counter()
-        if piece.text or piece.token_ids:
-            request.pieces.append(piece)
-        if request.done:
-            request.finished_at = time.perf_counter()
-            self._free(b)
+    def _decode(self, out: list[Delivery]) -> None:
+        rows = tuple(a for a in self.running if a.decoding)
+        if not rows:
+            return
+        B = self.shapes.batch_for(len(rows))
+        n = self._tokens_per_call(rows)
+        for active in rows:  # pages for every position this call may write
+            self._grow(active, min(active.pos + n, active.state.need))
+        last_rows, state = self._last
+        if rows != last_rows:  # rows joined or left: the device state is rebuilt here
+            state = self._host_state(rows, B)
+        sampling = SamplingRows.stack([a.state.sampling for a in rows], B)
+        t0 = self.clock()
+        state, ids = self.executor.run(
+            "decode", state, self._table(list(rows), B), sampling, np.int32(n)
+        )
+        ids = np.asarray(ids)
+        generated = 0
+        for b, active in enumerate(rows):
+            new = [int(t) for t in ids[b] if t >= 0]
+            if not new:
+                continue
+            generated += len(new)
+            active.pos += len(new)
+            active.token, active.left = new[-1], active.left - len(new)
+            out.append((active.state, active.state.accept(new)))
+            if active.state.finish:  # at a stop token, the budget or a stop string
+                self._retire(active)
+        self._last = (rows, state)
+        self.perf.eval_tokens += generated
+        self.perf.eval_ms += (self.clock() - t0) * 1e3
 
-    def _free(self, b: int) -> None:
-        self.active[b] = None
-        self._park()
+    def _tokens_per_call(self, rows) -> int:
+        """Fewer tokens per call while anyone streams, has stop strings or waits to start."""
+        waiting = bool(self.queue) or any(not a.decoding for a in self.running)
+        interactive = self.always_interactive or waiting or any(a.state.interactive for a in rows)
+        return self.stream_chunk if interactive else self.decode_chunk
 
-    def _park(self) -> None:
-        """Rows not decoding still run in the decode program (masked) and write their token's
-        K/V at their position: keep that at the cache's last position, which no live request
-        reaches, so a slot being prefilled is never overwritten."""
-        for b, slot in enumerate(self.active):
-            if slot is None or not slot.decoding:
-                self.carry["done"][b] = True
-                self.carry["pos"][b] = self.length - 1
+    @staticmethod
+    def _host_state(rows, batch: int) -> DecodeState:
+        """The decode state of `rows` from their host copies; padding rows start done."""
+        window = np.full((batch, PENALTY_WINDOW), -1, np.int32)
+        tokens, pos, left = (np.zeros(batch, np.int32) for _ in range(3))
+        done = np.ones(batch, np.bool_)
+        for b, active in enumerate(rows):
+            state = active.state
+            # The context before the input token: the prompt and all but the last new token.
+            window[b] = recent_window(state.prompt + state.token_ids[:-1])
+            tokens[b], pos[b], left[b], done[b] = active.token, active.pos, active.left, False
+        return DecodeState(tokens, pos, left, done, window)
 
+    def _retire(self, active: _Active) -> None:
+        self.executor.pages.release(active.pages, active.reserved)
+        active.reserved = 0
+        self.running.remove(active)
 
-def bucket_for(n: int, buckets) -> int:
-    """Smallest bucket >= n, else the largest."""
-    return next((x for x in buckets if x >= n), buckets[-1])
+    # ---- scoring ------------------------------------------------------------------------
+
+    def score(self, ids: list[int]) -> np.ndarray | None:
+        """Float32 logits [T, V] at every position of `ids`, or None while the pool lacks the
+        pages (the caller steps the running requests until they free some)."""
+        pages = self.executor.pages
+        active = _Active(None, pages.pages_for(len(ids)))
+        if not pages.reserve(active.reserved):
+            return None
+        out = []
+        try:
+            while active.offset < len(ids):
+                T = self.shapes.chunk_for(len(ids) - active.offset)
+                seg = ids[active.offset : active.offset + T]
+                tokens = np.zeros((1, T), np.int32)
+                tokens[0, : len(seg)] = seg
+                self._grow(active, active.offset + len(seg))
+                view = KVView(
+                    self._table([active], 1),
+                    np.array([active.offset], np.int32),
+                    np.array([len(seg)], np.int32),
+                )
+                (logits,) = self.executor.run("score", Chunk(tokens, view))
+                out.append(np.asarray(logits)[0, : len(seg)])
+                active.offset += len(seg)
+        finally:
+            pages.release(active.pages, active.reserved)
+        return np.concatenate(out, axis=0)

@@ -34,9 +34,6 @@ class Layout:
     rules: tuple[tuple[str, str], ...]  # logical axis -> mesh axis
     doc: str = ""  # the file's leading comment: when to use it
 
-    def mesh_axis(self, logical: str) -> str | None:
-        return dict(self.rules).get(logical)
-
 
 def load_layout(spec: str | Path | Layout) -> Layout:
     """A built-in layout by name, or a TOML file by path."""
@@ -172,8 +169,3 @@ def spec(axes: tuple[str | None, ...], rules: dict[str, str]) -> P:
 
 def named(mesh: Mesh, partition: P | None = None) -> NamedSharding:
     return NamedSharding(mesh, P() if partition is None else partition)
-
-
-def cache_spec(rules: dict[str, str]) -> P:
-    """KV cache [B, K, S, H]: rows on the batch axis, kv heads on theirs."""
-    return spec(("batch", "kv_heads", "cache_seq", "head_dim"), rules)

@@ -64,7 +64,7 @@ def test_profile_run_writes_a_trace_with_steps_and_scopes(tmp_path, capsys):
 
     engine = jaxinfer.load(model_path(STORIES), max_seq_len=2048)
     engine.generate("Once upon a time", max_new_tokens=40, temperature=0)
-    (decode,) = [c for k, c in engine.compile_cache._entries.items() if k[0] == "decode"]
+    (decode,) = engine.compile_cache.executables("decode")
     scopes = op_scopes(decode.as_text())
     traced = {e["args"]["hlo_op"] for e in events if "hlo_op" in e.get("args", {})}
     named = {scopes[op] for op in traced if op in scopes}

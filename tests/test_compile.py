@@ -54,6 +54,34 @@ def warm():
     return engine
 
 
+def test_warmup_compiles_the_plan_and_counts_no_recompiles(warm):
+    """Planned compiles are not recompiles: after warmup the stats read 0 / 0, and the plan
+    (cache, decode per batch bucket, prefill per bucket and chunk, score per chunk) is exactly
+    what was compiled."""
+    plan = warm.compile_plan()
+    # batch buckets (1, 2), chunks (16, 64): cache 1 + decode 2 + prefill 4 + score 2
+    assert [(p.program, p.batch, p.tokens) for p in plan] == [
+        ("cache", 0, 0), ("decode", 1, 0), ("decode", 2, 0), ("prefill", 1, 16),
+        ("prefill", 1, 64), ("prefill", 2, 16), ("prefill", 2, 64), ("score", 1, 16),
+        ("score", 1, 64),
+    ]  # fmt: skip
+    assert "chunk.tokens i32[2,64]" in plan[6].args
+    stats = warm.perf_stats()
+    assert stats.warmup_programs == len(plan) == sum(
+        len(v) for v in warm.compile_cache.entries().values()
+    )
+    text = str(stats)
+    assert "recompiles = 0 / 0 (same shape) / (changed shape)" in text
+    assert re.search(rf"compiles = {len(plan)} programs \(warmup, [\d.]+ s\) \+ 0 outside", text)
+
+
+def test_default_plan_of_stories_is_small():
+    """stories260K with default settings (context 2048): no program depends on the context,
+    so the plan is cache + 4 decode + 4 x 3 prefill + 3 score programs."""
+    engine = jaxinfer.load(model_path(STORIES))
+    assert engine.max_seq_len == 2048 and len(engine.compile_plan()) == 20
+
+
 def test_steady_state_compiles_nothing(warm):
     """200+ decode steps, prompts of many lengths, changing sampling values: no compile."""
     warm.reset_perf()
@@ -97,7 +125,7 @@ def test_new_bucket_is_one_changed_shape_event():
     assert seen.n == 1
     (event,) = events
     assert event.program == "prefill" and event.shape_changed and not event.sharding_changed
-    assert "tokens: i32[1,16] -> i32[1,64]" in event.reason
+    assert "chunk.tokens: i32[1,16] -> i32[1,64]" in event.reason
     assert (event.n_same, event.n_diff) == (0, 1)
     assert event.nodes > 100 and event.stages == 1 and event.compile_seconds > 0
 
@@ -117,31 +145,56 @@ def test_cleared_cache_gives_same_shape_events():
     assert (stats.recompiles_same, stats.recompiles_diff) == (len(events), 0)
 
 
-def test_capacity_one_alternating_buckets_evicts():
-    engine = load(compile_cache_size=1)
-    assert engine.compile_cache.capacity == 1
+def test_capacity_one_alternating_shapes_evicts():
+    """The cache itself (the engine never sizes it below its plan): with room for one
+    executable, two alternating shapes evict each other: same-shape recompiles."""
+    from jaxinfer.compile import CompileCache
+
+    cache = CompileCache(capacity=1)
+    ctx = cache.context(static="toy", layout=("single",), names=[], fixed=())
     events = []
-    handle = engine.on_recompile(events.append)
+    handle = cache.on_recompile(events.append)
+
+    def double(x):
+        return 2 * x
+
+    small, large = jax.ShapeDtypeStruct((4,), jnp.float32), jax.ShapeDtypeStruct((8,), jnp.float32)
     for _ in range(2):
-        engine.logits([1] * 10)  # score with T = 16
-        engine.logits([1] * 40)  # score with T = 64
-    # T=16 first, T=64 changed shape, then each one evicted the other
+        cache.get("double", ctx, double, (small,))
+        cache.get("double", ctx, double, (large,))
+    # (4,) first, (8,) changed shape, then each one evicted the other
     assert [e.shape_changed for e in events] == [True, False, False]
+    assert "x: f32[4] -> f32[8]" in events[0].reason
     assert all("evicted (cache capacity 1)" in e.reason for e in events[1:])
     assert (events[-1].n_same, events[-1].n_diff) == (2, 1)
     handle.remove()
-    engine.logits([1] * 10)
-    assert len(events) == 3
+    cache.get("double", ctx, double, (small,))
+    assert len(events) == 3 and cache.n_same == 3
 
 
-def test_strict_mode_raises_after_warmup_and_non_strict_goes_on(warm):
-    warm.compile_cache.clear()
+def test_cache_smaller_than_the_plan_is_refused():
+    with pytest.raises(jaxinfer.JaxinferError) as e:
+        load(compile_cache_size=2)
+    assert "compile_cache_size = 2 is below the 9 programs of the compile plan" in str(e.value)
+
+
+@pytest.fixture(scope="module")
+def strict():
+    """A strict engine of its own, for the tests that clear or re-warm it."""
+    engine = load(strict=True, batch_buckets=(1,))
+    engine.warmup(progress=False)
+    return engine
+
+
+def test_strict_mode_raises_after_warmup_and_non_strict_goes_on(strict):
+    strict.compile_cache.clear()
     with pytest.raises(RecompileError) as e:
-        warm.generate([1, 2, 3], max_new_tokens=4, temperature=0)
+        strict.generate([1, 2, 3], max_new_tokens=4, temperature=0)
     assert "cache cleared" in str(e.value) and isinstance(e.value, jaxinfer.JaxinferError)
-    warm.warmup(progress=False)  # strict engines recover by warming up again
-    assert warm.generate([1], max_new_tokens=4, temperature=0).token_ids
-    relaxed = load()
+    assert strict.kv_stats()["pages_in_use"] == 0  # the refused request gave its pages back
+    strict.warmup(progress=False)  # strict engines recover by warming up again
+    assert strict.generate([1], max_new_tokens=4, temperature=0).token_ids
+    relaxed = load(batch_buckets=(1,))
     relaxed.warmup(progress=False)
     relaxed.compile_cache.clear()
     assert relaxed.generate([1, 2, 3], max_new_tokens=4, temperature=0).token_ids
@@ -149,11 +202,26 @@ def test_strict_mode_raises_after_warmup_and_non_strict_goes_on(warm):
 
 def test_strict_from_environment(monkeypatch):
     monkeypatch.setenv("JAXINFER_STRICT", "1")
-    assert load().strict
+    engine = load(batch_buckets=(1,), prefill_buckets=(16,))
+    engine.warmup(progress=False)
+    engine.compile_cache.clear()
+    with pytest.raises(RecompileError):
+        engine.generate([1], max_new_tokens=4, temperature=0)
 
 
-def test_untracked_compiles_are_counted_and_refused_in_strict_mode(warm):
-    """An eager op during generation (here from a hook) compiles outside the cache."""
+def test_submit_on_an_engine_without_slots_stays_in_the_plan(strict):
+    """generate(), submit() and streaming share one loop and one plan: a strict, warmed
+    engine loaded without slots serves submit() with nothing compiled."""
+    with CompileCounter() as seen:
+        request = strict.submit([1], max_new_tokens=20, temperature=0, ignore_eos=True)
+        pieces = list(strict.submit("Once upon", max_new_tokens=9, stream=True).stream())
+        assert len(request.result().token_ids) == 20 and pieces[-1].finish_reason
+    assert seen.n == 0
+
+
+def test_untracked_compiles_are_counted_and_refused_in_strict_mode(strict):
+    """An eager op during generation (here from a hook) compiles outside the cache: counted,
+    and in strict mode after warmup refused."""
     engine = load()
     engine.generate([1] * 10, max_new_tokens=4, temperature=0)
     handle = engine.on_recompile(lambda e: jax.block_until_ready(jnp.arange(11) * 3 + 1))
@@ -161,9 +229,27 @@ def test_untracked_compiles_are_counted_and_refused_in_strict_mode(warm):
     assert engine.perf_stats().untracked_compiles >= 1
     handle.remove()
     jax.block_until_ready(jnp.arange(13) * 2)  # outside any engine call: not attributed
-    before = warm.perf_stats().untracked_compiles
-    warm.generate([1], max_new_tokens=4, temperature=0)
-    assert warm.perf_stats().untracked_compiles == before
+    before = strict.perf_stats().untracked_compiles
+    strict.generate([1], max_new_tokens=4, temperature=0)
+    assert strict.perf_stats().untracked_compiles == before
+    # A consumer's own eager ops between stream pieces are not the engine's.
+    for piece in strict.generate([1], max_new_tokens=20, temperature=0, stream=True):
+        jax.block_until_ready(jnp.arange(len(piece.token_ids) + 17) * 5)
+    assert strict.perf_stats().untracked_compiles == before
+    # An eager op inside an engine call (a user hook run by the scheduler's step) raises.
+    original = strict._scheduler.step
+
+    def step_with_an_eager_op():
+        jax.block_until_ready(jnp.arange(19) * 7)
+        return original()
+
+    strict._scheduler.step = step_with_an_eager_op
+    try:
+        with pytest.raises(RecompileError) as e:
+            strict.generate([1], max_new_tokens=4, temperature=0)
+        assert "outside the compile cache" in str(e.value)
+    finally:
+        strict._scheduler.step = original
 
 
 def test_failing_hook_does_not_stop_generation(caplog):
@@ -176,7 +262,8 @@ def test_failing_hook_does_not_stop_generation(caplog):
     engine.on_recompile(bad_hook)
     r = engine.generate([1] * 40, max_new_tokens=4, temperature=0)
     assert len(r.token_ids) == 4
-    assert any("boom" in rec.getMessage() or rec.exc_info for rec in caplog.records)
+    assert any("raised" in rec.getMessage() and "boom" in str(rec.exc_info[1])
+               for rec in caplog.records if rec.exc_info)  # fmt: skip
 
 
 def test_recompile_log_line(caplog):
@@ -187,7 +274,7 @@ def test_recompile_log_line(caplog):
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("recompile:")]
     assert re.fullmatch(
         r"recompile: prefill nodes = \d+ \(shape changed = 1\), stages = 1, n_same = 0, "
-        r"n_diff = 1: tokens: i32\[1,16\] -> i32\[1,64\]",
+        r"n_diff = 1: chunk.tokens: i32\[1,16\] -> i32\[1,64\]",
         lines[0],
     )
 
@@ -234,14 +321,16 @@ def test_second_process_loads_every_program_from_disk(tmp_path):
     assert second["ids"] == first["ids"]
 
 
-def test_default_buckets_prompt_chunks_never_outgrow_the_cache():
-    """A 130-token prompt with the default chunks (32, 128, 512) and a 256-position cache:
-    the chunk is capped at the cache, so warmup covered it (strict mode stays quiet)."""
+def test_default_buckets_serve_every_prompt_length_with_nothing_compiled():
+    """Default chunks (32, 128, 512) on a 512 context: prompts of every length, chunked and
+    padded, stay inside the warmed plan (strict mode stays quiet)."""
     engine = jaxinfer.load(model_path(STORIES), max_seq_len=512, batch_buckets=(1,), strict=True)
     engine.warmup(progress=False)
-    prompt = [1] + [(7 * i) % 500 + 3 for i in range(129)]
     with CompileCounter() as seen:
-        r = engine.generate(prompt, max_new_tokens=20, temperature=0)
-        logits = engine.logits(prompt)
-    assert seen.n == 0 and len(r.token_ids) == 20
-    assert int(logits[-1].argmax()) == r.token_ids[0]
+        for n in (1, 31, 33, 129, 130, 500, 511):
+            prompt = [1] + [(7 * i) % 500 + 3 for i in range(n - 1)]
+            r = engine.generate(prompt, max_new_tokens=1, temperature=0)
+            logits = engine.logits(prompt)
+            assert int(logits[-1].argmax()) == r.token_ids[0]
+        assert len(engine.logits([1] * 512)) == 512  # a whole context may be scored
+    assert seen.n == 0

@@ -32,6 +32,6 @@ def test_quickstart_on_real_checkpoint():
 
 def test_recompile_hook_example_reports_both_kinds():
     out = run("recompile_hook.py")
-    assert "[changed shape] prefill: tokens: i32[1,16] -> i32[1,64]" in out
-    assert "[SAME SHAPE] prefill: evicted" in out
-    assert "recompiles = 1 / 1 (same shape) / (changed shape)" in out
+    assert "[changed shape] prefill: chunk.tokens: i32[1,16] -> i32[1,64]" in out
+    assert "[SAME SHAPE] prefill: cache cleared" in out
+    assert "recompiles = 2 / 1 (same shape) / (changed shape)" in out

@@ -98,9 +98,7 @@ def test_pipeline_is_one_program_and_devices_hold_their_stage():
     dense = jaxinfer.load(path, max_seq_len=128)
     engine = jaxinfer.load(path, max_seq_len=128, layout="layer", devices=3)
     engine.generate([1], max_new_tokens=20, temperature=0)
-    (decode,) = [
-        c for k, c in engine.compile_cache._entries.items() if k[0] == "decode"
-    ]  # one executable serves every decode call
+    (decode,) = engine.compile_cache.executables("decode")  # one serves every decode call
     assert "collective-permute" in decode.as_text()
     assert engine.runner.stages == 3
     # 5 layers on 3 stages: [0, 1], [2, 3], [4, padding]

@@ -63,11 +63,13 @@ def test_cancel_mid_way_leaves_the_others_unchanged(slots4, alone):
         slots4.submit(p, max_new_tokens=n, temperature=0)
         for p, n in zip(PROMPTS, MAX_NEW, strict=True)
     ]
-    victim = requests[4]  # 60 new tokens: still running after a few steps
-    for _ in range(6):
+    victim = requests[4]  # 60 new tokens: still running after its first decode call
+    while not victim.state.token_ids:
         slots4.step()
     assert not victim.done
+    pages = slots4.kv_stats()
     victim.cancel()
+    assert slots4.kv_stats()["pages_free"] > pages["pages_free"]  # its pages are back at once
     assert victim.result().finish_reason == "cancelled"
     others = [r.result().token_ids for i, r in enumerate(requests) if i != 4]
     assert others == [a for i, a in enumerate(alone) if i != 4]

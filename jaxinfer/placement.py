@@ -1,0 +1,89 @@
+"""Placement: a model laid out on a mesh, with the runner that executes it there.
+
+The dense path (one device or tensor split) lives here; the layer split lives in pipeline.py.
+Weights travel one tensor at a time from the reader into their shardings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from . import kvcache
+from .config import ModelConfig
+from .kvcache import KVConfig
+from .model import Transformer, abstract_model, cache_layers
+from .sharding import named, spec
+
+Reader = Callable[[tuple, tuple], np.ndarray]  # (parameter path, shape) -> host array
+
+
+@dataclass(frozen=True)
+class Runner:
+    """How the model runs on its mesh: the dense model, or pipeline stages (pipeline.py)."""
+
+    forward: Callable  # (params, tokens [B,T], view, kv) -> (hidden [B,T,D], kv)
+    head: Callable  # (params, hidden [..., D]) -> float32 logits [..., V]
+    init_kv: Callable[[KVConfig], list]  # zeroed pools, one (K, V) pair per cache slot
+    kv_shardings: Callable[[], list]  # shardings matching init_kv's tree
+    stages: int = 1
+    description: str = ""  # which layers live where, for `jaxinfer info`
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A model laid out on a mesh: the layout, its rules, the runner and the parameters."""
+
+    layout: str
+    mesh: Mesh
+    rules: dict
+    runner: Runner
+    params: dict
+
+
+def place_dense(read: Reader, cfg: ModelConfig, dtype, name: str, mesh: Mesh, rules) -> Placement:
+    """Every layer on every device of the mesh, weights placed straight into their shardings."""
+    graphdef, state = nnx.split(abstract_model(cfg))
+    shardings = param_shardings(cfg, mesh, rules)
+
+    def put(path, leaf):
+        key = tuple(k.key for k in path)
+        host = read(key, leaf.shape).astype(np.dtype(dtype))
+        # Each device receives only its slice (on several hosts, only local devices ask).
+        return jax.make_array_from_callback(leaf.shape, shardings[key], lambda i: host[i])
+
+    params = jax.tree_util.tree_map_with_path(put, nnx.to_pure_dict(state))
+    return Placement(name, mesh, rules, dense_runner(graphdef, cfg, dtype, mesh, rules), params)
+
+
+def param_shardings(cfg: ModelConfig, mesh, rules) -> dict[tuple, NamedSharding]:
+    """Each parameter's sharding, from the logical axes it declared where it was created."""
+    state = nnx.state(abstract_model(cfg))
+    return {
+        path: named(mesh, spec(var.get_metadata()["axes"], rules))
+        for path, var in nnx.to_flat_state(state)
+    }
+
+
+def random_reader(cfg: ModelConfig, seed: int) -> Reader:
+    """Random weights from a fixed seed, read like a checkpoint: (path, shape) -> array."""
+    state = nnx.state(Transformer(cfg, nnx.Rngs(seed)))
+    host = {path: np.asarray(var[...]) for path, var in nnx.to_flat_state(state)}
+    return lambda path, shape: host[path].reshape(shape)
+
+
+def dense_runner(graphdef: nnx.GraphDef, cfg: ModelConfig, dtype, mesh, rules) -> Runner:
+    """All layers on every device of the mesh (single or tensor split)."""
+    layers = cache_layers(cfg, dtype)
+    pool = named(mesh, spec(kvcache.AXES, rules))
+    return Runner(
+        forward=lambda p, tokens, view, kv: nnx.merge(graphdef, p)(tokens, view, kv),
+        head=lambda p, h: nnx.merge(graphdef, p).logits(h),
+        init_kv=lambda kv: [layer.init(kv) for layer in layers],
+        kv_shardings=lambda: [(pool, pool)] * len(layers),
+    )
