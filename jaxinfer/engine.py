@@ -118,14 +118,10 @@ class Engine:
                 f"page_size = {page_size!r} is invalid; use one of "
                 f"{', '.join(map(str, PAGE_SIZES))}"
             )
+        # A smaller pool is allowed: requests that could never fit are refused at submit.
         default = self.max_seq_len * max(self.slots or 1, 1)
         tokens = default if kv_cache_tokens is None else kv_cache_tokens
-        if _positive("kv_cache_tokens", tokens) < self.max_seq_len:
-            raise JaxinferError(
-                f"kv_cache_tokens = {tokens} cannot hold one request of max_seq_len = "
-                f"{self.max_seq_len}; pass at least {self.max_seq_len} or a smaller -c"
-            )
-        return KVConfig.plan(tokens, self.max_seq_len, page_size)
+        return KVConfig.plan(_positive("kv_cache_tokens", tokens), self.max_seq_len, page_size)
 
     def _new_scheduler(self) -> Scheduler:
         return Scheduler(
@@ -342,6 +338,12 @@ class Engine:
         """Float32 logits [T, V] at every position of `token_ids` (one full forward; a whole
         context of max_seq_len tokens may be scored)."""
         ids = self._ids(list(token_ids), self.max_seq_len)
+        pages, total = self.executor.pages.pages_for(len(ids)), self.kv_config.usable_pages
+        if pages > total:
+            raise RequestError(
+                f"scoring {len(ids)} tokens needs {pages} KV pages but the pool holds {total}; "
+                "load with a larger kv_cache_tokens"
+            )
         while True:
             with self._watched():
                 out = self._scheduler.score(ids)

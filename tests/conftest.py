@@ -14,6 +14,10 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 
 MODELS = Path(__file__).resolve().parents[1].parent / "shared" / "models"
+# Float32 logits (|logit| <= 22 here) move by up to ~2e-4 with the matmul shapes and summation
+# order (batch and chunk buckets, layouts, another CPU: a fresh clone measured 1.5e-5 where
+# 1e-5 had been assumed). Logit tolerances use this; greedy ids stay exact.
+F32_LOGITS_ATOL = 2e-4
 
 # Greedy ids from [BOS] published with stories260K (../shared/models/README.md).
 GOLDEN = [

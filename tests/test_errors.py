@@ -129,6 +129,9 @@ def test_unknown_quant_type(tmp_path):
         ("Hi", {"max_new_tokens": -1}, "max_new_tokens"),
         ("Hi", {"repeat_penalty": 0.0}, "repeat_penalty"),
         ("Hi", {"stop": [""]}, "stop"),
+        ("Hi", {"stop_tokens": list(range(3, 12))}, "at most 8 stop tokens"),
+        ("Hi", {"stop_tokens": [2.5]}, "stop_tokens must be integers"),
+        ("Hi", {"stop_tokens": [600]}, "stop_tokens must lie in [0, 512)"),
         (["Hi", ""], {}, "empty"),
     ],
 )
@@ -139,11 +142,29 @@ def test_bad_requests_refused_engine_still_serves(stories_hf, prompt, kw, words)
     still_serves(stories_hf)
 
 
-def test_bad_load_options():
-    with pytest.raises(jaxinfer.JaxinferError):
-        jaxinfer.load(None, dtype="float8")
-    with pytest.raises(jaxinfer.JaxinferError):
-        jaxinfer.load(None, bogus=1)
+@pytest.mark.parametrize(
+    "kw, words",
+    [
+        (dict(dtype="float8"), "dtype"),
+        (dict(bogus=1), "unknown load option"),
+        (dict(decode_chunk=0), "decode_chunk = 0"),
+        (dict(stream_chunk=0), "stream_chunk = 0"),
+        (dict(prefill_buckets=(0,)), "prefill_buckets"),
+        (dict(prefill_buckets=()), "prefill_buckets"),
+        (dict(batch_buckets=()), "batch_buckets"),
+        (dict(batch_buckets=(0, 2)), "batch_buckets"),
+        (dict(slots=0), "slots = 0"),
+        (dict(slots=True), "slots = True"),
+        (dict(kv_cache_tokens=0), "kv_cache_tokens = 0"),
+        (dict(page_size=100), "page_size = 100"),
+        (dict(compile_cache_size=0), "compile_cache_size = 0"),
+        (dict(max_seq_len=1), "max_seq_len = 1"),
+    ],
+)
+def test_bad_load_options(kw, words):
+    with pytest.raises(jaxinfer.JaxinferError) as e:
+        jaxinfer.load(model_path("stories260K-hf-derived"), **kw)
+    assert words in one_line(e)
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import reference
 from checkpoints import TINY, random_weights, write_gguf, write_hf
+from conftest import F32_LOGITS_ATOL
 
 import jaxinfer
 
@@ -28,13 +29,13 @@ def test_hf_logits_match_reference(arch_case):
     engine = jaxinfer.load(write_hf(tmp / "hf", config, weights, shards=2))
     got = engine.logits(PROMPT)
     assert got.shape == want.shape
-    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(got, want, atol=F32_LOGITS_ATOL, rtol=0)
 
 
 def test_gguf_logits_match_reference(arch_case):
     name, config, weights, want, tmp = arch_case
     engine = jaxinfer.load(write_gguf(tmp / "m.gguf", config, weights))
-    np.testing.assert_allclose(engine.logits(PROMPT), want, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(engine.logits(PROMPT), want, atol=F32_LOGITS_ATOL, rtol=0)
 
 
 def test_decode_matches_full_forward(arch_case):

@@ -82,6 +82,12 @@ def test_bad_request_is_refused_alone(slots4, alone):
         slots4.submit(PROMPTS[3], max_new_tokens=5, temperature=-1)
     with pytest.raises(jaxinfer.RequestError):
         slots4.submit([1] * 600, max_new_tokens=5)
+    with pytest.raises(jaxinfer.RequestError) as e:  # with the EOS id: 10 stop ids
+        slots4.submit(PROMPTS[3], max_new_tokens=5, stop_tokens=list(range(3, 12)))
+    assert "at most 8 stop tokens" in str(e.value)
+    for bad in ([3.5], ["x"], [-1], [9999]):
+        with pytest.raises(jaxinfer.RequestError):
+            slots4.submit(PROMPTS[3], max_new_tokens=5, stop_tokens=bad)
     also_good = slots4.submit(PROMPTS[0], max_new_tokens=MAX_NEW[0], temperature=0)
     assert good.result().token_ids == alone[2] and also_good.result().token_ids == alone[0]
 
