@@ -86,8 +86,10 @@ class Worker:
     def __init__(self, tree: Path, options: dict):
         self.proc = subprocess.Popen(
             [sys.executable, "-c", WORKER, str(tree), str(STORIES), json.dumps(options)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert json.loads(self.proc.stdout.readline())["ready"]
 
     def __call__(self, **cmd):
@@ -110,8 +112,12 @@ def warmups(tree: Path, cache_dir: str | None) -> tuple[float, int]:
 
 
 def speed(workers: dict[str, Worker], rounds: int) -> dict[str, dict[str, float]]:
-    tests = [("tg0", dict(op="tg", depth=0, n=128)), ("tg512", dict(op="tg", depth=512, n=128)),
-             ("tg1536", dict(op="tg", depth=1536, n=128)), ("pp512", dict(op="pp", n=512))]  # fmt: skip
+    tests = [
+        ("tg0", dict(op="tg", depth=0, n=128)),
+        ("tg512", dict(op="tg", depth=512, n=128)),
+        ("tg1536", dict(op="tg", depth=1536, n=128)),
+        ("pp512", dict(op="pp", n=512)),
+    ]
     for w in workers.values():  # one untimed round: first calls of every program
         for _, cmd in tests:
             w(**cmd)
@@ -131,8 +137,11 @@ def main():
     ap.add_argument("--soak", type=int, default=0, help="requests of the RSS soak (0 = skip)")
     args = ap.parse_args()
     trees = {"main": args.main, "paged": ROOT}
-    lines = [f"# Paged KV cache vs main ({time.strftime('%Y-%m-%d')}, stories260K GGUF F32, "
-             f"context 2048, 2 cores; medians of {args.rounds} interleaved rounds)", ""]  # fmt: skip
+    lines = [
+        f"# Paged KV cache vs main ({time.strftime('%Y-%m-%d')}, stories260K GGUF F32, "
+        f"context 2048, 2 cores; medians of {args.rounds} interleaved rounds)",
+        "",
+    ]
 
     warm = {}
     for name, tree in trees.items():
@@ -175,11 +184,18 @@ def main():
         finally:
             for w in workers.values():
                 w.close()
-        lines += ["", "Page size (this tree only, interleaved the same way):", "",
-                  "| page size | tg0 | tg512 | tg1536 | pp512 |", "|---|---:|---:|---:|---:|"]  # fmt: skip
+        lines += [
+            "",
+            "Page size (this tree only, interleaved the same way):",
+            "",
+            "| page size | tg0 | tg512 | tg1536 | pp512 |",
+            "|---|---:|---:|---:|---:|",
+        ]
         for name, f in fig.items():
-            lines.append(f"| {name.split()[1]} | {f['tg0']:.0f} | {f['tg512']:.0f} | "
-                         f"{f['tg1536']:.0f} | {f['pp512']:.0f} |")  # fmt: skip
+            lines.append(
+                f"| {name.split()[1]} | {f['tg0']:.0f} | {f['tg512']:.0f} | "
+                f"{f['tg1536']:.0f} | {f['pp512']:.0f} |"
+            )
         print("\n".join(lines[-len(sizes) - 2 :]), flush=True)
 
     if args.soak:
@@ -189,10 +205,13 @@ def main():
         finally:
             worker.close()
         mib = 2**20
-        lines += ["", f"Soak ({args.soak} requests, prompts 1..1500, 4 slots, greedy): peak RSS "
-                  f"every 50 requests (MiB): {s['rss_mib']}; KV bytes in use: mean "
-                  f"{s['kv_in_use_mean'] / mib:.2f} MiB, max {s['kv_in_use_max'] / mib:.2f} MiB, "
-                  f"of {s['kv_allocated'] / mib:.2f} MiB allocated."]  # fmt: skip
+        lines += [
+            "",
+            f"Soak ({args.soak} requests, prompts 1..1500, 4 slots, greedy): peak RSS "
+            f"every 50 requests (MiB): {s['rss_mib']}; KV bytes in use: mean "
+            f"{s['kv_in_use_mean'] / mib:.2f} MiB, max {s['kv_in_use_max'] / mib:.2f} MiB, "
+            f"of {s['kv_allocated'] / mib:.2f} MiB allocated.",
+        ]
         print(lines[-1], flush=True)
 
     out = ROOT / "benchmarks" / "results" / "paged_kv.md"
