@@ -2,7 +2,9 @@
 
 A program's shapes never depend on the context length (rows reach their KV pages through block
 tables), so the plan is small and known before serving: `cache`, `decode[B]` per batch bucket,
-`prefill[B, T]` per (batch bucket, chunk) and `score[1, T]` per chunk.
+`prefill[B, T]` per batch bucket and chunk within the prompt token budget (B x T at most the
+largest chunk, as llama.cpp's n_ubatch bounds the tokens of one prompt pass), and
+`score[1, T]` per chunk.
 """
 
 from __future__ import annotations
@@ -38,6 +40,15 @@ class ShapePlan:
     def rows(self) -> int:
         return self.batches[-1]
 
+    @property
+    def prompt_budget(self) -> int:
+        """Most prompt tokens (padding included) in one prefill call."""
+        return self.chunks[-1]
+
+    def rows_for(self, chunk: int) -> int:
+        """Most rows one prefill call of `chunk` tokens each can take (a batch bucket)."""
+        return max(B for B in self.batches if B * chunk <= self.prompt_budget or B == 1)
+
     def chunk_for(self, remaining: int) -> int:
         """The prompt chunk for `remaining` tokens: the smallest that holds them, else the
         largest (a long prompt takes several)."""
@@ -50,7 +61,8 @@ class ShapePlan:
         """Every (program, B, T) serving can call."""
         jobs = [("cache", 0, 0)]
         jobs += [("decode", B, 0) for B in self.batches]
-        jobs += [("prefill", B, T) for B in self.batches for T in self.chunks]
+        jobs += [("prefill", B, T) for B in self.batches for T in self.chunks
+                 if B <= self.rows_for(T)]  # fmt: skip
         jobs += [("score", 1, T) for T in self.chunks]
         return jobs
 

@@ -34,7 +34,7 @@ from .tokenizer import Tokenizer
 
 DEFAULT_PREFILL_BUCKETS = (32, 128, 512)
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8)
-DEFAULT_PAGE_SIZE = 128  # measured against 16, 32, 64: benchmarks/results/paged_kv.md
+DEFAULT_PAGE_SIZE = 128  # measured against 16 ... 256: benchmarks/results/paged_kv.md
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class PlannedProgram:
     program: str
     batch: int
     tokens: int
-    args: str  # e.g. "chunk.tokens i32[4,128] chunk.view.table i32[4,128] ..."
+    args: str  # e.g. "chunk.tokens i32[4,128] chunk.view.table i32[4,16] ..."
 
 
 def _positive(name: str, value, minimum: int = 1) -> int:

@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 from . import kvcache
 from .config import ModelConfig, rope_inv_freq
 from .kvcache import AttentionKV, KVConfig, KVView
-from .model import Block, head_logits, rms_norm, rope_table
+from .model import Block, block, head_logits, rms_norm, rope_table
 from .placement import Placement, Reader, Runner
 from .sharding import named, spec
 
@@ -156,7 +156,7 @@ def pipeline_runner(cfg: ModelConfig, mesh: Mesh, rules: dict, dtype) -> Runner:
             new = []
             for j in range(plan.slots):
                 with jax.named_scope(f"slot_{j}"):
-                    out, layer_kv = nnx.merge(block_def, slots[j])(y, tab, kv[j], v)
+                    out, layer_kv = block(block_def, slots[j], y, tab, kv[j], v)
                 # Padding slots are identity layers; what they write lands in their own pools.
                 y = jnp.where(ok[j], out, y)
                 new.append(layer_kv)

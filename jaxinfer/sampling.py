@@ -165,6 +165,7 @@ def _filter(logits, f, top_k):
     return jnp.where(logits >= cut, logits, -jnp.inf)
 
 
+@jax.jit  # traced once per batch size, shared by the prefill and decode programs
 def sample(logits, window, rows: SamplingRows, positions):
     """logits [B, V] f32, window [B, W], the rows' values, positions [B] of the new tokens
     -> tokens [B].

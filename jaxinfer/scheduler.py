@@ -133,11 +133,14 @@ class Scheduler:
         active.reserved = self.executor.pages.grow(active.pages, tokens, active.reserved)
 
     def _prefill(self, out: list[Delivery]) -> None:
+        """One chunk for the oldest waiting prompt, sized to what it has left, with as many
+        other waiting prompts beside it as the prompt token budget allows."""
         rows = [a for a in self.running if not a.decoding]
         if not rows:
             return
+        T = self.shapes.chunk_for(len(rows[0].state.prompt) - rows[0].offset)
+        rows = rows[: self.shapes.rows_for(T)]
         B = self.shapes.batch_for(len(rows))
-        T = self.shapes.chunk_for(max(len(a.state.prompt) - a.offset for a in rows))
         tokens = np.zeros((B, T), np.int32)
         start = np.zeros(B, np.int32)
         length = np.zeros(B, np.int32)

@@ -96,7 +96,12 @@ def select_devices(devices=None, layout: Layout | None = None) -> list:
                 f"pass --devices between 1 and {len(available)}"
             )
         return available[:devices]
-    return list(devices)
+    devices = list(devices)
+    if not devices or not all(isinstance(d, jax.Device) for d in devices):
+        raise LayoutError(
+            f"devices = {devices!r} is invalid; pass a device count or a list of jax devices"
+        )
+    return devices
 
 
 def make_mesh(layout: Layout, devices: list) -> Mesh:

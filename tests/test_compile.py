@@ -56,19 +56,20 @@ def warm():
 
 def test_warmup_compiles_the_plan_and_counts_no_recompiles(warm):
     """Planned compiles are not recompiles: after warmup the stats read 0 / 0, and the plan
-    (cache, decode per batch bucket, prefill per bucket and chunk, score per chunk) is exactly
-    what was compiled."""
+    (cache, decode per batch bucket, prefill per bucket and chunk within the prompt token
+    budget of 64, score per chunk) is exactly what was compiled."""
     plan = warm.compile_plan()
-    # batch buckets (1, 2), chunks (16, 64): cache 1 + decode 2 + prefill 4 + score 2
+    # batch buckets (1, 2), chunks (16, 64): cache 1 + decode 2 + prefill 3 + score 2
     assert [(p.program, p.batch, p.tokens) for p in plan] == [
         ("cache", 0, 0), ("decode", 1, 0), ("decode", 2, 0), ("prefill", 1, 16),
-        ("prefill", 1, 64), ("prefill", 2, 16), ("prefill", 2, 64), ("score", 1, 16),
-        ("score", 1, 64),
+        ("prefill", 1, 64), ("prefill", 2, 16), ("score", 1, 16), ("score", 1, 64),
     ]  # fmt: skip
-    assert "chunk.tokens i32[2,64]" in plan[6].args
+    assert "chunk.tokens i32[2,16]" in plan[5].args and "chunk.view.table i32[2,2]" in plan[5].args
     stats = warm.perf_stats()
-    assert stats.warmup_programs == len(plan) == sum(
-        len(v) for v in warm.compile_cache.entries().values()
+    assert (
+        stats.warmup_programs
+        == len(plan)
+        == sum(len(v) for v in warm.compile_cache.entries().values())
     )
     text = str(stats)
     assert "recompiles = 0 / 0 (same shape) / (changed shape)" in text
@@ -77,9 +78,10 @@ def test_warmup_compiles_the_plan_and_counts_no_recompiles(warm):
 
 def test_default_plan_of_stories_is_small():
     """stories260K with default settings (context 2048): no program depends on the context,
-    so the plan is cache + 4 decode + 4 x 3 prefill + 3 score programs."""
+    so the plan is cache + 4 decode + 8 prefill (B x T <= 512 for chunks 32, 128, 512) +
+    3 score programs."""
     engine = jaxinfer.load(model_path(STORIES))
-    assert engine.max_seq_len == 2048 and len(engine.compile_plan()) == 20
+    assert engine.max_seq_len == 2048 and len(engine.compile_plan()) == 16
 
 
 def test_steady_state_compiles_nothing(warm):
@@ -175,7 +177,7 @@ def test_capacity_one_alternating_shapes_evicts():
 def test_cache_smaller_than_the_plan_is_refused():
     with pytest.raises(jaxinfer.JaxinferError) as e:
         load(compile_cache_size=2)
-    assert "compile_cache_size = 2 is below the 9 programs of the compile plan" in str(e.value)
+    assert "compile_cache_size = 2 is below the 8 programs of the compile plan" in str(e.value)
 
 
 @pytest.fixture(scope="module")

@@ -190,6 +190,8 @@ def test_devices_list_and_count_select_devices():
 
     assert select_devices(2) == jax.devices()[:2]
     assert select_devices(jax.devices()[3:5]) == jax.devices()[3:5]
+    with pytest.raises(jaxinfer.LayoutError):  # `--devices 1,2` on generate: numbers, not devices
+        select_devices((1, 2))
 
 
 def test_two_processes_agree_with_one_device():
