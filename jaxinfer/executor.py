@@ -6,6 +6,7 @@ returns the other outputs. Warmup compiles the shape plan through the same keys.
 
 from __future__ import annotations
 
+import os
 import time
 
 import jax
@@ -13,6 +14,7 @@ import numpy as np
 
 from .compile import CompileCache, Job, shapes_text
 from .config import ModelConfig
+from .errors import JaxinferError
 from .kvcache import KVConfig, PagePool
 from .placement import Placement
 from .programs import Program, programs
@@ -59,6 +61,7 @@ class Executor:
             self._kv_shardings,
         )
         pool_bytes = sum(int(np.prod(s.shape)) * s.dtype.itemsize for s in jax.tree.leaves(shapes))
+        self._check_memory(pool_bytes)
         self.pages = PagePool(self.kv_config, pool_bytes // self.kv_config.n_pages)
         # What the programs close over besides their arguments: a change here is a recompile.
         static = (self.cfg, str(np.dtype(self.dtype)), self.tokens_per_call, self.kv_config)
@@ -73,6 +76,24 @@ class Executor:
             static, layout, ["params", "kv"], (self.params, self._kv_abstract), stages
         )
         self._bare = cc.context(static, layout, [], (), stages)  # programs without params
+
+    def _check_memory(self, pool_bytes: int) -> None:
+        """Refuse page pools that cannot fit the devices' memory (on CPU devices, the host's)."""
+        device = self.mesh.devices.flat[0]
+        try:
+            limit = (device.memory_stats() or {}).get("bytes_limit")
+        except Exception:  # backends without memory stats
+            limit = None
+        need = pool_bytes / self.mesh.devices.size  # spread over the mesh, at best
+        if limit is None:  # CPU devices share the host's memory
+            limit, need = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), pool_bytes
+        if need > limit:
+            gib = 2.0**30
+            raise JaxinferError(
+                f"the KV page pools need {need / gib:.1f} GiB per device but a device has "
+                f"{limit / gib:.1f} GiB; pass a smaller kv_cache_tokens (now "
+                f"{self.kv_config.usable_pages * self.kv_config.page_size} tokens) or -c"
+            )
 
     # ---- calls --------------------------------------------------------------------------
 

@@ -156,6 +156,7 @@ def test_bad_requests_refused_engine_still_serves(stories_hf, prompt, kw, words)
         (dict(slots=0), "slots = 0"),
         (dict(slots=True), "slots = True"),
         (dict(kv_cache_tokens=0), "kv_cache_tokens = 0"),
+        (dict(kv_cache_tokens=10**12), "the KV page pools need"),
         (dict(page_size=100), "page_size = 100"),
         (dict(compile_cache_size=0), "compile_cache_size = 0"),
         (dict(max_seq_len=1), "max_seq_len = 1"),
