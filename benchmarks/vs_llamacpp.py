@@ -1,51 +1,186 @@
-"""The same GGUF through jaxinfer and through llama.cpp, side by side in one run.
+"""jaxinfer against llama.cpp on the same GGUF, run the way llama-bench runs it, side by side.
 
-llama.cpp comes from the `llama-cpp-python` package (`pip install jaxinfer[llamacpp]`) or a
-`llama-bench` found on PATH. Tests: ppP (prompt tokens/s) and tgN (decode tokens/s after a
-one-token prompt), medians of R repeats, 2 threads for llama.cpp (this machine's cores).
-Models: stories260K (../shared/models) and a ~110M random Llama written as a GGUF.
+The peer is a worker process on llama.cpp's C API (through llama-cpp-python's ctypes bindings,
+`pip install ".[llamacpp]"`), doing what llama-bench's `test_prompt` / `test_gen` do:
+flash attention on, F16 K/V cache, n_batch = n_ubatch = 512, the same threads for batch and
+generation, prompt batches through `llama_batch_get_one` (logits of the last token only), one
+token per decode for generation, the cache cleared between runs, a depth prompt first for
+`-d`. It is timed by llama.cpp's own counters (`llama_perf_context`).
+
+jaxinfer runs in a second worker (loaded with its defaults, warmed up), timed end to end around
+`generate()`, which is what a user gets: pp512 = 512 over the wall time of a
+`max_new_tokens=1` call on a 512-token prompt; tg128 = 128 over the wall time of a
+`max_new_tokens=128` call on a one-token prompt (128 forward passes, as llama-bench's 128
+decodes); at depth d, the prompt is 1 + d tokens and its prefill time (the engine's own clock)
+is taken out of the wall time, leaving 127 decodes for 127 tokens.
+
+The parent sends both workers the same tests in turn, round after round (the first round is a
+warm-up and dropped), and reports the medians and their ratio. With `--llama-bench PATH` the
+peer's figures are checked once against llama-bench itself on each model.
+
+Usage: python benchmarks/vs_llamacpp.py [-r 5] [--threads 2] [--llama-bench PATH]
 Writes benchmarks/results/vs_llamacpp.md.
-Usage: python benchmarks/vs_llamacpp.py [-p 512] [-n 128] [-r 3] [--threads 2]
 """
+
+from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
-from speed import LLAMA_110M, STORIES
-
-import jaxinfer
 
 ROOT = Path(__file__).resolve().parents[1]
+STORIES = ROOT.parent / "shared" / "models" / "stories260K-gguf" / "stories260K.gguf"
+# The 86M Llama of DESIGN.md section 1 (dim 768, 12 layers, 12 heads, ffn 2048, vocab 512).
+LLAMA_86M = dict(d_model=768, n_layers=12, n_heads=12, n_kv_heads=12, d_ff=2048, vocab=512)
+
+PEER = r"""
+import ctypes, json, sys
+import llama_cpp as L
+
+path, threads, n_ctx = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+quiet = L.llama_log_callback(lambda level, text, data: None)  # kept alive: C holds it
+L.llama_log_set(quiet, ctypes.c_void_p())
+L.llama_backend_init()
+mp = L.llama_model_default_params()
+mp.n_gpu_layers = 0
+model = L.llama_model_load_from_file(path.encode(), mp)
+cp = L.llama_context_default_params()
+cp.n_ctx, cp.n_batch, cp.n_ubatch = n_ctx, 512, 512
+cp.n_threads = cp.n_threads_batch = threads
+cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED
+cp.type_k = cp.type_v = 1  # GGML_TYPE_F16
+cp.no_perf = False
+ctx = L.llama_init_from_model(model, cp)
+vocab = L.llama_model_get_vocab(model)
+n_vocab = L.llama_vocab_n_tokens(vocab)
+bos = L.llama_vocab_bos(vocab) if L.llama_vocab_get_add_bos(vocab) else None
+state = [12345]
+
+def rand():  # llama-bench draws std::rand() % n_vocab; any fixed stream will do
+    state[0] = (1103515245 * state[0] + 12345) % 2**31
+    return state[0] % n_vocab
+
+def prompt(n):
+    done = 0
+    while done < n:
+        k = min(n - done, 512)
+        toks = [bos if done == 0 and bos is not None else rand()] + [rand() for _ in range(k - 1)]
+        arr = (L.llama_token * k)(*toks)
+        assert L.llama_decode(ctx, L.llama_batch_get_one(arr, k)) == 0
+        done += k
+    L.llama_synchronize(ctx)
+
+def gen(n):
+    tok = (L.llama_token * 1)(bos if bos is not None else rand())
+    for _ in range(n):
+        assert L.llama_decode(ctx, L.llama_batch_get_one(tok, 1)) == 0
+        L.llama_synchronize(ctx)
+        tok[0] = rand()
+
+print(json.dumps({"ready": True}), flush=True)
+for line in sys.stdin:
+    cmd = json.loads(line)
+    L.llama_memory_clear(L.llama_get_memory(ctx), False)
+    if cmd["depth"]:
+        prompt(cmd["depth"])
+    L.llama_perf_context_reset(ctx)
+    if cmd["test"] == "pp":
+        prompt(cmd["n"])
+    else:
+        gen(cmd["n"])
+    perf = L.llama_perf_context(ctx)
+    if cmd["test"] == "pp":
+        n, ms = perf.n_p_eval, perf.t_p_eval_ms
+    else:
+        n, ms = perf.n_eval, perf.t_eval_ms
+    print(json.dumps({"ts": 1e3 * n / ms}), flush=True)
+"""
+
+OURS = r"""
+import json, sys, time
+sys.path.insert(0, sys.argv[4])
+import jaxinfer
+path, n_ctx, options = sys.argv[1], int(sys.argv[3]), json.loads(sys.argv[5])
+engine = jaxinfer.load(path, max_seq_len=n_ctx, **options)
+engine.warmup(progress=False)
+rng = [12345]
+
+def ids(n):
+    out = []
+    for _ in range(n):
+        rng[0] = (1103515245 * rng[0] + 12345) % 2**31
+        out.append(3 + rng[0] % (engine.cfg.vocab_size - 3))
+    return [1] + out[: n - 1]
+
+print(json.dumps({"ready": True}), flush=True)
+for line in sys.stdin:
+    cmd = json.loads(line)
+    kw = dict(temperature=0, ignore_eos=True)
+    if cmd["test"] == "pp":
+        p = ids(cmd["depth"] + cmd["n"])
+        t0 = time.perf_counter()
+        engine.generate(p, max_new_tokens=1, **kw)
+        ts = cmd["n"] / (time.perf_counter() - t0) if not cmd["depth"] else None
+    else:
+        engine.reset_perf()
+        t0 = time.perf_counter()
+        r = engine.generate(ids(cmd["depth"] + 1), max_new_tokens=cmd["n"], **kw)
+        wall = time.perf_counter() - t0
+        if cmd["depth"]:  # the depth prompt's prefill (which also made the first token) is out
+            ts = (len(r.token_ids) - 1) / (wall - engine.perf_stats().prompt_ms / 1e3)
+        else:
+            ts = len(r.token_ids) / wall
+    print(json.dumps({"ts": ts}), flush=True)
+"""
 
 
-def write_random_gguf(path: Path, cfg) -> Path:
-    """A float32 llama GGUF of `cfg` with random weights and a SentencePiece-style vocab."""
+class Worker:
+    def __init__(self, code: str, *args: str):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", code, *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert json.loads(self.proc.stdout.readline())["ready"]
+
+    def __call__(self, **cmd) -> float:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())["ts"]
+
+    def close(self):
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+def write_random_gguf(path: Path, d_model, n_layers, n_heads, n_kv_heads, d_ff, vocab) -> Path:
+    """A float32 llama GGUF with random weights and a SentencePiece-style vocabulary."""
     import gguf
 
     w = gguf.GGUFWriter(str(path), "llama")
-    w.add_name(cfg.name)
-    w.add_context_length(cfg.max_position)
-    w.add_embedding_length(cfg.d_model)
-    w.add_block_count(cfg.n_layers)
-    w.add_feed_forward_length(cfg.d_ff)
-    w.add_head_count(cfg.n_heads)
-    w.add_head_count_kv(cfg.n_kv_heads)
-    w.add_rope_dimension_count(cfg.head_dim)
-    w.add_layer_norm_rms_eps(cfg.norm_eps)
+    w.add_name("llama-86M (random)")
+    w.add_context_length(4096)
+    w.add_embedding_length(d_model)
+    w.add_block_count(n_layers)
+    w.add_feed_forward_length(d_ff)
+    w.add_head_count(n_heads)
+    w.add_head_count_kv(n_kv_heads)
+    w.add_rope_dimension_count(d_model // n_heads)
+    w.add_layer_norm_rms_eps(1e-5)
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
-    tokens += [f"\u2581w{i}" for i in range(cfg.vocab_size - len(tokens))]
-    types = [2, 3, 3] + [6] * 256 + [1] * (cfg.vocab_size - 259)
+    tokens += [f"\u2581w{i}" for i in range(vocab - len(tokens))]
     w.add_tokenizer_model("llama")
     w.add_token_list(tokens)
-    w.add_token_scores([0.0] * 259 + [-float(i) for i in range(cfg.vocab_size - 259)])
-    w.add_token_types(types)
+    w.add_token_scores([0.0] * 259 + [-float(i) for i in range(vocab - 259)])
+    w.add_token_types([2, 3, 3] + [6] * 256 + [1] * (vocab - 259))
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     rng = np.random.default_rng(0)
@@ -53,18 +188,24 @@ def write_random_gguf(path: Path, cfg) -> Path:
     def rand(*shape):
         return (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(np.float32)
 
-    D, F, V = cfg.d_model, cfg.d_ff, cfg.vocab_size
-    NH, KH = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    w.add_tensor("token_embd.weight", rand(V, D))
-    w.add_tensor("output_norm.weight", np.ones(D, np.float32))
-    w.add_tensor("output.weight", rand(V, D))
-    for i in range(cfg.n_layers):
-        for name, shape in [("attn_q", (NH, D)), ("attn_k", (KH, D)), ("attn_v", (KH, D)),
-                            ("attn_output", (D, NH)), ("ffn_gate", (F, D)), ("ffn_up", (F, D)),
-                            ("ffn_down", (D, F))]:  # fmt: skip
+    H = d_model // n_heads
+    w.add_tensor("token_embd.weight", rand(vocab, d_model))
+    w.add_tensor("output_norm.weight", np.ones(d_model, np.float32))
+    w.add_tensor("output.weight", rand(vocab, d_model))
+    shapes = {
+        "attn_q": (n_heads * H, d_model),
+        "attn_k": (n_kv_heads * H, d_model),
+        "attn_v": (n_kv_heads * H, d_model),
+        "attn_output": (d_model, n_heads * H),
+        "ffn_gate": (d_ff, d_model),
+        "ffn_up": (d_ff, d_model),
+        "ffn_down": (d_model, d_ff),
+    }
+    for i in range(n_layers):
+        for name, shape in shapes.items():
             w.add_tensor(f"blk.{i}.{name}.weight", rand(*shape))
-        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(D, np.float32))
-        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(D, np.float32))
+        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(d_model, np.float32))
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(d_model, np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -72,90 +213,108 @@ def write_random_gguf(path: Path, cfg) -> Path:
     return path
 
 
-def llamacpp_python(path: Path, p: int, n: int, repeats: int, threads: int) -> dict:
-    from llama_cpp import Llama
-
-    llm = Llama(str(path), n_ctx=p + n + 8, n_batch=max(p, 8), n_threads=threads,
-                n_threads_batch=threads, verbose=False)  # fmt: skip
-    prompt = [1] + [3 + (7 * i) % 250 for i in range(p - 1)]
-    pp, tg = [], []
-    for _ in range(repeats + 1):  # the first run warms up
-        llm.reset()
-        t0 = time.perf_counter()
-        llm.eval(prompt)
-        pp.append(p / (time.perf_counter() - t0))
-        llm.reset()
-        llm.eval([1])
-        t0 = time.perf_counter()
-        for i in range(n):
-            llm.eval([3 + i % 250])
-        tg.append(n / (time.perf_counter() - t0))
-    return {"pp": statistics.median(pp[1:]), "tg": statistics.median(tg[1:])}
-
-
-def llama_bench(path: Path, p: int, n: int, repeats: int, threads: int) -> dict:
+def llama_bench(exe: str, path: Path, threads: int, reps: int) -> dict[str, float]:
+    """llama-bench's own pp512 / tg128 / tg128 at depth 512, with its defaults but -fa 1."""
     out = subprocess.run(
-        ["llama-bench", "-m", str(path), "-p", str(p), "-n", str(n), "-r", str(repeats),
-         "-t", str(threads), "-o", "json"],
-        capture_output=True, text=True, check=True,
-    )  # fmt: skip
+        [
+            exe,
+            "-m",
+            str(path),
+            "-p",
+            "512",
+            "-n",
+            "128",
+            "-d",
+            "0,512",
+            "-t",
+            str(threads),
+            "-r",
+            str(reps),
+            "-fa",
+            "1",
+            "-o",
+            "json",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     rows = json.loads(out.stdout)
+    get = {(r["n_prompt"], r["n_gen"], r["n_depth"]): r["avg_ts"] for r in rows}
     return {
-        "pp": next(r["avg_ts"] for r in rows if r["n_prompt"] > 0),
-        "tg": next(r["avg_ts"] for r in rows if r["n_gen"] > 0),
+        "pp512": get[(512, 0, 0)],
+        "tg128": get[(0, 128, 0)],
+        "tg128 @ d512": get[(0, 128, 512)],
     }
 
 
-def jaxinfer_rates(path: Path, p: int, n: int, repeats: int) -> dict:
-    engine = jaxinfer.load(path, max_seq_len=p + n + 8, batch_buckets=(1,))
-    prompt = [1] + [3 + (7 * i) % 250 for i in range(p - 1)]
-    kw = dict(temperature=0, ignore_eos=True)
-    pp, tg = [], []
-    for _ in range(repeats + 1):
-        t0 = time.perf_counter()
-        engine.generate(prompt, max_new_tokens=1, **kw)
-        pp.append(p / (time.perf_counter() - t0))
-        t0 = time.perf_counter()
-        r = engine.generate([1], max_new_tokens=n, **kw)
-        tg.append(len(r.token_ids) / (time.perf_counter() - t0))
-    return {"pp": statistics.median(pp[1:]), "tg": statistics.median(tg[1:])}
+TESTS = {
+    "pp512": dict(test="pp", n=512, depth=0),
+    "tg128": dict(test="tg", n=128, depth=0),
+    "tg128 @ d512": dict(test="tg", n=128, depth=512),
+}
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("-p", type=int, default=512)
-    ap.add_argument("-n", type=int, default=128)
-    ap.add_argument("-r", type=int, default=3)
+    ap.add_argument("-r", "--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--llama-bench", default=None, help="llama-bench binary, to check the peer")
+    ap.add_argument("--tree", type=Path, default=ROOT, help="the jaxinfer checkout to run")
     args = ap.parse_args()
-    try:
-        import llama_cpp  # noqa: F401
-
-        peer, name = llamacpp_python, "llama-cpp-python"
-    except ImportError:
-        if not shutil.which("llama-bench"):
-            raise SystemExit(
-                "llama.cpp not found: pip install llama-cpp-python, or put llama-bench on PATH"
-            ) from None
-        peer, name = llama_bench, "llama-bench"
-    rows = [f"| model | test | llama.cpp ({name}) t/s | jaxinfer t/s | jaxinfer / llama.cpp |",
-            "|---|---|---:|---:|---:|"]  # fmt: skip
+    n_ctx = 1024
+    lines = [
+        f"# jaxinfer vs llama.cpp ({time.strftime('%Y-%m-%d')}, F32 GGUF, {args.threads} threads, "
+        f"medians of {args.rounds} interleaved rounds after a dropped warm-up round)",
+        "",
+        "| model | test | llama.cpp t/s | jaxinfer t/s | jaxinfer / llama.cpp |",
+        "|---|---|---:|---:|---:|",
+    ]
+    checks = []
     with tempfile.TemporaryDirectory() as tmp:
-        models = [
-            ("stories260K F32", STORIES),
-            ("llama-110M F32", write_random_gguf(Path(tmp) / "llama110m.gguf", LLAMA_110M)),
-        ]
+        llama86 = write_random_gguf(Path(tmp) / "86m.gguf", **LLAMA_86M)
+        models = [("stories260K", STORIES), ("llama-86M (random)", llama86)]
         for label, path in models:
-            theirs = peer(path, args.p, args.n, args.r, args.threads)
-            ours = jaxinfer_rates(path, args.p, args.n, args.r)
-            for test, size in [("pp", args.p), ("tg", args.n)]:
-                rows.append(f"| {label} | {test}{size} | {theirs[test]:.1f} | {ours[test]:.1f} | "
-                            f"{ours[test] / theirs[test]:.2f}x |")  # fmt: skip
-                print(rows[-1], flush=True)
+            peer = Worker(PEER, str(path), str(args.threads), str(n_ctx))
+            ours = Worker(OURS, str(path), str(args.threads), str(n_ctx), str(args.tree), "{}")
+            runs = {name: ([], []) for name in TESTS}
+            try:
+                for round_ in range(args.rounds + 1):
+                    for name, cmd in TESTS.items():
+                        theirs, mine = peer(**cmd), ours(**cmd)
+                        if round_:
+                            runs[name][0].append(theirs)
+                            runs[name][1].append(mine)
+            finally:
+                peer.close()
+                ours.close()
+            medians = {}
+            for name, (theirs, mine) in runs.items():
+                t, m = statistics.median(theirs), statistics.median(mine)
+                medians[name] = t
+                lines.append(f"| {label} | {name} | {t:.1f} | {m:.1f} | {m / t:.2f}x |")
+                print(lines[-1], flush=True)
+            if args.llama_bench:
+                bench = llama_bench(args.llama_bench, path, args.threads, args.rounds)
+                checks.append((label, medians, bench))
+    if checks:
+        lines += [
+            "",
+            "The peer against llama-bench itself (-fa 1, its other defaults), run "
+            "right after it on the same model:",
+            "",
+            "| model | test | peer t/s | llama-bench t/s | peer / llama-bench |",
+            "|---|---|---:|---:|---:|",
+        ]
+        for label, peer, bench in checks:
+            for name in TESTS:
+                lines.append(
+                    f"| {label} | {name} | {peer[name]:.1f} | {bench[name]:.1f} | "
+                    f"{peer[name] / bench[name]:.2f} |"
+                )
     out = ROOT / "benchmarks" / "results" / "vs_llamacpp.md"
-    out.write_text(f"side by side in one run, medians of {args.r}, {args.threads} threads for "
-                   f"llama.cpp, float32\n\n" + "\n".join(rows) + "\n")  # fmt: skip
-    print(f"wrote {out}")
+    out.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -129,9 +129,13 @@ class Executor:
         with jax.profiler.StepTraceAnnotation(name, step_num=step):
             return compiled(*args)
 
-    def _put(self, inputs: tuple) -> tuple:
+    def put(self, tree):
+        """Host arrays to the devices (replicated), for inputs reused over several calls."""
+        return self._put(tree)
+
+    def _put(self, inputs):
         """Host arrays go to the devices in one transfer, replicated, so that every key sees
-        device shardings."""
+        device shardings; device arrays pass as they are."""
         leaves, treedef = jax.tree_util.tree_flatten(inputs)
         host = [i for i, x in enumerate(leaves) if isinstance(x, np.ndarray | np.generic)]
         if host:

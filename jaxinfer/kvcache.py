@@ -24,7 +24,7 @@ from flax import struct
 from jax import lax
 
 NULL_PAGE = 0
-AXES = ("kv_heads", "head_dim", "cache_seq", None)  # logical axes of a pool [K, H, P, page]
+AXES = ("cache_seq", "kv_heads", "head_dim", None)  # logical axes of a pool [P, K, H, page]
 PAGE_SIZES = (16, 32, 64, 128, 256)
 QUERY_TILE = 128  # queries per causal tile inside a prompt chunk (tiles skip keys above them)
 _MASKED = -1e30  # finite, so that a fully masked block gives exp(0) * 0 and never NaN
@@ -57,7 +57,7 @@ class AttentionKV:
     dtype: jnp.dtype
 
     def shape(self, kv: KVConfig) -> tuple[int, ...]:
-        return (self.n_kv_heads, self.head_dim, kv.n_pages, kv.page_size)
+        return (kv.n_pages, self.n_kv_heads, self.head_dim, kv.page_size)
 
     def init(self, kv: KVConfig) -> tuple[jax.Array, jax.Array]:
         shape = self.shape(kv)
@@ -95,13 +95,13 @@ def write(pools, k, v, view: KVView):
     if T == 1:
         zero = jnp.zeros((), jnp.int32)
         for b in range(B):
-            at = (zero, zero, pages[b, 0], offsets[b, 0])
-            pool_k = lax.dynamic_update_slice(pool_k, k[b, 0][:, :, None, None], at)
-            pool_v = lax.dynamic_update_slice(pool_v, v[b, 0][:, :, None, None], at)
+            at = (pages[b, 0], zero, zero, offsets[b, 0])
+            pool_k = lax.dynamic_update_slice(pool_k, k[b, 0][None, :, :, None], at)
+            pool_v = lax.dynamic_update_slice(pool_v, v[b, 0][None, :, :, None], at)
         return pool_k, pool_v
-    # Advanced indices on the last two axes keep their place: updates are [K, H, B, T].
-    pool_k = pool_k.at[:, :, pages, offsets].set(k.transpose(2, 3, 0, 1))
-    pool_v = pool_v.at[:, :, pages, offsets].set(v.transpose(2, 3, 0, 1))
+    # Advanced indices on axes 0 and 3 put their [B, T] dims first: updates are [B, T, K, H].
+    pool_k = pool_k.at[pages, :, :, offsets].set(k, mode="promise_in_bounds")
+    pool_v = pool_v.at[pages, :, :, offsets].set(v, mode="promise_in_bounds")
     return pool_k, pool_v
 
 
@@ -189,9 +189,9 @@ def _pages(qh, pools, table, q_pos, n_keys, carry, window):
         first = jnp.maximum(oldest - window + 1, 0) // page
 
     def body(j, carry):
-        ids = table[:, j]  # [B]
-        kb = jnp.take(pool_k, ids, axis=2).transpose(2, 0, 1, 3)  # [B, K, H, page]
-        vb = jnp.take(pool_v, ids, axis=2).transpose(2, 0, 1, 3)  # (a bitcast for one row)
+        ids = table[:, j]  # [B], always a valid page id (the null page where unused)
+        kb = pool_k.at[ids].get(mode="promise_in_bounds")  # [B, K, H, page]: one slice per row
+        vb = pool_v.at[ids].get(mode="promise_in_bounds")
         s = jnp.einsum("BKQH,BKHS->BKQS", qh, kb, preferred_element_type=jnp.float32)
         key_pos = j * page + jnp.arange(page)  # [S]
         visible = (key_pos[None] < n_keys[:, None])[:, None, None, :]  # [B, 1, 1, S]
