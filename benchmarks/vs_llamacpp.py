@@ -15,8 +15,9 @@ decodes); at depth d, the prompt is 1 + d tokens and its prefill time (the engin
 is taken out of the wall time, leaving 127 decodes for 127 tokens.
 
 The parent sends both workers the same tests in turn, round after round (the first round is a
-warm-up and dropped), and reports the medians and their ratio. With `--llama-bench PATH` the
-peer's figures are checked once against llama-bench itself on each model.
+warm-up and dropped), and runs llama-bench itself once per round when it is found (on PATH or
+`--llama-bench PATH`, e.g. built from llama-cpp-python's vendored llama.cpp with cmake): the
+table shows all three, medians over the rounds, and jaxinfer's ratio to each.
 
 Usage: python benchmarks/vs_llamacpp.py [-r 5] [--threads 2] [--llama-bench PATH]
 Writes benchmarks/results/vs_llamacpp.md.
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -213,34 +215,15 @@ def write_random_gguf(path: Path, d_model, n_layers, n_heads, n_kv_heads, d_ff, 
     return path
 
 
-def llama_bench(exe: str, path: Path, threads: int, reps: int) -> dict[str, float]:
-    """llama-bench's own pp512 / tg128 / tg128 at depth 512, with its defaults but -fa 1."""
+def llama_bench(exe: str, path: Path, threads: int) -> dict[str, float]:
+    """One round of llama-bench itself (its warm-up, then one timed run of each test), with its
+    defaults but flash attention forced on (auto picks it on CPU too)."""
     out = subprocess.run(
-        [
-            exe,
-            "-m",
-            str(path),
-            "-p",
-            "512",
-            "-n",
-            "128",
-            "-d",
-            "0,512",
-            "-t",
-            str(threads),
-            "-r",
-            str(reps),
-            "-fa",
-            "1",
-            "-o",
-            "json",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    rows = json.loads(out.stdout)
-    get = {(r["n_prompt"], r["n_gen"], r["n_depth"]): r["avg_ts"] for r in rows}
+        [exe, "-m", str(path), "-p", "512", "-n", "128", "-d", "0,512", "-t", str(threads),
+         "-r", "1", "-fa", "1", "-o", "json"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    get = {(r["n_prompt"], r["n_gen"], r["n_depth"]): r["avg_ts"] for r in json.loads(out.stdout)}
     return {
         "pp512": get[(512, 0, 0)],
         "tg128": get[(0, 128, 0)],
@@ -259,25 +242,27 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-r", "--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--llama-bench", default=None, help="llama-bench binary, to check the peer")
+    ap.add_argument("--llama-bench", default=shutil.which("llama-bench"), help="its binary")
     ap.add_argument("--tree", type=Path, default=ROOT, help="the jaxinfer checkout to run")
     args = ap.parse_args()
     n_ctx = 1024
+    bench = args.llama_bench
     lines = [
         f"# jaxinfer vs llama.cpp ({time.strftime('%Y-%m-%d')}, F32 GGUF, {args.threads} threads, "
         f"medians of {args.rounds} interleaved rounds after a dropped warm-up round)",
         "",
-        "| model | test | llama.cpp t/s | jaxinfer t/s | jaxinfer / llama.cpp |",
-        "|---|---|---:|---:|---:|",
+        "Each round runs every test on the C-API peer and on jaxinfer, then llama-bench itself "
+        "once" + (" (`-r 1`)." if bench else " (not found: its column is empty)."),
+        "",
+        "| model | test | llama-bench t/s | peer t/s | jaxinfer t/s | vs llama-bench | vs peer |",
+        "|---|---|---:|---:|---:|---:|---:|",
     ]
-    checks = []
     with tempfile.TemporaryDirectory() as tmp:
         llama86 = write_random_gguf(Path(tmp) / "86m.gguf", **LLAMA_86M)
-        models = [("stories260K", STORIES), ("llama-86M (random)", llama86)]
-        for label, path in models:
+        for label, path in [("stories260K", STORIES), ("llama-86M (random)", llama86)]:
             peer = Worker(PEER, str(path), str(args.threads), str(n_ctx))
             ours = Worker(OURS, str(path), str(args.threads), str(n_ctx), str(args.tree), "{}")
-            runs = {name: ([], []) for name in TESTS}
+            runs = {name: ([], [], []) for name in TESTS}
             try:
                 for round_ in range(args.rounds + 1):
                     for name, cmd in TESTS.items():
@@ -285,36 +270,21 @@ def main():
                         if round_:
                             runs[name][0].append(theirs)
                             runs[name][1].append(mine)
+                    if bench and round_:
+                        for name, value in llama_bench(bench, path, args.threads).items():
+                            runs[name][2].append(value)
             finally:
                 peer.close()
                 ours.close()
-            medians = {}
-            for name, (theirs, mine) in runs.items():
+            for name, (theirs, mine, tool) in runs.items():
                 t, m = statistics.median(theirs), statistics.median(mine)
-                medians[name] = t
-                lines.append(f"| {label} | {name} | {t:.1f} | {m:.1f} | {m / t:.2f}x |")
+                b = statistics.median(tool) if tool else float("nan")
+                lines.append(f"| {label} | {name} | {b:.1f} | {t:.1f} | {m:.1f} | {m / b:.2f}x | "
+                             f"{m / t:.2f}x |")  # fmt: skip
                 print(lines[-1], flush=True)
-            if args.llama_bench:
-                bench = llama_bench(args.llama_bench, path, args.threads, args.rounds)
-                checks.append((label, medians, bench))
-    if checks:
-        lines += [
-            "",
-            "The peer against llama-bench itself (-fa 1, its other defaults), run "
-            "right after it on the same model:",
-            "",
-            "| model | test | peer t/s | llama-bench t/s | peer / llama-bench |",
-            "|---|---|---:|---:|---:|",
-        ]
-        for label, peer, bench in checks:
-            for name in TESTS:
-                lines.append(
-                    f"| {label} | {name} | {peer[name]:.1f} | {bench[name]:.1f} | "
-                    f"{peer[name] / bench[name]:.2f} |"
-                )
     out = ROOT / "benchmarks" / "results" / "vs_llamacpp.md"
     out.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
