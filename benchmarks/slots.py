@@ -1,8 +1,10 @@
-"""Continuous batching: aggregate decode tokens/s with 1, 2, 4 and 8 slots, and time to first
-token under load (16 requests with mixed prompt lengths submitted at once).
+"""Continuous batching: aggregate decode tokens/s with 1, 2 and 4 requests decoding at once on a
+4-slot engine (one-token prompts, so the figure is decode), and time to first token under load
+(16 requests with mixed prompt lengths submitted at once).
 
-Side by side in one run, medians of R repeats. Writes benchmarks/results/slots.md.
-Usage: python benchmarks/slots.py [-r 3]
+The request counts take turns, round after round; medians over the rounds (the first round is a
+warm-up and dropped). Writes benchmarks/results/slots.md.
+Usage: python benchmarks/slots.py [-r 5]
 """
 
 import argparse
@@ -11,51 +13,68 @@ import statistics
 import time
 from pathlib import Path
 
-from speed import LLAMA_110M, STORIES
-
 import jaxinfer
 
 ROOT = Path(__file__).resolve().parents[1]
+STORIES = ROOT.parent / "shared" / "models" / "stories260K-gguf" / "stories260K.gguf"
+LLAMA_86M = jaxinfer.ModelConfig(
+    arch="llama", d_model=768, n_layers=12, n_heads=12, n_kv_heads=12, head_dim=64,
+    d_ff=2048, vocab_size=512, max_position=2048, name="llama-86M (random)",
+)  # fmt: skip
 
 
-def run(engine, prompts, n):
+def decode_rate(engine, k: int, n: int) -> float:
+    """New tokens per second with k requests decoding together."""
     t0 = time.perf_counter()
+    requests = [
+        engine.submit([1, 3 + i], max_new_tokens=n, temperature=0, ignore_eos=True)
+        for i in range(k)
+    ]
+    tokens = sum(len(r.result().token_ids) for r in requests)
+    return tokens / (time.perf_counter() - t0)
+
+
+def first_token(engine, prompts, n) -> tuple[float, float]:
     requests = [engine.submit(p, max_new_tokens=n, temperature=0, ignore_eos=True) for p in prompts]
-    results = [r.result() for r in requests]
-    wall = time.perf_counter() - t0
-    tokens = sum(len(r.token_ids) for r in results)
+    for r in requests:
+        r.result()
     ttft = sorted(r.time_to_first_token for r in requests)
-    return tokens / wall, statistics.median(ttft), ttft[int(0.95 * (len(ttft) - 1))]
+    return statistics.median(ttft), ttft[int(0.95 * (len(ttft) - 1))]
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("-r", type=int, default=3)
+    ap.add_argument("-r", type=int, default=5)
     args = ap.parse_args()
     rng = random.Random(0)
-    rows = ["| model | slots | requests | new tokens each | aggregate t/s | vs 1 slot | "
-            "TTFT p50 s | TTFT p95 s |", "|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
-    for label, model, n, count in [
-        ("stories260K", STORIES, 64, 16),
-        ("llama-110M", LLAMA_110M, 16, 8),
-    ]:
+    rows = [
+        "| model | requests decoding | aggregate t/s | vs 1 | TTFT p50 / p95 s (16 mixed) |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for label, model, n in [("stories260K", STORIES, 128), ("llama-86M", LLAMA_86M, 32)]:
+        engine = jaxinfer.load(model, max_seq_len=512, slots=4)
+        engine.warmup(progress=False)
+        runs = {k: [] for k in (1, 2, 4)}
+        for round_ in range(args.r + 1):
+            for k in runs:
+                rate = decode_rate(engine, k, n)
+                if round_:
+                    runs[k].append(rate)
         prompts = [[1] + [rng.randrange(3, 250) for _ in range(rng.randrange(1, 120))]
-                   for _ in range(count)]  # fmt: skip
-        base = None
-        for slots in (1, 2, 4, 8):
-            engine = jaxinfer.load(model, max_seq_len=256, slots=slots, prefill_buckets=(32, 128))
-            run(engine, prompts[:slots], n)  # warm-up: compiles every program it needs
-            rates, p50s, p95s = zip(*[run(engine, prompts, n) for _ in range(args.r)], strict=True)
+                   for _ in range(16)]  # fmt: skip
+        p50, p95 = first_token(engine, prompts, n // 4)
+        base = statistics.median(runs[1])
+        for k, rates in runs.items():
             rate = statistics.median(rates)
-            base = base or rate
-            p50, p95 = statistics.median(p50s), statistics.median(p95s)
-            rows.append(f"| {label} | {slots} | {count} | {n} | {rate:.1f} | {rate / base:.2f}x | "
-                        f"{p50:.3f} | {p95:.3f} |")  # fmt: skip
+            ttft = f"{p50:.3f} / {p95:.3f}" if k == 4 else ""
+            rows.append(f"| {label} | {k} | {rate:.1f} | {rate / base:.2f}x | {ttft} |")
             print(rows[-1], flush=True)
-            del engine
+        del engine
     out = ROOT / "benchmarks" / "results" / "slots.md"
-    out.write_text(f"jaxinfer {jaxinfer.__version__}, float32, greedy, medians of {args.r}; all "
-                   "requests submitted at once\n\n" + "\n".join(rows) + "\n")  # fmt: skip
+    out.write_text(
+        f"jaxinfer {jaxinfer.__version__} ({time.strftime('%Y-%m-%d')}), float32, greedy, 4-slot "
+        f"engines, medians of {args.r} interleaved rounds\n\n" + "\n".join(rows) + "\n"
+    )
     print(f"wrote {out}")
 
 
