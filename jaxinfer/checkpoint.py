@@ -42,14 +42,38 @@ GLOBAL_TENSORS = {
     ("norm",): ("model.norm.weight", "output_norm.weight"),
     ("lm_head",): ("lm_head.weight", "output.weight"),
 }
+# Expert block parameter -> (HF name under the block's prefix, GGUF name under blk.{i}.). The
+# prefix is `mlp.` (Qwen) or `block_sparse_moe.` (Mixtral).
+MOE_TENSORS = {
+    ("moe", "router"): ("gate.weight", "ffn_gate_inp.weight"),
+    ("moe", "shared", "w_gate"): ("shared_expert.gate_proj.weight", "ffn_gate_shexp.weight"),
+    ("moe", "shared", "w_up"): ("shared_expert.up_proj.weight", "ffn_up_shexp.weight"),
+    ("moe", "shared", "w_down"): ("shared_expert.down_proj.weight", "ffn_down_shexp.weight"),
+    ("moe", "shared_gate"): ("shared_expert_gate.weight", "ffn_gate_inp_shexp.weight"),
+}
+# Stacked experts [E, ...] -> (HF per-expert name (Qwen, Mixtral), GGUF stacked name)
+EXPERT_TENSORS = {
+    ("moe", "w_gate"): (("gate_proj", "w1"), "ffn_gate_exps.weight"),
+    ("moe", "w_up"): (("up_proj", "w3"), "ffn_up_exps.weight"),
+    ("moe", "w_down"): (("down_proj", "w2"), "ffn_down_exps.weight"),
+}
 
 
-def tensor_names(path: ParamPath) -> tuple[str, str]:
-    """(HF name, GGUF name) of a parameter path."""
-    if path[0] == "layers":
-        hf, gg = LAYER_TENSORS[path[2:]]
-        return f"model.layers.{path[1]}.{hf}", f"blk.{path[1]}.{gg}"
-    return GLOBAL_TENSORS[path]
+def tensor_names(path: ParamPath, arch: str = "llama") -> tuple[str, str]:
+    """(HF name, GGUF name) of a parameter path (for stacked experts: of expert 0, stacked)."""
+    if path[0] != "layers":
+        return GLOBAL_TENSORS[path]
+    layer, key = path[1], path[2:]
+    hf_block = "block_sparse_moe." if arch == "mixtral" else "mlp."
+    if key in MOE_TENSORS:
+        hf, gg = MOE_TENSORS[key]
+        hf = hf_block + hf
+    elif key in EXPERT_TENSORS:
+        (qwen, mixtral), gg = EXPERT_TENSORS[key]
+        hf = f"{hf_block}experts.0.{mixtral if arch == 'mixtral' else qwen}.weight"
+    else:
+        hf, gg = LAYER_TENSORS[key]
+    return f"model.layers.{layer}.{hf}", f"blk.{layer}.{gg}"
 
 
 def interleaved_to_half(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -71,18 +95,65 @@ class Checkpoint:
 
     def tensor(self, path: ParamPath, shape: tuple[int, ...]) -> np.ndarray:
         """One parameter in jaxinfer layout, reshaped to `shape`."""
-        name = tensor_names(path)[1 if self.gguf else 0]
-        if name not in self.names:
-            raise CheckpointError(f"checkpoint lacks tensor {name!r}; is the file complete?")
-        w = self.read(name)
-        if self.gguf and self.config.arch == "llama" and path[-1] in ("wq", "wk", "bq", "bk"):
+        arch = self.config.arch
+        name = tensor_names(path, arch)[1 if self.gguf else 0]
+        if path[2:] in EXPERT_TENSORS:
+            w = self._gguf_experts(name, shape) if self.gguf else self._hf_experts(path, shape)
+        else:
+            w = self._read(name)
+        if self.gguf and arch in ("llama", "mixtral") and path[-1] in ("wq", "wk", "bq", "bk"):
             heads = self.config.n_heads if path[-1] in ("wq", "bq") else self.config.n_kv_heads
             w = interleaved_to_half(w, heads)
-        if w.size != int(np.prod(shape)):
+        return _shaped(name, w, shape)
+
+    def _read(self, name: str) -> np.ndarray:
+        if name not in self.names:
+            raise CheckpointError(f"checkpoint lacks tensor {name!r}; is the file complete?")
+        return self.read(name)
+
+    def _gguf_experts(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        w = self._read(name)  # [E, ...] already stacked
+        if w.ndim != 3 or w.shape[0] != shape[0]:
             raise CheckpointError(
-                f"tensor {name!r} has shape {list(w.shape)}, the config implies {list(shape)}"
+                f"tensor {name!r} holds {w.shape[0] if w.ndim == 3 else 'no'} experts "
+                f"(shape {list(w.shape)}); the metadata declares {shape[0]}"
             )
-        return w.reshape(shape)
+        return w
+
+    def _hf_experts(self, path: ParamPath, shape: tuple[int, ...]) -> np.ndarray:
+        """Per-expert tensors stacked into [E, ...] one expert at a time, or the fused
+        `experts.gate_up_proj [E, 2F, D]` / `experts.down_proj [E, D, F]` form."""
+        first = tensor_names(path, self.config.arch)[0]
+        prefix, _, leaf = first.partition("experts.0.")
+        if first not in self.names:
+            fused = prefix + (
+                "experts.down_proj" if path[-1] == "w_down" else "experts.gate_up_proj"
+            )
+            if fused not in self.names:
+                raise CheckpointError(f"checkpoint lacks tensor {first!r} (and {fused!r})")
+            w = self.read(fused)
+            if path[-1] != "w_down":  # gate rows first, then up (as vLLM and llama.cpp split)
+                E, F, D = shape
+                w = _shaped(fused, w, (E, 2, F, D))[:, 0 if path[-1] == "w_gate" else 1]
+            return w
+        extra = f"{prefix}experts.{shape[0]}.{leaf}"
+        if extra in self.names:
+            raise CheckpointError(
+                f"checkpoint holds {extra!r}: more experts than the {shape[0]} config.json declares"
+            )
+        out = np.empty(shape, np.float32)
+        for e in range(shape[0]):
+            name = f"{prefix}experts.{e}.{leaf}"
+            out[e] = _shaped(name, self._read(name), shape[1:])
+        return out
+
+
+def _shaped(name: str, w: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    if w.size != int(np.prod(shape)):
+        raise CheckpointError(
+            f"tensor {name!r} has shape {list(w.shape)}, the config implies {list(shape)}"
+        )
+    return w.reshape(shape)
 
 
 def open_checkpoint(path: str | Path) -> Checkpoint:

@@ -13,7 +13,14 @@ from typing import Any
 
 from .errors import CheckpointError, UnsupportedModelError
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+GGUF_ARCHS = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "qwen2moe": "qwen2_moe",
+    "qwen3moe": "qwen3_moe",
+}  # GGUF general.architecture -> arch
 
 
 @dataclass(frozen=True)
@@ -45,6 +52,15 @@ class ModelConfig:
     tie_embeddings: bool = False  # lm_head shares the token embedding
     sliding_window: int | None = None  # keys older than this many positions are masked (Mistral)
     max_position: int = 2048  # context length the model declares
+    # Mixture of experts (n_experts = 0: a dense model). MoE layers replace the MLP with a
+    # router over E experts, k of them used per token, plus an optional shared expert.
+    n_experts: int = 0  # E
+    n_experts_used: int = 0  # k: experts per token (top-k of the router's softmax)
+    d_ff_expert: int = 0  # FE: each expert's SwiGLU width
+    norm_topk_prob: bool = True  # renormalize the k routing weights to sum to 1
+    d_ff_shared: int = 0  # FS: the shared expert's width (0 = none)
+    shared_gate: bool = False  # the shared expert is scaled by sigmoid(gate . x) (Qwen2-MoE)
+    dense_layers: tuple[int, ...] = ()  # layers of an MoE model that keep the dense MLP
     name: str = ""  # for display only
 
     def __post_init__(self):
@@ -64,14 +80,47 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise CheckpointError(f"RoPE needs an even head_dim, got {self.head_dim}")
+        if self.n_experts:
+            if not 0 < self.n_experts_used <= self.n_experts:
+                raise CheckpointError(
+                    f"model config routes each token to {self.n_experts_used} experts of "
+                    f"{self.n_experts}; it needs 1 <= experts per token <= experts"
+                )
+            if self.d_ff_expert <= 0:
+                raise CheckpointError(f"model config has expert width {self.d_ff_expert}")
+            bad = [i for i in self.dense_layers if not 0 <= i < self.n_layers]
+            if bad:
+                raise CheckpointError(
+                    f"model config names dense layers {bad} outside 0..{self.n_layers - 1}"
+                )
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether `layer` uses the expert block (else the dense MLP of width d_ff)."""
+        return self.n_experts > 0 and layer not in self.dense_layers
+
+    @property
+    def moe(self) -> bool:
+        return any(self.is_moe(i) for i in range(self.n_layers))
 
     def n_params(self) -> int:
         D, F, V, H = self.d_model, self.d_ff, self.vocab_size, self.head_dim
         N, K = self.n_heads, self.n_kv_heads
         attn = D * H * (2 * N + 2 * K) + (H * (N + 2 * K) if self.qkv_bias else 0)
         attn += 2 * H if self.qk_norm else 0
-        layer = attn + 3 * D * F + 2 * D
-        return self.n_layers * layer + V * D * (1 if self.tie_embeddings else 2) + D
+        total = 0
+        for i in range(self.n_layers):
+            ffn = 3 * D * F
+            if self.is_moe(i):
+                ffn = D * self.n_experts + 3 * D * self.n_experts * self.d_ff_expert
+                ffn += 3 * D * self.d_ff_shared + (D if self.shared_gate else 0)
+            total += attn + ffn + 2 * D
+        return total + V * D * (1 if self.tie_embeddings else 2) + D
+
+    def n_active_params(self) -> int:
+        """Parameters read per token: only k of the E experts of an MoE layer."""
+        unused = self.n_experts - self.n_experts_used
+        moe_layers = sum(self.is_moe(i) for i in range(self.n_layers))
+        return self.n_params() - moe_layers * unused * 3 * self.d_model * self.d_ff_expert
 
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
@@ -95,9 +144,43 @@ def _hf_rope_scaling(rs: dict | None) -> RopeScaling | None:
     )
 
 
+HYBRID_ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+
+
+def hf_moe_fields(cfg: dict[str, Any], n_layers: int) -> dict[str, Any]:
+    """ModelConfig's expert fields from a HF config (Mixtral, Qwen2-MoE, Qwen3-MoE and the
+    expert block of Qwen3-Next / Qwen3.5-MoE); {} for a dense model."""
+    n_experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    if not n_experts:
+        return {}
+    if cfg.get("model_type") == "mixtral":  # softmax then top-k then renormalize
+        width, norm, shared, step, dense = int(cfg["intermediate_size"]), True, 0, 1, ()
+    else:
+        width = int(cfg["moe_intermediate_size"])
+        norm = bool(cfg.get("norm_topk_prob", False))
+        shared = int(cfg.get("shared_expert_intermediate_size") or 0)
+        step = int(cfg.get("decoder_sparse_step") or 1)
+        dense = tuple(int(i) for i in cfg.get("mlp_only_layers") or ())
+    dense = tuple(i for i in range(n_layers) if i in dense or (i + 1) % step)
+    return dict(
+        n_experts=n_experts,
+        n_experts_used=int(cfg["num_experts_per_tok"]),
+        d_ff_expert=width,
+        norm_topk_prob=norm,
+        d_ff_shared=shared,
+        shared_gate=shared > 0,  # Qwen2-MoE / Qwen3-Next: sigmoid(shared_expert_gate(x))
+        dense_layers=dense,
+    )
+
+
 def from_hf(cfg: dict[str, Any]) -> ModelConfig:
     """Build a ModelConfig from a Hugging Face config.json dict."""
     arch = cfg.get("model_type")
+    if arch in HYBRID_ARCHS:
+        raise UnsupportedModelError(
+            f"config.json model_type {arch!r} (hybrid linear attention) is not supported yet; "
+            f"supported: {', '.join(ARCHS)}"
+        )
     if arch not in ARCHS:
         raise UnsupportedModelError(
             f"config.json model_type {arch!r} is not supported; supported: {', '.join(ARCHS)}"
@@ -105,8 +188,9 @@ def from_hf(cfg: dict[str, Any]) -> ModelConfig:
     try:
         d_model = int(cfg["hidden_size"])
         n_heads = int(cfg["num_attention_heads"])
+        n_layers = int(cfg["num_hidden_layers"])
         window = cfg.get("sliding_window")
-        if arch in ("qwen2", "qwen3"):  # Qwen declares a window but turns it off by default
+        if arch.startswith("qwen"):  # Qwen declares a window but turns it off by default
             if cfg.get("use_sliding_window"):
                 raise UnsupportedModelError(
                     "per-layer sliding windows (Qwen use_sliding_window) are not supported"
@@ -115,7 +199,7 @@ def from_hf(cfg: dict[str, Any]) -> ModelConfig:
         return ModelConfig(
             arch=arch,
             d_model=d_model,
-            n_layers=int(cfg["num_hidden_layers"]),
+            n_layers=n_layers,
             n_heads=n_heads,
             n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
             head_dim=int(cfg.get("head_dim") or d_model // n_heads),
@@ -124,60 +208,110 @@ def from_hf(cfg: dict[str, Any]) -> ModelConfig:
             rope_theta=float(cfg.get("rope_theta", 10000.0)),
             rope_scaling=_hf_rope_scaling(cfg.get("rope_scaling")),
             norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            qk_norm=arch == "qwen3",
-            qkv_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
+            qk_norm=arch in ("qwen3", "qwen3_moe"),
+            qkv_bias=arch in ("qwen2", "qwen2_moe") or bool(cfg.get("attention_bias", False)),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             sliding_window=int(window) if window else None,
             max_position=int(cfg.get("max_position_embeddings", 2048)),
             name=cfg.get("_name_or_path", "") or arch,
+            **hf_moe_fields(cfg, n_layers),
         )
     except KeyError as e:
         raise CheckpointError(f"config.json lacks the field {e.args[0]!r}") from None
 
 
+def _gguf_moe_fields(meta: dict[str, Any], gguf_arch: str, n_layers: int, tensors: set[str]):
+    """Expert fields from GGUF metadata; a layer without a router keeps the dense MLP."""
+    n_experts = int(meta.get(f"{gguf_arch}.expert_count") or 0)
+    if not n_experts:
+        return {}
+    dense = []
+    for i in range(n_layers):
+        router = f"blk.{i}.ffn_gate_inp.weight"
+        stacked = [f"blk.{i}.ffn_{w}_exps.weight" for w in ("gate", "up", "down")]
+        if router in tensors:
+            missing = [n for n in stacked if n not in tensors]
+            if missing:
+                raise CheckpointError(f"GGUF has router {router!r} but lacks {missing[0]!r}")
+        elif any(n in tensors for n in stacked):
+            raise CheckpointError(f"GGUF has expert tensors in layer {i} but no router {router!r}")
+        else:
+            dense.append(i)
+    if len(dense) == n_layers:
+        raise CheckpointError(
+            f"GGUF metadata declares {gguf_arch}.expert_count = {n_experts} but no layer has "
+            "a router (blk.N.ffn_gate_inp.weight)"
+        )
+    width = meta.get(f"{gguf_arch}.expert_feed_forward_length")
+    if width is None:  # Mixtral-style llama GGUFs: the experts have the model's ffn width
+        width = meta.get(f"{gguf_arch}.feed_forward_length")
+    shared = int(meta.get(f"{gguf_arch}.expert_shared_feed_forward_length") or 0)
+    if not shared and "blk.0.ffn_up_shexp.weight" in tensors:
+        raise CheckpointError(
+            f"GGUF has shared experts but no {gguf_arch}.expert_shared_feed_forward_length"
+        )
+    # llama.cpp renormalizes the k weights for Mixtral and Qwen3-MoE, not for Qwen2-MoE.
+    norm = meta.get(f"{gguf_arch}.expert_weights_norm", gguf_arch != "qwen2moe")
+    return dict(
+        n_experts=n_experts,
+        n_experts_used=int(meta.get(f"{gguf_arch}.expert_used_count") or 0),
+        d_ff_expert=int(width[0] if isinstance(width, list | tuple) else width),
+        norm_topk_prob=bool(norm),
+        d_ff_shared=shared,
+        shared_gate=any(f"blk.{i}.ffn_gate_inp_shexp.weight" in tensors for i in range(n_layers)),
+        dense_layers=tuple(dense),
+    )
+
+
 def from_gguf(meta: dict[str, Any], tensors: set[str]) -> ModelConfig:
     """Build a ModelConfig from decoded GGUF metadata and the set of tensor names."""
-    arch = meta.get("general.architecture")
-    if arch not in ("llama", "qwen2", "qwen3"):
+    gguf_arch = meta.get("general.architecture")
+    if gguf_arch not in GGUF_ARCHS:
         raise UnsupportedModelError(
-            f"GGUF architecture {arch!r} is not supported; supported: llama, qwen2, qwen3"
+            f"GGUF architecture {gguf_arch!r} is not supported; supported: {', '.join(GGUF_ARCHS)}"
         )
 
     def get(key, default=None):
-        value = meta.get(f"{arch}.{key}", default)
+        value = meta.get(f"{gguf_arch}.{key}", default)
         if value is None:
-            raise CheckpointError(f"GGUF metadata lacks {arch}.{key}")
+            raise CheckpointError(f"GGUF metadata lacks {gguf_arch}.{key}")
         return value
 
     d_model = int(get("embedding_length"))
     n_heads = int(get("attention.head_count"))
+    n_layers = int(get("block_count"))
     n_kv = get("attention.head_count_kv", n_heads)
     if isinstance(n_kv, list | tuple):  # per-layer lists (some converters); uniform models only
         n_kv = n_kv[0]
-    n_ff = get("feed_forward_length")
+    moe = _gguf_moe_fields(meta, gguf_arch, n_layers, tensors)
+    n_ff = get("feed_forward_length", moe.get("d_ff_expert"))
     if isinstance(n_ff, list | tuple):
         n_ff = n_ff[0]
-    vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens") or [])
+    vocab = meta.get(f"{gguf_arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens") or [])
     if not vocab:
         raise CheckpointError("GGUF has neither a vocab_size nor a tokenizer vocabulary")
-    window = meta.get(f"{arch}.attention.sliding_window")
+    window = meta.get(f"{gguf_arch}.attention.sliding_window")
+    arch = GGUF_ARCHS[gguf_arch]
+    if arch == "llama" and moe:
+        arch = "mixtral"  # llama.cpp writes Mixtral as llama with experts
     return ModelConfig(
         arch=arch,
         d_model=d_model,
-        n_layers=int(get("block_count")),
+        n_layers=n_layers,
         n_heads=n_heads,
         n_kv_heads=int(n_kv),
-        head_dim=int(meta.get(f"{arch}.attention.key_length") or d_model // n_heads),
+        head_dim=int(meta.get(f"{gguf_arch}.attention.key_length") or d_model // n_heads),
         d_ff=int(n_ff),
         vocab_size=int(vocab),
-        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        rope_theta=float(meta.get(f"{gguf_arch}.rope.freq_base", 10000.0)),
         norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
         qk_norm="blk.0.attn_q_norm.weight" in tensors,
         qkv_bias="blk.0.attn_q.bias" in tensors,
         tie_embeddings="output.weight" not in tensors,
         sliding_window=int(window) if window else None,
         max_position=int(get("context_length", 2048)),
-        name=str(meta.get("general.name") or arch),
+        name=str(meta.get("general.name") or gguf_arch),
+        **moe,
     )
 
 

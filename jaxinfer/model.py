@@ -16,9 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from . import kvcache
+from . import kvcache, moe
 from .config import ModelConfig, rope_inv_freq
 from .kvcache import AttentionKV, KVView
+from .moe import ExpertSplit
 
 
 def _param(rngs: nnx.Rngs, shape, axes, scale=0.02, init_one=False) -> nnx.Param:
@@ -95,10 +96,10 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """SwiGLU feed-forward; an MoE block would replace this module in `Block`."""
+    """SwiGLU feed-forward of width F (the model's d_ff, or a shared expert's width)."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        D, F = cfg.d_model, cfg.d_ff
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, width: int | None = None):
+        D, F = cfg.d_model, width or cfg.d_ff
         self.w_gate = _param(rngs, (F, D), ("mlp", "embed"))
         self.w_up = _param(rngs, (F, D), ("mlp", "embed"))
         self.w_down = _param(rngs, (D, F), ("embed", "mlp"))
@@ -109,20 +110,66 @@ class MLP(nnx.Module):
         return jnp.einsum("BTF,DF->BTD", jax.nn.silu(gate) * up, self.w_down[...])  # [B, T, D]
 
 
+class MoE(nnx.Module):
+    """The expert block in place of the MLP: a float32 router picks k of E SwiGLU experts
+    per token (moe.py computes them), plus an optional shared expert scaled by a sigmoid gate.
+    Expert weights are stacked [E, F, D] / [E, D, F] on the `experts` logical axis."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, split: ExpertSplit | None = None):
+        E, F, D = cfg.n_experts, cfg.d_ff_expert, cfg.d_model
+        self.cfg = cfg
+        self.split = split
+        self.router = _param(rngs, (E, D), (None, "embed"))  # every device routes every token
+        self.w_gate = _param(rngs, (E, F, D), ("experts", "mlp", "embed"))
+        self.w_up = _param(rngs, (E, F, D), ("experts", "mlp", "embed"))
+        self.w_down = _param(rngs, (E, D, F), ("experts", "embed", "mlp"))
+        if cfg.d_ff_shared:
+            self.shared = MLP(cfg, rngs, cfg.d_ff_shared)
+            if cfg.shared_gate:
+                self.shared_gate = _param(rngs, (D,), ("embed",))
+
+    def __call__(self, x, valid):
+        """x [B, T, D], valid [B, T] (padding routes nowhere) -> [B, T, D]."""
+        cfg = self.cfg
+        B, T, D = x.shape
+        flat = x.reshape(B * T, D)
+        weights, ids = moe.route(flat, self.router[...], cfg.n_experts_used, cfg.norm_topk_prob)
+        w = (self.w_gate[...], self.w_up[...], self.w_down[...])
+        out = moe.experts(flat, ids, weights, valid.reshape(B * T), *w, self.split)
+        out = out.reshape(B, T, D).astype(x.dtype)
+        if cfg.d_ff_shared:
+            shared = self.shared(x)
+            if cfg.shared_gate:
+                gate = jnp.einsum("BTD,D->BT", x, self.shared_gate[...])[..., None]
+                shared = jax.nn.sigmoid(gate.astype(jnp.float32)).astype(x.dtype) * shared
+            out = out + shared
+        return out
+
+
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, experts: bool = False, split=None):
         self.eps = cfg.norm_eps
         self.attn_norm = _param(rngs, (cfg.d_model,), ("embed",), init_one=True)
         self.attn = Attention(cfg, rngs)
         self.mlp_norm = _param(rngs, (cfg.d_model,), ("embed",), init_one=True)
-        self.mlp = MLP(cfg, rngs)
+        self.experts = experts
+        if experts:
+            self.moe = MoE(cfg, rngs, split)
+        else:
+            self.mlp = MLP(cfg, rngs)
 
     def __call__(self, x, rope_tab, kv, view: KVView):
         with jax.named_scope("attn"):
             h, kv = self.attn(rms_norm(x, self.attn_norm[...], self.eps), rope_tab, kv, view)
         x = x + h
-        with jax.named_scope("mlp"):
-            x = x + self.mlp(rms_norm(x, self.mlp_norm[...], self.eps))
+        h = rms_norm(x, self.mlp_norm[...], self.eps)
+        if self.experts:
+            with jax.named_scope("moe"):
+                valid = jnp.arange(x.shape[1])[None] < view.length[:, None]  # [B, T]
+                x = x + self.moe(h, valid)
+        else:
+            with jax.named_scope("mlp"):
+                x = x + self.mlp(h)
         return x, kv
 
 
@@ -136,10 +183,12 @@ def block(graphdef: nnx.GraphDef, params, x, rope_tab, kv, view: KVView):
 
 
 class Transformer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, split: ExpertSplit | None = None):
         self.cfg = cfg
         self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), scale=1.0)
-        self.layers = nnx.List([Block(cfg, rngs) for _ in range(cfg.n_layers)])
+        self.layers = nnx.List(
+            [Block(cfg, rngs, cfg.is_moe(i), split) for i in range(cfg.n_layers)]
+        )
         self.norm = _param(rngs, (cfg.d_model,), ("embed",), init_one=True)
         if not cfg.tie_embeddings:
             self.lm_head = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"))
@@ -177,6 +226,6 @@ def cache_layers(cfg: ModelConfig, dtype) -> list[AttentionKV]:
     return [AttentionKV(cfg.n_kv_heads, cfg.head_dim, dtype) for _ in range(cfg.n_layers)]
 
 
-def abstract_model(cfg: ModelConfig) -> Transformer:
+def abstract_model(cfg: ModelConfig, split: ExpertSplit | None = None) -> Transformer:
     """The model with shapes only (no memory): the source of parameter names, shapes, axes."""
-    return nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0)))
+    return nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0), split))

@@ -18,6 +18,7 @@ from . import kvcache
 from .config import ModelConfig
 from .kvcache import KVConfig
 from .model import Transformer, abstract_model, cache_layers
+from .moe import ExpertSplit
 from .sharding import named, spec
 
 Reader = Callable[[tuple, tuple], np.ndarray]  # (parameter path, shape) -> host array
@@ -48,7 +49,8 @@ class Placement:
 
 def place_dense(read: Reader, cfg: ModelConfig, dtype, name: str, mesh: Mesh, rules) -> Placement:
     """Every layer on every device of the mesh, weights placed straight into their shardings."""
-    graphdef, state = nnx.split(abstract_model(cfg))
+    split = ExpertSplit(mesh, rules["experts"]) if "experts" in rules else None
+    graphdef, state = nnx.split(abstract_model(cfg, split))
     shardings = param_shardings(cfg, mesh, rules)
 
     def put(path, leaf):

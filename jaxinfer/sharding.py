@@ -24,7 +24,7 @@ LOGICAL_AXES = (
     "batch", "seq", "cache_seq", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab",
     "layers", "experts",
 )  # fmt: skip
-BUILTIN = ("single", "layer", "tensor", "layer-tensor")
+BUILTIN = ("single", "layer", "tensor", "layer-tensor", "expert")
 
 
 @dataclass(frozen=True)
@@ -130,25 +130,45 @@ def effective_rules(layout: Layout, mesh: Mesh, cfg: ModelConfig) -> dict[str, s
     """
     rules = dict(layout.rules)
     sizes = dict(mesh.shape)
+    moe = [i for i in range(cfg.n_layers) if cfg.is_moe(i)]
+    widths = [("d_ff", cfg.d_ff)] if len(moe) < cfg.n_layers else []
+    if moe:
+        widths += [("expert width", cfg.d_ff_expert)]
+        widths += [("shared expert width", cfg.d_ff_shared)] if cfg.d_ff_shared else []
     dims = {
-        "heads": ("n_heads", cfg.n_heads),
-        "kv_heads": ("n_kv_heads", cfg.n_kv_heads),
-        "mlp": ("d_ff", cfg.d_ff),
-        "vocab": ("vocab_size", cfg.vocab_size),
-        "embed": ("d_model", cfg.d_model),
-        "head_dim": ("head_dim", cfg.head_dim),
+        "heads": [("n_heads", cfg.n_heads)],
+        "kv_heads": [("n_kv_heads", cfg.n_kv_heads)],
+        "mlp": widths,
+        "vocab": [("vocab_size", cfg.vocab_size)],
+        "embed": [("d_model", cfg.d_model)],
+        "head_dim": [("head_dim", cfg.head_dim)],
     }
-    for logical, (field, value) in dims.items():
+    for logical, fields in dims.items():
         axis = rules.get(logical)
-        if axis is None or value % sizes[axis] == 0:
-            continue
-        if logical in ("kv_heads", "vocab"):
-            del rules[logical]
-            continue
-        raise LayoutError(
-            f"layout {layout.name!r} needs {field} ({value}) divisible by {axis} "
-            f"({sizes[axis]}); try --devices {_divisor(value, sizes[axis])} or layout 'layer'"
-        )
+        for field, value in fields:
+            if axis is None or logical not in rules or value % sizes[axis] == 0:
+                continue
+            if logical in ("kv_heads", "vocab"):
+                del rules[logical]
+                continue
+            raise LayoutError(
+                f"layout {layout.name!r} needs {field} ({value}) divisible by {axis} "
+                f"({sizes[axis]}); try --devices {_divisor(value, sizes[axis])} or layout 'layer'"
+            )
+    if "experts" in rules:
+        axis = rules["experts"]
+        if not moe:
+            raise LayoutError(
+                f"layout {layout.name!r} splits experts but the model has none; "
+                "use layout 'single', 'tensor' or 'layer'"
+            )
+        if cfg.n_experts % sizes[axis]:
+            raise LayoutError(
+                f"layout {layout.name!r} splits {cfg.n_experts} experts over {axis} = "
+                f"{sizes[axis]} devices, which does not divide; use --devices "
+                f"{_divisor(cfg.n_experts, sizes[axis])} (or another divisor of "
+                f"{cfg.n_experts})"
+            )
     if "layers" in rules and sizes[rules["layers"]] > cfg.n_layers:
         axis = rules["layers"]
         raise LayoutError(

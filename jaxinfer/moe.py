@@ -1,0 +1,133 @@
+"""Mixture of experts: top-k routing and the expert FFNs, with expert choice as data.
+
+Routing never changes a shape. A call's N tokens make N * k assignments (token, expert,
+weight); they are sorted by expert and cut into tiles of C rows that each belong to one
+expert, and a loop runs one tile per step, reading that expert's weights in place
+(`dynamic_index` of the stacked [E, ...] weights inside the loop reads the slice without a
+copy on XLA CPU, where gathering the k experts' weights copies them). So the memory a token
+reads scales with the experts it uses, and the trip count, not a shape, follows the routing.
+Padding rows and rows of idle slots make no assignment. Each tile's last rows may run past
+its expert's rows into the next expert's; those rows are written again when that expert's
+tile comes, so the result never depends on it.
+
+Under an expert split (`ExpertSplit`, the `experts` logical axis on a mesh axis) each device
+holds E / ep experts and the tokens: it computes the assignments of its own experts, and the
+partial outputs are summed over the axis (the "replicate tokens, shard experts, psum" form of
+tpu-inference and sglang-jax).
+
+Tie rule: among equal router probabilities the lower expert index wins (`lax.top_k`, as
+`torch.topk` in the HF models). Dimension letters as in model.py, plus N tokens, E experts,
+k experts per token, A = N * k assignments, F expert width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+MAX_TILE = 64  # rows per tile at most (prompt chunks); decode tiles are single rows
+
+
+@dataclass(frozen=True)
+class ExpertSplit:
+    """The experts split over one mesh axis."""
+
+    mesh: Mesh
+    axis: str
+
+    @property
+    def size(self) -> int:
+        return self.mesh.shape[self.axis]
+
+
+def route(x: jax.Array, router: jax.Array, k: int, normalize: bool):
+    """x [N, D], router [E, D] -> routing weights [N, k] float32 and expert ids [N, k] int32.
+
+    Softmax over all experts in float32, the k largest (ties: lower index first), and the k
+    weights renormalized to sum to 1 when `normalize` (Mixtral always; Qwen `norm_topk_prob`).
+    """
+    logits = jnp.einsum(
+        "ND,ED->NE", x.astype(jnp.float32), router.astype(jnp.float32),
+        precision=lax.Precision.HIGHEST,
+    )  # fmt: skip
+    probs = jax.nn.softmax(logits, axis=-1)  # [N, E]
+    weights, ids = lax.top_k(probs, k)  # [N, k]
+    if normalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, ids.astype(jnp.int32)
+
+
+def tile_rows(assignments: int, experts: int) -> int:
+    """Rows per tile: one when a call has about one assignment per expert or fewer (decode,
+    where a one-row product streams the weights fastest), else the expected rows per expert
+    rounded up to a power of two, at most MAX_TILE."""
+    per_expert = -(-assignments // experts)
+    if per_expert <= 1:
+        return 1
+    return min(MAX_TILE, 1 << (per_expert - 1).bit_length())
+
+
+def expert_ffn(x, ids, weights, valid, w_gate, w_up, w_down, first=0) -> jax.Array:
+    """Sum over each token's experts of weight * SwiGLU_e(x), for the experts held here.
+
+    x [N, D]; ids, weights [N, k]; valid [N] bool; w_gate, w_up [EL, F, D], w_down [EL, D, F]
+    hold experts first .. first + EL - 1 (all of them without a split). -> [N, D] float32.
+    """
+    N, D = x.shape
+    k = ids.shape[1]
+    EL = w_gate.shape[0]
+    A = N * k
+    C = tile_rows(A, EL)
+    local = ids.reshape(A) - first  # [A]
+    mine = (local >= 0) & (local < EL) & jnp.repeat(valid, k)
+    key = jnp.where(mine, local, EL)  # EL: no work here (another device's expert, padding)
+    order = jnp.argsort(key, stable=True)  # [A] assignment at each sorted position
+    counts = jnp.zeros(EL + 1, jnp.int32).at[key].add(1)[:EL]  # [EL]
+    starts = jnp.cumsum(counts) - counts  # [EL] first sorted row of each expert
+    tiles = -(-counts // C)  # [EL]
+    tile_end = jnp.cumsum(tiles)
+    n_tiles = tile_end[-1]
+    t = jnp.arange(min(A, -(-A // C) + EL), dtype=jnp.int32)
+    tile_e = jnp.minimum(jnp.searchsorted(tile_end, t, side="right"), EL - 1)  # [max tiles]
+    tile_row = starts[tile_e] + (t - (tile_end[tile_e] - tiles[tile_e])) * C
+
+    xs = jnp.concatenate([x[order // k], jnp.zeros((C, D), x.dtype)])  # [A + C, D]
+
+    def tile(i, ys):
+        e, r = tile_e[i], tile_row[i]
+        rows = lax.dynamic_slice_in_dim(xs, r, C)  # [C, D]
+        gate = rows @ lax.dynamic_index_in_dim(w_gate, e, keepdims=False).T  # [C, F]
+        up = rows @ lax.dynamic_index_in_dim(w_up, e, keepdims=False).T  # [C, F]
+        y = (jax.nn.silu(gate) * up) @ lax.dynamic_index_in_dim(w_down, e, keepdims=False).T
+        return lax.dynamic_update_slice_in_dim(ys, y.astype(ys.dtype), r, 0)  # [C, D] at r
+
+    ys = lax.fori_loop(0, n_tiles, tile, jnp.zeros((A + C, D), x.dtype))
+    at = jnp.zeros(A, jnp.int32).at[order].set(jnp.arange(A, dtype=jnp.int32))  # sorted row
+    w = jnp.where(mine, weights.reshape(A), 0.0)[:, None]  # [A, 1]
+    out = jnp.where(w > 0, ys[at].astype(jnp.float32) * w, 0.0)  # [A, D]
+    return out.reshape(N, k, D).sum(axis=1)
+
+
+def experts(x, ids, weights, valid, w_gate, w_up, w_down, split: ExpertSplit | None):
+    """`expert_ffn` over all experts, split over `split.axis` when given -> [N, D] float32."""
+    if split is None:
+        return expert_ffn(x, ids, weights, valid, w_gate, w_up, w_down)
+
+    def local(x, ids, weights, valid, w_gate, w_up, w_down):
+        first = lax.axis_index(split.axis) * w_gate.shape[0]
+        part = expert_ffn(x, ids, weights, valid, w_gate, w_up, w_down, first)
+        return lax.psum(part, split.axis)
+
+    rep, held = P(), P(split.axis)
+    return jax.shard_map(
+        local,
+        mesh=split.mesh,
+        in_specs=(rep, rep, rep, rep, held, held, held),
+        out_specs=rep,
+        axis_names=frozenset({split.axis}),
+    )(x, ids, weights, valid, w_gate, w_up, w_down)
