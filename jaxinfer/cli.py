@@ -13,6 +13,7 @@ import time
 import traceback
 
 from .errors import JaxinferError
+from .sharding import BUILTIN
 
 
 def _ints(text: str, minimum: int = 1) -> tuple[int, ...]:
@@ -49,7 +50,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument(
         "--layout", default="single",
-        help="single, layer, tensor, layer-tensor, or a layout .toml file",
+        help=f"{', '.join(BUILTIN)}, or a layout .toml file",
     )  # fmt: skip
     p.add_argument("--devices", type=_devices, default=None, help="use the first N devices")
     p.add_argument(
@@ -256,7 +257,8 @@ def _info(args) -> None:
         ("layers", cfg.n_layers),
         ("d_model", cfg.d_model),
         ("heads / kv heads", f"{cfg.n_heads} / {cfg.n_kv_heads} (head_dim {cfg.head_dim})"),
-        ("ffn", cfg.d_ff),
+        ("ffn", cfg.d_ff if len(cfg.dense_layers) or not cfg.moe else "- (every layer has experts)"),
+        *_experts_rows(cfg),
         ("vocab", cfg.vocab_size),
         ("rope", f"theta {cfg.rope_theta:g}" + (", llama3 scaling" if scaled else "")),
         ("features", ", ".join(features) or "-"),
@@ -270,6 +272,8 @@ def _info(args) -> None:
     rows.append(("layout", f"{engine.layout}: mesh {mesh}, {devices} device(s)"))
     if engine.runner.description:
         rows.append(("stages", engine.runner.description))
+    if cfg.moe:
+        rows.append(("experts live", _expert_placement(engine)))
     kv = engine.kv_stats()
     rows.append((
         "kv cache",
@@ -284,6 +288,38 @@ def _info(args) -> None:
     for path, leaf in jax.tree_util.tree_flatten_with_path(engine.params)[0]:
         name = ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
         print(f"  {name}: {list(leaf.shape)} {leaf.sharding.spec}")
+
+
+def _experts_rows(cfg) -> list[tuple[str, str]]:
+    if not cfg.moe:
+        return []
+    text = f"{cfg.n_experts}, {cfg.n_experts_used} per token, width {cfg.d_ff_expert}"
+    text += ", renormalized" if cfg.norm_topk_prob else ""
+    if cfg.d_ff_shared:
+        text += f"; shared expert width {cfg.d_ff_shared}" + (" (gated)" if cfg.shared_gate else "")
+    if cfg.dense_layers:
+        text += f"; dense layers {list(cfg.dense_layers)}"
+    return [("experts", text), ("active parameters", f"{cfg.n_active_params():,} per token")]
+
+
+def _expert_placement(engine) -> str:
+    """Which experts each device holds, read from the placed weights' shardings."""
+    import jax
+
+    for path, leaf in jax.tree_util.tree_flatten_with_path(engine.params)[0]:
+        if "w_gate" in str(path[-1]) and "moe" in str(path) and "shared" not in str(path):
+            break
+    axis = leaf.ndim - 3  # [..., E, F, D]
+    held: dict[tuple[int, int], list[int]] = {}
+    for device, index in leaf.sharding.devices_indices_map(leaf.shape).items():
+        span = index[axis].indices(leaf.shape[axis])[:2]
+        held.setdefault(span, []).append(device.id)
+    if len(held) == 1:
+        return "every device holds every expert"
+    return "; ".join(
+        f"experts {a}-{b - 1} on devices {', '.join(map(str, sorted(ids)))}"
+        for (a, b), ids in sorted(held.items())
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,6 +23,8 @@ import numpy as np
 from flax import struct
 from jax import lax
 
+from .sharding import varying_like
+
 NULL_PAGE = 0
 AXES = ("cache_seq", "kv_heads", "head_dim", None)  # logical axes of a pool [P, K, H, page]
 PAGE_SIZES = (16, 32, 64, 128, 256)
@@ -201,27 +203,8 @@ def _pages(qh, pools, table, q_pos, n_keys, carry, window):
         # n_keys >= 1; a prompt chunk's carry already holds its own keys).
         return _merge(carry, s, visible, vb, always_seen=not window)
 
-    carry = _varying_like(carry, pool_k)
+    carry = varying_like(carry, pool_k)
     return lax.fori_loop(first, -(-jnp.max(n_keys) // page), body, carry)
-
-
-def _varying_like(tree, ref):
-    """Inside shard_map (a pipeline stage), a loop carry must vary over the same manual mesh
-    axes as the values folded into it: those of `ref`."""
-    want = _vma(ref)
-
-    def cast(x):
-        axes = tuple(sorted(want - _vma(x)))
-        return lax.pcast(x, axes, to="varying") if axes else x
-
-    return jax.tree.map(cast, tree)
-
-
-def _vma(x) -> frozenset:
-    """The manual mesh axes `x` varies over (jax 0.10: manual_axis_type; later: vma)."""
-    aval = jax.typeof(x)
-    mat = getattr(aval, "manual_axis_type", None)
-    return mat.varying if mat is not None else getattr(aval, "vma", frozenset())
 
 
 class PagePool:

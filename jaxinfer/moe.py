@@ -30,6 +30,8 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from .sharding import varying_like
+
 MAX_TILE = 64  # rows per tile at most (prompt chunks); decode tiles are single rows
 
 
@@ -93,7 +95,8 @@ def expert_ffn(x, ids, weights, valid, w_gate, w_up, w_down, first=0) -> jax.Arr
     tile_end = jnp.cumsum(tiles)
     n_tiles = tile_end[-1]
     t = jnp.arange(min(A, -(-A // C) + EL), dtype=jnp.int32)
-    tile_e = jnp.minimum(jnp.searchsorted(tile_end, t, side="right"), EL - 1)  # [max tiles]
+    passed = jnp.sum(t[:, None] >= tile_end[None, :], axis=1, dtype=jnp.int32)  # searchsorted
+    tile_e = jnp.minimum(passed, EL - 1)  # [max tiles] expert of each tile
     tile_row = starts[tile_e] + (t - (tile_end[tile_e] - tiles[tile_e])) * C
 
     xs = jnp.concatenate([x[order // k], jnp.zeros((C, D), x.dtype)])  # [A + C, D]
@@ -106,7 +109,8 @@ def expert_ffn(x, ids, weights, valid, w_gate, w_up, w_down, first=0) -> jax.Arr
         y = (jax.nn.silu(gate) * up) @ lax.dynamic_index_in_dim(w_down, e, keepdims=False).T
         return lax.dynamic_update_slice_in_dim(ys, y.astype(ys.dtype), r, 0)  # [C, D] at r
 
-    ys = lax.fori_loop(0, n_tiles, tile, jnp.zeros((A + C, D), x.dtype))
+    ys = varying_like(jnp.zeros((A + C, D), x.dtype), w_gate)
+    ys = lax.fori_loop(0, n_tiles, tile, ys)
     at = jnp.zeros(A, jnp.int32).at[order].set(jnp.arange(A, dtype=jnp.int32))  # sorted row
     w = jnp.where(mine, weights.reshape(A), 0.0)[:, None]  # [A, 1]
     out = jnp.where(w > 0, ys[at].astype(jnp.float32) * w, 0.0)  # [A, D]
@@ -124,9 +128,10 @@ def experts(x, ids, weights, valid, w_gate, w_up, w_down, split: ExpertSplit | N
         return lax.psum(part, split.axis)
 
     rep, held = P(), P(split.axis)
+    context = jax.sharding.get_abstract_mesh()  # inside a pipeline stage: its manual mesh
     return jax.shard_map(
         local,
-        mesh=split.mesh,
+        mesh=context if split.axis in context.axis_names else split.mesh,
         in_specs=(rep, rep, rep, rep, held, held, held),
         out_specs=rep,
         axis_names=frozenset({split.axis}),

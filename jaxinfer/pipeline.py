@@ -26,6 +26,8 @@ from . import kvcache
 from .config import ModelConfig, rope_inv_freq
 from .kvcache import AttentionKV, KVConfig, KVView
 from .model import Block, block, head_logits, rms_norm, rope_table
+from .errors import LayoutError
+from .moe import ExpertSplit
 from .placement import Placement, Reader, Runner
 from .sharding import named, spec
 
@@ -61,9 +63,19 @@ def microbatches(batch: int, stages: int) -> int:
     return max(m for m in range(1, min(batch, stages) + 1) if batch % m == 0)
 
 
+def stage_block(cfg: ModelConfig, split: ExpertSplit | None = None) -> Block:
+    """The abstract layer every slot stacks: all layers must share one structure."""
+    if cfg.moe and cfg.dense_layers:
+        raise LayoutError(
+            f"the layer split stacks identical layers, but layers {list(cfg.dense_layers)} of "
+            "this MoE model are dense; use layout 'single', 'tensor' or 'expert'"
+        )
+    return nnx.eval_shape(lambda: Block(cfg, nnx.Rngs(0), cfg.moe, split))
+
+
 def block_axes(cfg: ModelConfig) -> dict[tuple, tuple]:
     """Logical axes of one layer's parameters, by path inside the layer."""
-    block = nnx.eval_shape(lambda: Block(cfg, nnx.Rngs(0)))
+    block = stage_block(cfg)
     return {path: v.get_metadata()["axes"] for path, v in nnx.to_flat_state(nnx.state(block))}
 
 
@@ -84,7 +96,7 @@ def place_params(read: Reader, cfg: ModelConfig, mesh: Mesh, rules: dict, dtype)
     """
     plan = stage_plan(cfg.n_layers, mesh.shape[AXIS])
     np_dtype = np.dtype(dtype)
-    block = nnx.eval_shape(lambda: Block(cfg, nnx.Rngs(0)))
+    block = stage_block(cfg)
     shapes = {path: v.get_value().shape for path, v in nnx.to_flat_state(nnx.state(block))}
     axes = block_axes(cfg)
     params: dict = {}
@@ -124,7 +136,8 @@ def place_params(read: Reader, cfg: ModelConfig, mesh: Mesh, rules: dict, dtype)
 def pipeline_runner(cfg: ModelConfig, mesh: Mesh, rules: dict, dtype) -> Runner:
     plan = stage_plan(cfg.n_layers, mesh.shape[AXIS])
     pp = plan.stages
-    block_def = nnx.graphdef(nnx.eval_shape(lambda: Block(cfg, nnx.Rngs(0))))
+    split = ExpertSplit(mesh, rules["experts"]) if "experts" in rules else None
+    block_def = nnx.graphdef(stage_block(cfg, split))
     layer = AttentionKV(cfg.n_kv_heads, cfg.head_dim, dtype)
     manual = frozenset({AXIS})
     valid = plan.valid

@@ -24,7 +24,7 @@ LOGICAL_AXES = (
     "batch", "seq", "cache_seq", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab",
     "layers", "experts",
 )  # fmt: skip
-BUILTIN = ("single", "layer", "tensor", "layer-tensor", "expert")
+BUILTIN = ("single", "layer", "tensor", "layer-tensor", "expert", "layer-expert")
 
 
 @dataclass(frozen=True)
@@ -194,3 +194,22 @@ def spec(axes: tuple[str | None, ...], rules: dict[str, str]) -> P:
 
 def named(mesh: Mesh, partition: P | None = None) -> NamedSharding:
     return NamedSharding(mesh, P() if partition is None else partition)
+
+
+def varying_like(tree, ref):
+    """Inside shard_map (a pipeline stage, an expert shard), a loop carry must vary over the
+    same manual mesh axes as the values folded into it: those of `ref`."""
+    want = _vma(ref)
+
+    def cast(x):
+        axes = tuple(sorted(want - _vma(x)))
+        return jax.lax.pcast(x, axes, to="varying") if axes else x
+
+    return jax.tree.map(cast, tree)
+
+
+def _vma(x) -> frozenset:
+    """The manual mesh axes `x` varies over (jax 0.10: manual_axis_type; later: vma)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)
+    return mat.varying if mat is not None else getattr(aval, "vma", frozenset())
