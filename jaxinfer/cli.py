@@ -13,7 +13,7 @@ import time
 import traceback
 
 from .errors import JaxinferError
-from .sharding import BUILTIN
+from .shardings import BUILTIN
 
 
 def _ints(text: str, minimum: int = 1) -> tuple[int, ...]:
@@ -257,7 +257,7 @@ def _info(args) -> None:
         ("layers", cfg.n_layers),
         ("d_model", cfg.d_model),
         ("heads / kv heads", f"{cfg.n_heads} / {cfg.n_kv_heads} (head_dim {cfg.head_dim})"),
-        ("ffn", cfg.d_ff if len(cfg.dense_layers) or not cfg.moe else "- (every layer has experts)"),
+        ("ffn", cfg.d_ff if cfg.dense_layers or not cfg.moe else "- (experts in every layer)"),
         *_experts_rows(cfg),
         ("vocab", cfg.vocab_size),
         ("rope", f"theta {cfg.rope_theta:g}" + (", llama3 scaling" if scaled else "")),
@@ -306,9 +306,11 @@ def _expert_placement(engine) -> str:
     """Which experts each device holds, read from the placed weights' shardings."""
     import jax
 
-    for path, leaf in jax.tree_util.tree_flatten_with_path(engine.params)[0]:
-        if "w_gate" in str(path[-1]) and "moe" in str(path) and "shared" not in str(path):
-            break
+    leaf = next(
+        leaf
+        for path, leaf in jax.tree_util.tree_flatten_with_path(engine.params)[0]
+        if "w_gate" in str(path[-1]) and "moe" in str(path) and "shared" not in str(path)
+    )
     axis = leaf.ndim - 3  # [..., E, F, D]
     held: dict[tuple[int, int], list[int]] = {}
     for device, index in leaf.sharding.devices_indices_map(leaf.shape).items():

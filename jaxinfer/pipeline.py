@@ -24,9 +24,9 @@ from jax.sharding import PartitionSpec as P
 
 from . import kvcache
 from .config import ModelConfig, rope_inv_freq
+from .errors import LayoutError
 from .kvcache import AttentionKV, KVConfig, KVView
 from .model import Block, block, head_logits, rms_norm, rope_table
-from .errors import LayoutError
 from .moe import ExpertSplit
 from .placement import Placement, Reader, Runner
 from .sharding import named, spec

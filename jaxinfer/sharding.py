@@ -19,12 +19,12 @@ from jax.sharding import PartitionSpec as P
 
 from .config import ModelConfig
 from .errors import LayoutError
+from .shardings import BUILTIN
 
 LOGICAL_AXES = (
     "batch", "seq", "cache_seq", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab",
     "layers", "experts",
 )  # fmt: skip
-BUILTIN = ("single", "layer", "tensor", "layer-tensor", "expert", "layer-expert")
 
 
 @dataclass(frozen=True)
