@@ -121,6 +121,50 @@ TINY: dict[str, dict] = {
         sliding_window=None,
         max_window_layers=2,
     ),
+    # Mixtral: 8 experts, top-2, renormalized, every layer MoE (block_sparse_moe.* names).
+    "mixtral": _base(
+        "mixtral",
+        "MixtralForCausalLM",
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        intermediate_size=48,
+        rope_theta=1000000.0,
+        sliding_window=None,
+    ),
+    # Qwen2-MoE: q/k/v biases, 6 experts top-2 without renormalization, a sigmoid-gated shared
+    # expert, and dense layers from both decoder_sparse_step (layer 0, 2) and mlp_only_layers (3).
+    "qwen2_moe": _base(
+        "qwen2_moe",
+        "Qwen2MoeForCausalLM",
+        num_experts=6,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=40,
+        norm_topk_prob=False,
+        decoder_sparse_step=2,
+        mlp_only_layers=[3],
+        num_hidden_layers=4,
+        rms_norm_eps=1e-6,
+        use_sliding_window=False,
+        sliding_window=None,
+        max_window_layers=4,
+    ),
+    # Qwen3-MoE: q/k norm, 8 experts top-3, renormalized.
+    "qwen3_moe": _base(
+        "qwen3_moe",
+        "Qwen3MoeForCausalLM",
+        num_experts=8,
+        num_experts_per_tok=3,
+        moe_intermediate_size=24,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        use_sliding_window=False,
+        sliding_window=None,
+        max_window_layers=2,
+    ),
     # Multi-query attention: a single kv head, head_dim 8, 3 layers.
     "mqa": _base(
         "llama",
@@ -136,11 +180,40 @@ TINY: dict[str, dict] = {
 def gguf_arch(config: dict) -> str:
     """llama.cpp architecture name for a config: llama (llama/mistral), qwen2, qwen3."""
     mt = config["model_type"]
-    if mt in ("llama", "mistral"):
+    if mt in ("llama", "mistral", "mixtral"):
         return "llama"
     if mt in ("qwen2", "qwen3"):
         return mt
+    if mt in ("qwen2_moe", "qwen3_moe"):
+        return mt.replace("_", "")
     raise ValueError(f"unsupported model_type {mt!r}")
+
+
+def n_experts(config: dict) -> int:
+    return int(config.get("num_local_experts") or config.get("num_experts") or 0)
+
+
+def is_moe_layer(config: dict, layer: int) -> bool:
+    """HF's rule: Mixtral always; Qwen MoE unless in mlp_only_layers or off the sparse step."""
+    if not n_experts(config):
+        return False
+    if config["model_type"] == "mixtral":
+        return True
+    if layer in (config.get("mlp_only_layers") or []):
+        return False
+    return (layer + 1) % int(config.get("decoder_sparse_step") or 1) == 0
+
+
+def moe_prefix(config: dict, layer: int) -> str:
+    block = "block_sparse_moe" if config["model_type"] == "mixtral" else "mlp"
+    return f"model.layers.{layer}.{block}."
+
+
+def expert_names(config: dict) -> tuple[str, str, str]:
+    """(gate, up, down) per-expert weight names."""
+    if config["model_type"] == "mixtral":
+        return "w1", "w3", "w2"
+    return "gate_proj", "up_proj", "down_proj"
 
 
 def _dims(config: dict) -> tuple[int, int, int, int]:
@@ -170,10 +243,10 @@ def random_weights(config: dict, seed: int = 0) -> dict[str, np.ndarray]:
     inter = int(config["intermediate_size"])
     vocab = int(config["vocab_size"])
     mt = config["model_type"]
-    qkv_bias = mt == "qwen2" or bool(config.get("attention_bias", False))
+    qkv_bias = mt in ("qwen2", "qwen2_moe") or bool(config.get("attention_bias", False))
     o_bias = mt in ("llama", "mistral") and bool(config.get("attention_bias", False))
     mlp_bias = bool(config.get("mlp_bias", False))
-    qk_norm = mt == "qwen3"
+    qk_norm = mt in ("qwen3", "qwen3_moe")
 
     def mat(out: int, inp: int, gain: float) -> np.ndarray:
         return (rng.standard_normal((out, inp)) * (gain / math.sqrt(inp))).astype(np.float32)
@@ -203,6 +276,9 @@ def random_weights(config: dict, seed: int = 0) -> dict[str, np.ndarray]:
             w[p + "self_attn.q_norm.weight"] = norm(hd)
             w[p + "self_attn.k_norm.weight"] = norm(hd)
         w[p + "post_attention_layernorm.weight"] = norm(hidden)
+        if is_moe_layer(config, i):
+            w.update(_random_experts(config, i, mat))
+            continue
         w[p + "mlp.gate_proj.weight"] = mat(inter, hidden, 1.0)
         w[p + "mlp.up_proj.weight"] = mat(inter, hidden, 0.7)
         w[p + "mlp.down_proj.weight"] = mat(hidden, inter, 0.5)
@@ -214,6 +290,46 @@ def random_weights(config: dict, seed: int = 0) -> dict[str, np.ndarray]:
     if not config.get("tie_word_embeddings", False):
         w["lm_head.weight"] = (0.15 * rng.standard_normal((vocab, hidden))).astype(np.float32)
     return w
+
+
+def _random_experts(config: dict, layer: int, mat) -> dict[str, np.ndarray]:
+    """Router (gain 3: clearly separated routing), experts, and Qwen2-MoE's shared expert."""
+    hidden = int(config["hidden_size"])
+    E = n_experts(config)
+    width = int(config.get("moe_intermediate_size") or config["intermediate_size"])
+    p = moe_prefix(config, layer)
+    gate, up, down = expert_names(config)
+    w = {p + "gate.weight": mat(E, hidden, 3.0)}
+    for e in range(E):
+        w[f"{p}experts.{e}.{gate}.weight"] = mat(width, hidden, 1.0)
+        w[f"{p}experts.{e}.{up}.weight"] = mat(width, hidden, 0.7)
+        w[f"{p}experts.{e}.{down}.weight"] = mat(hidden, width, 0.5)
+    shared = int(config.get("shared_expert_intermediate_size") or 0)
+    if shared:
+        w[p + "shared_expert.gate_proj.weight"] = mat(shared, hidden, 1.0)
+        w[p + "shared_expert.up_proj.weight"] = mat(shared, hidden, 0.7)
+        w[p + "shared_expert.down_proj.weight"] = mat(hidden, shared, 0.5)
+        w[p + "shared_expert_gate.weight"] = mat(1, hidden, 2.0)
+    return w
+
+
+def fuse_experts(config: dict, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The fused form some checkpoints store (Qwen3.5, transformers 5): per layer
+    `experts.gate_up_proj [E, 2F, D]` (gate rows first) and `experts.down_proj [E, D, F]`."""
+    out = dict(weights)
+    gate, up, down = expert_names(config)
+    for i in range(int(config["num_hidden_layers"])):
+        if not is_moe_layer(config, i):
+            continue
+        p = moe_prefix(config, i)
+        E = n_experts(config)
+        g, u, d = (
+            np.stack([out.pop(f"{p}experts.{e}.{n}.weight") for e in range(E)])
+            for n in (gate, up, down)
+        )
+        out[p + "experts.down_proj"] = d
+        out[p + "experts.gate_up_proj"] = np.concatenate([g, u], axis=1)
+    return out
 
 
 # ----------------------------------------------------------------------------
@@ -482,10 +598,23 @@ _HF_TO_GGUF_GLOBAL = {
 }
 
 
+_HF_TO_GGUF_MOE = {
+    "gate.weight": "ffn_gate_inp.weight",
+    "shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+    "shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+    "shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+}
+
+
 def hf_to_gguf_name(name: str) -> str:
     if name in _HF_TO_GGUF_GLOBAL:
         return _HF_TO_GGUF_GLOBAL[name]
     parts = name.split(".")
+    if len(parts) >= 5 and parts[3] in ("mlp", "block_sparse_moe"):
+        suffix = ".".join(parts[4:])
+        if suffix in _HF_TO_GGUF_MOE:
+            return f"blk.{int(parts[2])}.{_HF_TO_GGUF_MOE[suffix]}"
     if len(parts) >= 4 and parts[0] == "model" and parts[1] == "layers":
         suffix = ".".join(parts[3:])
         if suffix in HF_TO_GGUF_LAYER_NAMES:
@@ -583,6 +712,13 @@ def write_gguf(
     w.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
     w.add_rope_dimension_count(hd)
     w.add_vocab_size(int(config["vocab_size"]))
+    if n_experts(config):
+        w.add_expert_count(n_experts(config))
+        w.add_expert_used_count(int(config["num_experts_per_tok"]))
+        if config.get("moe_intermediate_size"):
+            w.add_expert_feed_forward_length(int(config["moe_intermediate_size"]))
+        if config.get("shared_expert_intermediate_size"):
+            w.add_expert_shared_feed_forward_length(int(config["shared_expert_intermediate_size"]))
     sw = config.get("sliding_window")
     if (
         sw is not None
@@ -634,6 +770,14 @@ def write_gguf(
     if factors is not None:
         add("rope_freqs.weight", factors, quantizable=False)
 
+    weights = dict(weights)
+    for i in range(int(config["num_hidden_layers"])):
+        if is_moe_layer(config, i):
+            p = moe_prefix(config, i)
+            for hf, gg in zip(expert_names(config), ("gate", "up", "down"), strict=True):
+                names = [f"{p}experts.{e}.{hf}.weight" for e in range(n_experts(config))]
+                stacked = [weights.pop(n) for n in names if n in weights]  # tests drop some
+                add(f"blk.{i}.ffn_{gg}_exps.weight", np.stack(stacked), quantizable=False)
     for hf_name, arr in weights.items():
         if hf_name == "lm_head.weight" and config.get("tie_word_embeddings", False):
             continue

@@ -4,7 +4,8 @@ This module is deliberately self-contained: it does not import anything from
 ``jaxinfer``.  It is the oracle the JAX model is tested against, so it is
 written to be simple and obviously correct rather than fast.
 
-Supported ``config["model_type"]``: ``llama``, ``mistral``, ``qwen2``, ``qwen3``.
+Supported ``config["model_type"]``: ``llama``, ``mistral``, ``qwen2``, ``qwen3``, and the
+mixture-of-experts ``mixtral``, ``qwen2_moe``, ``qwen3_moe``.
 Semantics follow transformers' ``modeling_llama`` / ``modeling_mistral`` /
 ``modeling_qwen2`` / ``modeling_qwen3``:
 
@@ -17,6 +18,12 @@ Semantics follow transformers' ``modeling_llama`` / ``modeling_mistral`` /
 * optional q/k/v(/o) biases (detected by the presence of the bias tensors)
 * Qwen3 per-head q_norm / k_norm over head_dim, applied before RoPE
 * SwiGLU MLP ``down(silu(gate(x)) * up(x))``, final norm, lm_head (or tied embedding)
+* mixture of experts (``modeling_mixtral`` / ``modeling_qwen2_moe`` / ``modeling_qwen3_moe``):
+  per token, softmax over the router logits, the k most probable experts (equal
+  probabilities: the lower expert index first, as ``torch.topk``), their probabilities
+  renormalized (Mixtral always, Qwen if ``norm_topk_prob``), the weighted sum of those experts'
+  SwiGLU outputs, plus ``sigmoid(shared_expert_gate(x)) * shared_expert(x)`` when the layer has
+  a shared expert. Qwen layers in ``mlp_only_layers`` or off ``decoder_sparse_step`` are dense.
 """
 
 from __future__ import annotations
@@ -263,6 +270,53 @@ def _mlp(w: dict[str, np.ndarray], layer: int, x: np.ndarray) -> np.ndarray:
     return _linear(_silu(gate) * up, w[p + "down_proj.weight"], w.get(p + "down_proj.bias"))
 
 
+def _moe_layer(config: dict, layer: int) -> bool:
+    experts = config.get("num_local_experts") or config.get("num_experts") or 0
+    if not experts:
+        return False
+    if config["model_type"] == "mixtral":
+        return True
+    if layer in (config.get("mlp_only_layers") or []):
+        return False
+    return (layer + 1) % int(config.get("decoder_sparse_step") or 1) == 0
+
+
+def top_k_lowest_index(probs: np.ndarray, k: int) -> list[int]:
+    """The k largest entries of a 1-D array; among equal values the lower index first."""
+    return sorted(range(len(probs)), key=lambda e: (-probs[e], e))[:k]
+
+
+def _moe(w: dict[str, np.ndarray], config: dict, layer: int, x: np.ndarray) -> np.ndarray:
+    mixtral = config["model_type"] == "mixtral"
+    p = f"model.layers.{layer}." + ("block_sparse_moe." if mixtral else "mlp.")
+    names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    k = int(config["num_experts_per_tok"])
+    renorm = True if mixtral else bool(config.get("norm_topk_prob", False))
+    logits = x @ w[p + "gate.weight"].T  # [T, E]
+    probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    probs = probs / probs.sum(axis=-1, keepdims=True)
+    out = np.zeros_like(x)
+    for t in range(x.shape[0]):
+        chosen = top_k_lowest_index(probs[t], k)
+        weights = probs[t, chosen]
+        if renorm:
+            weights = weights / weights.sum()
+        for e, weight in zip(chosen, weights, strict=True):
+            q = f"{p}experts.{e}."
+            gate = x[t] @ w[q + names[0] + ".weight"].T
+            up = x[t] @ w[q + names[1] + ".weight"].T
+            out[t] += weight * ((_silu(gate) * up) @ w[q + names[2] + ".weight"].T)
+    if p + "shared_expert.gate_proj.weight" in w:
+        q = p + "shared_expert."
+        gate, up = x @ w[q + "gate_proj.weight"].T, x @ w[q + "up_proj.weight"].T
+        shared = (_silu(gate) * up) @ w[q + "down_proj.weight"].T
+        if p + "shared_expert_gate.weight" in w:
+            g = x @ w[p + "shared_expert_gate.weight"].T  # [T, 1]
+            shared = shared / (1.0 + np.exp(-g))
+        out = out + shared
+    return out
+
+
 def _lm_head(w: dict[str, np.ndarray], config: dict) -> np.ndarray:
     if config.get("tie_word_embeddings", False) or "lm_head.weight" not in w:
         return w["model.embed_tokens.weight"]
@@ -287,7 +341,7 @@ def forward_step(
         h = _rms_norm(x, w64[p + "input_layernorm.weight"], eps)
         x = x + _attention(w64, config, layer, h, positions, cache)
         h = _rms_norm(x, w64[p + "post_attention_layernorm.weight"], eps)
-        x = x + _mlp(w64, layer, h)
+        x = x + (_moe(w64, config, layer, h) if _moe_layer(config, layer) else _mlp(w64, layer, h))
     cache.length += T
     x = _rms_norm(x, w64["model.norm.weight"], eps)
     return x @ _lm_head(w64, config).T
