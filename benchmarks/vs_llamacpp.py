@@ -163,20 +163,33 @@ class Worker:
         self.proc.wait()
 
 
-def write_random_gguf(path: Path, d_model, n_layers, n_heads, n_kv_heads, d_ff, vocab) -> Path:
-    """A float32 llama GGUF with random weights and a SentencePiece-style vocabulary."""
+def write_random_gguf(
+    path: Path, d_model, n_layers, n_heads, n_kv_heads, d_ff, vocab, arch="llama",
+    n_experts=0, n_experts_used=0, d_ff_expert=0, name="llama-86M (random)",
+) -> Path:  # fmt: skip
+    """A float32 GGUF with random weights and a SentencePiece-style vocabulary: `llama`, or
+    `qwen3` / `qwen3moe` (q/k norms; with `n_experts`, stacked experts and a router)."""
     import gguf
 
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_name("llama-86M (random)")
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(name)
     w.add_context_length(4096)
     w.add_embedding_length(d_model)
     w.add_block_count(n_layers)
     w.add_feed_forward_length(d_ff)
     w.add_head_count(n_heads)
     w.add_head_count_kv(n_kv_heads)
-    w.add_rope_dimension_count(d_model // n_heads)
+    H = d_model // n_heads
+    w.add_rope_dimension_count(H)
     w.add_layer_norm_rms_eps(1e-5)
+    if arch != "llama":
+        w.add_key_length(H)
+        w.add_value_length(H)
+        w.add_rope_freq_base(1e6)
+    if n_experts:
+        w.add_expert_count(n_experts)
+        w.add_expert_used_count(n_experts_used)
+        w.add_expert_feed_forward_length(d_ff_expert)
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
     tokens += [f"\u2581w{i}" for i in range(vocab - len(tokens))]
     w.add_tokenizer_model("llama")
@@ -190,7 +203,6 @@ def write_random_gguf(path: Path, d_model, n_layers, n_heads, n_kv_heads, d_ff, 
     def rand(*shape):
         return (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(np.float32)
 
-    H = d_model // n_heads
     w.add_tensor("token_embd.weight", rand(vocab, d_model))
     w.add_tensor("output_norm.weight", np.ones(d_model, np.float32))
     w.add_tensor("output.weight", rand(vocab, d_model))
@@ -199,15 +211,20 @@ def write_random_gguf(path: Path, d_model, n_layers, n_heads, n_kv_heads, d_ff, 
         "attn_k": (n_kv_heads * H, d_model),
         "attn_v": (n_kv_heads * H, d_model),
         "attn_output": (d_model, n_heads * H),
-        "ffn_gate": (d_ff, d_model),
-        "ffn_up": (d_ff, d_model),
-        "ffn_down": (d_model, d_ff),
     }
+    if n_experts:
+        E, F = n_experts, d_ff_expert
+        shapes.update(ffn_gate_inp=(E, d_model), ffn_gate_exps=(E, F, d_model),
+                      ffn_up_exps=(E, F, d_model), ffn_down_exps=(E, d_model, F))  # fmt: skip
+    else:
+        shapes.update(ffn_gate=(d_ff, d_model), ffn_up=(d_ff, d_model), ffn_down=(d_model, d_ff))
+    norms = ["attn_norm", "ffn_norm"] + (["attn_q_norm", "attn_k_norm"] if arch != "llama" else [])
     for i in range(n_layers):
         for name, shape in shapes.items():
             w.add_tensor(f"blk.{i}.{name}.weight", rand(*shape))
-        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(d_model, np.float32))
-        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(d_model, np.float32))
+        for name in norms:
+            size = H if name.startswith("attn_") and name != "attn_norm" else d_model
+            w.add_tensor(f"blk.{i}.{name}.weight", np.ones(size, np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

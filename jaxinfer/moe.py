@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 from .sharding import varying_like
 
-MAX_TILE = 64  # rows per tile at most (prompt chunks); decode tiles are single rows
+MAX_TILE = 256  # rows per tile at most
 
 
 @dataclass(frozen=True)
@@ -66,12 +66,13 @@ def route(x: jax.Array, router: jax.Array, k: int, normalize: bool):
 
 def tile_rows(assignments: int, experts: int) -> int:
     """Rows per tile: one when a call has about one assignment per expert or fewer (decode,
-    where a one-row product streams the weights fastest), else the expected rows per expert
-    rounded up to a power of two, at most MAX_TILE."""
-    per_expert = -(-assignments // experts)
-    if per_expert <= 1:
+    where a one-row product streams the weights fastest); else the expected rows per expert
+    plus two standard deviations of a uniform routing, in multiples of 8, so that most
+    experts take one tile and few rows are padding."""
+    mean = assignments / experts
+    if mean <= 1:
         return 1
-    return min(MAX_TILE, 1 << (per_expert - 1).bit_length())
+    return min(MAX_TILE, -(-int(mean + 2 * mean**0.5) // 8) * 8)
 
 
 def expert_ffn(x, ids, weights, valid, w_gate, w_up, w_down, first=0) -> jax.Array:
