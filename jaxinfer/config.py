@@ -209,7 +209,8 @@ def from_hf(cfg: dict[str, Any]) -> ModelConfig:
             rope_scaling=_hf_rope_scaling(cfg.get("rope_scaling")),
             norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             qk_norm=arch in ("qwen3", "qwen3_moe"),
-            qkv_bias=arch in ("qwen2", "qwen2_moe") or bool(cfg.get("attention_bias", False)),
+            qkv_bias=bool(cfg.get("qkv_bias", arch in ("qwen2", "qwen2_moe")))
+            or bool(cfg.get("attention_bias", False)),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             sliding_window=int(window) if window else None,
             max_position=int(cfg.get("max_position_embeddings", 2048)),
@@ -229,6 +230,11 @@ def _gguf_moe_fields(meta: dict[str, Any], gguf_arch: str, n_layers: int, tensor
     for i in range(n_layers):
         router = f"blk.{i}.ffn_gate_inp.weight"
         stacked = [f"blk.{i}.ffn_{w}_exps.weight" for w in ("gate", "up", "down")]
+        if f"blk.{i}.ffn_gate.0.weight" in tensors:
+            raise UnsupportedModelError(
+                f"this GGUF stores experts one tensor each (blk.{i}.ffn_gate.0.weight, an "
+                "early-2024 layout); convert the model again with a current llama.cpp"
+            )
         if router in tensors:
             missing = [n for n in stacked if n not in tensors]
             if missing:

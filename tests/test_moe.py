@@ -269,6 +269,35 @@ def test_bad_moe_gguf_is_one_line(tmp_path, case, words):
     )
 
 
+def test_per_expert_gguf_tensors_are_refused_by_name(tmp_path):
+    """Early-2024 GGUFs stored blk.N.ffn_gate.E.weight per expert: refused with what to do."""
+    from jaxinfer.errors import UnsupportedModelError
+
+    cfg = C.TINY["mixtral"]
+    w = C.random_weights(cfg, seed=1)
+    path = C.write_gguf(tmp_path / "new.gguf", cfg, w)
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    old = gguf.GGUFWriter(str(tmp_path / "old.gguf"), "llama")
+    for key, field in reader.fields.items():
+        if key.startswith("llama.") and key.count(".") <= 2 and not field.types[1:]:
+            old.add_key_value(key, field.contents(), field.types[0])
+    for t in reader.tensors:
+        data = np.asarray(t.data)
+        if "_exps" in t.name:
+            for e in range(data.shape[0]):
+                old.add_tensor(t.name.replace("_exps", f".{e}"), data[e])
+        else:
+            old.add_tensor(t.name, data)
+    old.write_header_to_file()
+    old.write_kv_data_to_file()
+    old.write_tensors_to_file()
+    old.close()
+    with pytest.raises(UnsupportedModelError, match=r"one tensor each \(blk\.0\.ffn_gate\.0"):
+        jaxinfer.load(tmp_path / "old.gguf", max_seq_len=32)
+
+
 def test_bad_moe_hf_checkpoints_are_one_line(tmp_path):
     cfg = C.TINY["qwen3_moe"]
     w = C.random_weights(cfg, seed=1)
