@@ -303,11 +303,13 @@ def test_gguf_f32_roundtrip(name, tmp_path):
 
     tensors = {t.name: t for t in r.tensors}
     assert all(t.tensor_type == gguf.GGMLQuantizationType.F32 for t in r.tensors)
+    stacked = _stacked_experts(cfg, w)  # GGUF name -> [E, ...] from the per-expert tensors
+    w = {k: v for k, v in w.items() if ".experts." not in k}
     expected = {
         C.hf_to_gguf_name(k)
         for k in w
         if k != "lm_head.weight" or not cfg.get("tie_word_embeddings")
-    }
+    } | set(stacked)
     if name == "llama3":
         expected.add("rope_freqs.weight")
     assert set(tensors) == expected
@@ -328,12 +330,27 @@ def test_gguf_f32_roundtrip(name, tmp_path):
             np.testing.assert_array_equal(C.unpermute_gguf_to_hf(data, n), arr)
         else:
             np.testing.assert_array_equal(data, arr)
+    for name, arr in stacked.items():
+        assert list(tensors[name].shape) == list(reversed(arr.shape))
+        np.testing.assert_array_equal(np.asarray(tensors[name].data), arr)
 
     if name == "llama3":
         rf = np.asarray(tensors["rope_freqs.weight"].data)
         np.testing.assert_array_equal(rf, C.llama3_rope_factors(cfg))
         assert rf.shape == (hd // 2,) and rf[0] == 1.0 and rf[-1] == 8.0
         assert np.any((rf > 1.0) & (rf < 8.0))
+
+
+def _stacked_experts(cfg, w) -> dict[str, np.ndarray]:
+    """What llama.cpp's converter writes for MoE layers: blk.N.ffn_{gate,up,down}_exps."""
+    out = {}
+    for i in range(cfg["num_hidden_layers"]):
+        if C.is_moe_layer(cfg, i):
+            p = C.moe_prefix(cfg, i)
+            for hf, gg in zip(C.expert_names(cfg), ("gate", "up", "down"), strict=True):
+                experts = [w[f"{p}experts.{e}.{hf}.weight"] for e in range(C.n_experts(cfg))]
+                out[f"blk.{i}.ffn_{gg}_exps.weight"] = np.stack(experts)
+    return out
 
 
 def test_permutation_matches_interleaved_rope():
