@@ -179,11 +179,11 @@ def test_routing_varies_and_nothing_compiles(qwen3_moe_reference, layout, device
     compile nothing, and each slot's tokens equal the request run alone."""
     root, prompt = qwen3_moe_reference
     engine = jaxinfer.load(
-        root, max_seq_len=512, layout=layout, devices=devices, slots=3, strict=True,
-        prefill_buckets=(32, 128), batch_buckets=(1, 2, 4),
+        root, max_seq_len=512, layout=layout, devices=devices, slots=2, strict=True,
+        prefill_buckets=(64,), batch_buckets=(1, 2),
     )  # fmt: skip
     engine.warmup(progress=False)
-    prompts = [prompt["ids"], prompt["ids"][:40], [5, 9, 700, 3], list(range(100, 160))]
+    prompts = [prompt["ids"], [5, 9, 700, 3], list(range(100, 160))]
     with CompileCounter() as seen:
         alone = [engine.generate(p, max_new_tokens=16, temperature=0).token_ids for p in prompts]
         together = [r.token_ids for r in engine.generate(prompts, max_new_tokens=16, temperature=0)]
