@@ -173,7 +173,9 @@ def test_experts_live_where_the_layout_puts_them(qwen3_moe_reference):
     assert all(s.data.shape[0] == 2 for s in leaf.addressable_shards)
 
 
-@pytest.mark.parametrize("layout, devices", [("single", 1), ("expert", 2), ("layer-expert", 4)])
+@pytest.mark.parametrize(
+    "layout, devices", [("single", 1), ("expert", 2), ("tensor", 2), ("layer-expert", 4)]
+)
 def test_routing_varies_and_nothing_compiles(qwen3_moe_reference, layout, devices):
     """After warmup, prompts that route to different experts (and slots that mix them)
     compile nothing, and each slot's tokens equal the request run alone."""
