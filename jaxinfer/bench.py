@@ -3,7 +3,8 @@
 Each combination of the comma lists is one row: one warm-up, then r timed repeats (wall
 clock, mean ± std). Graph reuse OFF rebuilds every program on every call (re-trace, re-lower,
 compile; XLA may still serve the executable from the persistent cache). Decode rows carry
-MBU: (weight bytes + KV bytes read per step) x steps/s over the memory bandwidth.
+MBU: (weight bytes + KV bytes read per step) x steps/s over the memory bandwidth; an MoE step
+reads the experts its tokens route to, not all of them.
 """
 
 from __future__ import annotations
@@ -70,6 +71,21 @@ def weight_bytes(engine: Engine) -> int:
     return sum(x.nbytes for x in jax.tree_util.tree_leaves(engine.params))
 
 
+def weight_bytes_read(engine: Engine, rows: int) -> float:
+    """Weight bytes one decode step of `rows` tokens reads: all of a dense model; of an MoE
+    layer's experts, the E (1 - (1 - k/E)^rows) distinct ones uniform routing reaches."""
+    total = weight_bytes(engine)
+    cfg = engine.cfg
+    if not cfg.moe:
+        return total
+    moe_layers = sum(cfg.is_moe(i) for i in range(cfg.n_layers))
+    experts = (
+        moe_layers * 3 * cfg.d_model * cfg.d_ff_expert * cfg.n_experts * (total / cfg.n_params())
+    )
+    unread = (1 - cfg.n_experts_used / cfg.n_experts) ** rows
+    return total - experts * unread
+
+
 def _timed(engine: Engine, test: str, n: int, slots: int) -> tuple[float, int]:
     """(seconds, tokens) of one run of the test."""
     kw = dict(temperature=0, ignore_eos=True)
@@ -122,7 +138,7 @@ def run_bench(
                 )
                 kv = per_token * (2 + n / 2) * n_slots
                 steps = statistics.mean(rates) / n_slots
-                mbu = (wbytes + kv) * steps / bandwidth
+                mbu = (weight_bytes_read(engine, n_slots) + kv) * steps / bandwidth
             rows.append(
                 BenchRow(
                     model=engine.cfg.name or engine.name,

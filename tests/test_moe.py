@@ -59,6 +59,26 @@ def test_logits_and_greedy_match_the_float64_reference(written, arch, form):
     assert engine.generate(PROMPT, max_new_tokens=12, temperature=0).token_ids == greedy
 
 
+def test_parameter_counts_and_bytes_read_per_token(written):
+    """n_params equals the placed arrays; a decode token reads the dense part and k of the E
+    experts of every MoE layer (counted here from the HF config)."""
+    from jaxinfer.bench import weight_bytes, weight_bytes_read
+
+    hf = written["qwen3_moe"]["config"]
+    engine = jaxinfer.load(written["qwen3_moe"]["hf"], max_seq_len=32)
+    total = sum(v.size for v in written["qwen3_moe"]["weights"].values())
+    assert weight_bytes(engine) == 4 * total == 4 * engine.cfg.n_params()
+    per_expert = 3 * hf["hidden_size"] * hf["moe_intermediate_size"]
+    unused = hf["num_hidden_layers"] * (hf["num_experts"] - hf["num_experts_per_tok"])
+    assert weight_bytes_read(engine, 1) == pytest.approx(4 * (total - unused * per_expert))
+    assert engine.cfg.n_active_params() == total - unused * per_expert
+    assert weight_bytes_read(engine, 1000) == pytest.approx(4 * total)
+    for arch in ("mixtral", "qwen2_moe"):  # shared experts, gates, biases, dense layers
+        other = jaxinfer.load(written[arch]["hf"], max_seq_len=32)
+        n = sum(v.size for v in written[arch]["weights"].values())
+        assert weight_bytes(other) == 4 * n == 4 * other.cfg.n_params(), arch
+
+
 def test_config_fields_follow_the_hf_rules(written):
     """Qwen2-MoE's dense layers come from decoder_sparse_step and mlp_only_layers; its shared
     expert is gated; its weights are not renormalized."""
