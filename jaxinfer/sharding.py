@@ -153,7 +153,7 @@ def effective_rules(layout: Layout, mesh: Mesh, cfg: ModelConfig) -> dict[str, s
                 continue
             raise LayoutError(
                 f"layout {layout.name!r} needs {field} ({value}) divisible by {axis} "
-                f"({sizes[axis]}); try --devices {_divisor(value, sizes[axis])} or layout 'layer'"
+                f"({sizes[axis]}); try --devices {_fitting(sizes, axis, value)} or layout 'layer'"
             )
     if "experts" in rules:
         axis = rules["experts"]
@@ -166,8 +166,7 @@ def effective_rules(layout: Layout, mesh: Mesh, cfg: ModelConfig) -> dict[str, s
             raise LayoutError(
                 f"layout {layout.name!r} splits {cfg.n_experts} experts over {axis} = "
                 f"{sizes[axis]} devices, which does not divide; use --devices "
-                f"{_divisor(cfg.n_experts, sizes[axis])} (or another divisor of "
-                f"{cfg.n_experts})"
+                f"{_fitting(sizes, axis, cfg.n_experts)} ({axis} a divisor of {cfg.n_experts})"
             )
     if "layers" in rules and sizes[rules["layers"]] > cfg.n_layers:
         axis = rules["layers"]
@@ -178,8 +177,11 @@ def effective_rules(layout: Layout, mesh: Mesh, cfg: ModelConfig) -> dict[str, s
     return rules
 
 
-def _divisor(value: int, limit: int) -> int:
-    return max(d for d in range(1, limit + 1) if value % d == 0)
+def _fitting(sizes: dict[str, int], axis: str, value: int) -> int:
+    """A device count whose `axis` (the largest size up to its current one) divides `value`, the
+    other mesh axes unchanged."""
+    divisor = max(d for d in range(1, sizes[axis] + 1) if value % d == 0)
+    return divisor * math.prod(s for a, s in sizes.items() if a != axis)
 
 
 def spec(axes: tuple[str | None, ...], rules: dict[str, str]) -> P:

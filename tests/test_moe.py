@@ -335,6 +335,8 @@ def test_bad_moe_hf_checkpoints_are_one_line(tmp_path):
 def test_layouts_that_do_not_fit_the_experts_are_refused(written):
     with pytest.raises(LayoutError, match=r"8 experts over ep = 3 .* --devices 2"):
         jaxinfer.load(written["qwen3_moe"]["hf"], layout="expert", devices=3)
+    with pytest.raises(LayoutError, match=r"8 experts over ep = 3 .* --devices 4 "):
+        jaxinfer.load(written["qwen3_moe"]["hf"], layout="layer-expert", devices=6)
     with pytest.raises(LayoutError, match="has none"):
         jaxinfer.load(model_path("stories260K-gguf/stories260K.gguf"), layout="expert", devices=2)
     with pytest.raises(LayoutError, match=r"layers \[0, 2, 3\] .* dense"):
