@@ -304,14 +304,11 @@ def _experts_rows(cfg) -> list[tuple[str, str]]:
 
 def _expert_placement(engine) -> str:
     """Which experts each device holds, read from the placed weights' shardings."""
-    import jax
 
-    leaf = next(
-        leaf
-        for path, leaf in jax.tree_util.tree_flatten_with_path(engine.params)[0]
-        if "w_gate" in str(path[-1]) and "moe" in str(path) and "shared" not in str(path)
-    )
-    axis = leaf.ndim - 3  # [..., E, F, D]
+    layers = engine.params.get("layers") or engine.params["slots"]  # dense / pipeline
+    layers = layers.values() if isinstance(layers, dict) else layers
+    leaf = next(layer["moe"]["w_gate"] for layer in layers if "moe" in layer)
+    axis = leaf.ndim - 3  # [..., E, F, D] (pipeline slots lead with [pp])
     held: dict[tuple[int, int], list[int]] = {}
     for device, index in leaf.sharding.devices_indices_map(leaf.shape).items():
         span = index[axis].indices(leaf.shape[axis])[:2]

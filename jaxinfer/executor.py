@@ -106,7 +106,7 @@ class Executor:
     def run(self, name: str, *inputs):
         """Call a program on host (numpy) or device inputs; returns its outputs after the pools."""
         self.allocate()
-        args = (self.params, self.kv, *self._put(inputs))
+        args = (self.params, self.kv, *self.put(inputs))
         compiled = self._executable(name, args)
         if name != "decode":
             outs = self._annotated(name, compiled, *args)
@@ -129,13 +129,10 @@ class Executor:
         with jax.profiler.StepTraceAnnotation(name, step_num=step):
             return compiled(*args)
 
-    def put(self, tree):
-        """Host arrays to the devices (replicated), for inputs reused over several calls."""
-        return self._put(tree)
-
-    def _put(self, inputs):
+    def put(self, inputs):
         """Host arrays go to the devices in one transfer, replicated, so that every key sees
-        device shardings; device arrays pass as they are."""
+        device shardings; device arrays pass as they are (inputs reused over several calls
+        are put once by the caller)."""
         leaves, treedef = jax.tree_util.tree_flatten(inputs)
         host = [i for i, x in enumerate(leaves) if isinstance(x, np.ndarray | np.generic)]
         if host:

@@ -80,6 +80,10 @@ class KVView:
     def positions(self, T: int) -> jax.Array:
         return self.start[:, None] + jnp.arange(T, dtype=jnp.int32)[None]  # [B, T]
 
+    def real(self, T: int) -> jax.Array:
+        """[B, T] bool: which of the call's T tokens per row are real (not padding)."""
+        return jnp.arange(T)[None] < self.length[:, None]
+
 
 def write(pools, k, v, view: KVView):
     """Store k, v [B, T, K, H] at positions start + t (t < length); padding goes to the null
@@ -89,7 +93,7 @@ def write(pools, k, v, view: KVView):
     B, T = k.shape[:2]
     page = pool_k.shape[-1]
     pos = view.positions(T)  # [B, T]
-    real = jnp.arange(T)[None] < view.length[:, None]  # [B, T]
+    real = view.real(T)  # [B, T]
     block = jnp.clip(pos // page, 0, view.table.shape[1] - 1)
     pages = jnp.where(real, jnp.take_along_axis(view.table, block, axis=1), NULL_PAGE)
     offsets = jnp.where(real, pos % page, 0)  # [B, T]

@@ -165,8 +165,7 @@ class Block(nnx.Module):
         h = rms_norm(x, self.mlp_norm[...], self.eps)
         if self.experts:
             with jax.named_scope("moe"):
-                valid = jnp.arange(x.shape[1])[None] < view.length[:, None]  # [B, T]
-                x = x + self.moe(h, valid)
+                x = x + self.moe(h, view.real(x.shape[1]))
         else:
             with jax.named_scope("mlp"):
                 x = x + self.mlp(h)

@@ -42,9 +42,10 @@ class ExpertSplit:
     mesh: Mesh
     axis: str
 
-    @property
-    def size(self) -> int:
-        return self.mesh.shape[self.axis]
+    @staticmethod
+    def of(mesh: Mesh, rules: dict[str, str]) -> ExpertSplit | None:
+        """The split a layout's rules ask for (the `experts` logical axis), or None."""
+        return ExpertSplit(mesh, rules["experts"]) if "experts" in rules else None
 
 
 def route(x: jax.Array, router: jax.Array, k: int, normalize: bool):

@@ -136,8 +136,7 @@ def place_params(read: Reader, cfg: ModelConfig, mesh: Mesh, rules: dict, dtype)
 def pipeline_runner(cfg: ModelConfig, mesh: Mesh, rules: dict, dtype) -> Runner:
     plan = stage_plan(cfg.n_layers, mesh.shape[AXIS])
     pp = plan.stages
-    split = ExpertSplit(mesh, rules["experts"]) if "experts" in rules else None
-    block_def = nnx.graphdef(stage_block(cfg, split))
+    block_def = nnx.graphdef(stage_block(cfg, ExpertSplit.of(mesh, rules)))
     layer = AttentionKV(cfg.n_kv_heads, cfg.head_dim, dtype)
     manual = frozenset({AXIS})
     valid = plan.valid

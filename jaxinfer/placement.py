@@ -49,8 +49,7 @@ class Placement:
 
 def place_dense(read: Reader, cfg: ModelConfig, dtype, name: str, mesh: Mesh, rules) -> Placement:
     """Every layer on every device of the mesh, weights placed straight into their shardings."""
-    split = ExpertSplit(mesh, rules["experts"]) if "experts" in rules else None
-    graphdef, state = nnx.split(abstract_model(cfg, split))
+    graphdef, state = nnx.split(abstract_model(cfg, ExpertSplit.of(mesh, rules)))
     shardings = param_shardings(cfg, mesh, rules)
 
     def put(path, leaf):

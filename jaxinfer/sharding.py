@@ -146,7 +146,7 @@ def effective_rules(layout: Layout, mesh: Mesh, cfg: ModelConfig) -> dict[str, s
     for logical, fields in dims.items():
         axis = rules.get(logical)
         for field, value in fields:
-            if axis is None or logical not in rules or value % sizes[axis] == 0:
+            if axis is None or value % sizes[axis] == 0:
                 continue
             if logical in ("kv_heads", "vocab"):
                 del rules[logical]
