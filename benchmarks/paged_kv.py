@@ -21,11 +21,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import vs_llamacpp  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 STORIES = ROOT.parent / "shared" / "models" / "stories260K-gguf" / "stories260K.gguf"
@@ -86,36 +89,21 @@ for line in sys.stdin:
 """
 
 
-class Worker:
-    def __init__(self, tree: Path, options: dict):
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", WORKER, str(tree), str(STORIES), json.dumps(options)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        assert json.loads(self.proc.stdout.readline())["ready"]
-
-    def __call__(self, **cmd):
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        return json.loads(self.proc.stdout.readline())["out"]
-
-    def close(self):
-        self.proc.stdin.close()
-        self.proc.wait()
+def worker_on(tree: Path, options: dict) -> vs_llamacpp.Worker:
+    """A worker process on `tree`'s jaxinfer with load options `options`."""
+    return vs_llamacpp.Worker(WORKER, str(tree), str(STORIES), json.dumps(options), key="out")
 
 
 def warmups(tree: Path, cache_dir: str | None) -> tuple[float, int]:
     """(warmup seconds, programs) of a fresh process."""
-    worker = Worker(tree, {"cache_dir": cache_dir})
+    worker = worker_on(tree, {"cache_dir": cache_dir})
     try:
         return worker(op="warmup")
     finally:
         worker.close()
 
 
-def speed(workers: dict[str, Worker], rounds: int) -> dict[str, dict[str, float]]:
+def speed(workers: dict[str, vs_llamacpp.Worker], rounds: int) -> dict[str, dict[str, float]]:
     tests = [
         ("tg0", dict(op="tg", depth=0, n=128)),
         ("tg512", dict(op="tg", depth=512, n=128)),
@@ -156,7 +144,7 @@ def main():
         warm[name] = (programs, cold_s, warm_s)
         print(name, warm[name], flush=True)
 
-    workers = {name: Worker(tree, {}) for name, tree in trees.items()}
+    workers = {name: worker_on(tree, {}) for name, tree in trees.items()}
     try:
         fig = speed(workers, args.rounds)
     finally:
@@ -182,7 +170,7 @@ def main():
 
     if args.pages:
         sizes = (16, 32, 64, 128, 256)
-        workers = {f"page {s}": Worker(ROOT, {"page_size": s}) for s in sizes}
+        workers = {f"page {s}": worker_on(ROOT, {"page_size": s}) for s in sizes}
         try:
             fig = speed(workers, args.rounds)
         finally:
@@ -203,7 +191,7 @@ def main():
         print("\n".join(lines[-len(sizes) - 2 :]), flush=True)
 
     if args.soak:
-        worker = Worker(ROOT, {"slots": 4, "max_seq_len": 1600})
+        worker = worker_on(ROOT, {"slots": 4, "max_seq_len": 1600})
         try:
             s = worker(op="soak", n=args.soak)
         finally:

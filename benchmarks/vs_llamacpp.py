@@ -144,7 +144,11 @@ for line in sys.stdin:
 
 
 class Worker:
-    def __init__(self, code: str, *args: str):
+    """A Python process running `code` with `args`: one JSON command per line in, one JSON
+    reply per line out, whose `key` field is the answer."""
+
+    def __init__(self, code: str, *args: str, key: str = "ts"):
+        self.key = key
         self.proc = subprocess.Popen(
             [sys.executable, "-c", code, *args],
             stdin=subprocess.PIPE,
@@ -156,7 +160,7 @@ class Worker:
     def __call__(self, **cmd) -> float:
         self.proc.stdin.write(json.dumps(cmd) + "\n")
         self.proc.stdin.flush()
-        return json.loads(self.proc.stdout.readline())["ts"]
+        return json.loads(self.proc.stdout.readline())[self.key]
 
     def close(self):
         self.proc.stdin.close()
