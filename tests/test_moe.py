@@ -148,7 +148,8 @@ def test_qwen3_next_expert_block_matches_the_reference():
     x = np.random.default_rng(0).standard_normal((1, 9, cfg.d_model)).astype(np.float32)
     got = np.asarray(block(jnp.asarray(x), jnp.ones((1, 9), bool)))[0]
     want = R._moe({k: v.astype(np.float64) for k, v in w.items()}, hf, 0, x[0].astype(np.float64))
-    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    # Outputs reach |12|; measured 3.4e-6 here, the project's f32 logit tolerance elsewhere.
+    np.testing.assert_allclose(got, want, atol=F32_LOGITS_ATOL, rtol=0)
 
 
 # ---- layouts, slots, compiles -----------------------------------------------------------
