@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import ModelConfig, from_gguf, from_hf
+from .config import HYBRID_ARCHS, ModelConfig, from_gguf, from_hf, hf_text_config
 from .errors import CheckpointError, UnsupportedModelError
 from .tokenizer import Tokenizer
 
@@ -24,6 +24,7 @@ ParamPath = tuple  # e.g. ("layers", 3, "attn", "wq")
 LAYER_TENSORS = {
     ("attn_norm",): ("input_layernorm.weight", "attn_norm.weight"),
     ("attn", "wq"): ("self_attn.q_proj.weight", "attn_q.weight"),
+    ("attn", "wgate"): ("self_attn.q_proj.weight", "attn_q.weight"),  # beside the query rows
     ("attn", "wk"): ("self_attn.k_proj.weight", "attn_k.weight"),
     ("attn", "wv"): ("self_attn.v_proj.weight", "attn_v.weight"),
     ("attn", "wo"): ("self_attn.o_proj.weight", "attn_output.weight"),
@@ -59,6 +60,27 @@ EXPERT_TENSORS = {
 }
 
 
+# Gated DeltaNet parameter -> (HF name(s) under linear_attn., GGUF name under blk.{i}.). Several
+# parameters come out of one fused tensor; `_linear` says how.
+LINEAR_TENSORS = {
+    "wq": ("in_proj_qkv", "attn_qkv.weight"),
+    "wk": ("in_proj_qkv", "attn_qkv.weight"),
+    "wv": ("in_proj_qkv", "attn_qkv.weight"),
+    "wz": ("in_proj_z", "attn_gate.weight"),
+    "wb": ("in_proj_b", "ssm_beta.weight"),
+    "wa": ("in_proj_a", "ssm_alpha.weight"),
+    "conv_q": ("conv1d", "ssm_conv1d.weight"),
+    "conv_k": ("conv1d", "ssm_conv1d.weight"),
+    "conv_v": ("conv1d", "ssm_conv1d.weight"),
+    "a": ("A_log", "ssm_a"),
+    "dt_bias": ("dt_bias", "ssm_dt.bias"),
+    "norm": ("norm.weight", "ssm_norm.weight"),
+    "wo": ("out_proj.weight", "ssm_out.weight"),
+}
+# Zero-centred RMSNorms of the hybrid models: HF stores w, GGUF (and jaxinfer) 1 + w.
+CENTRED_NORMS = ("attn_norm", "mlp_norm", "q_norm", "k_norm")
+
+
 def tensor_names(path: ParamPath, arch: str = "llama") -> tuple[str, str]:
     """(HF name, GGUF name) of a parameter path (for stacked experts: of expert 0, stacked)."""
     if path[0] != "layers":
@@ -71,8 +93,13 @@ def tensor_names(path: ParamPath, arch: str = "llama") -> tuple[str, str]:
     elif key in EXPERT_TENSORS:
         (qwen, mixtral), gg = EXPERT_TENSORS[key]
         hf = f"{hf_block}experts.0.{mixtral if arch == 'mixtral' else qwen}.weight"
+    elif key[0] == "linear_attn":
+        hf, gg = LINEAR_TENSORS[key[1]]
+        hf = "linear_attn." + hf
     else:
         hf, gg = LAYER_TENSORS[key]
+        if arch in HYBRID_ARCHS and key == ("mlp_norm",):
+            gg = "post_attention_norm.weight"
     return f"model.layers.{layer}.{hf}", f"blk.{layer}.{gg}"
 
 
@@ -92,19 +119,82 @@ class Checkpoint:
     read: Callable[[str], np.ndarray]  # format-specific tensor name -> float array [out, in]
     names: set[str]  # tensor names the file holds
     gguf: bool
+    prefix: str = "model."  # where a HF checkpoint keeps the language model
 
     def tensor(self, path: ParamPath, shape: tuple[int, ...]) -> np.ndarray:
         """One parameter in jaxinfer layout, reshaped to `shape`."""
         arch = self.config.arch
-        name = tensor_names(path, arch)[1 if self.gguf else 0]
+        name = self._name(path)
+        hybrid = arch in HYBRID_ARCHS
         if path[2:] in EXPERT_TENSORS:
             w = self._gguf_experts(name, shape) if self.gguf else self._hf_experts(path, shape)
+        elif hybrid and path[2:3] == ("linear_attn",):
+            w = self._linear(path[1], path[3], name)
+        elif hybrid and path[2:] in (("attn", "wq"), ("attn", "wgate")):
+            # q_proj rows per head: [query (H), gate (H)]
+            N, H, D = self.config.n_heads, self.config.head_dim, self.config.d_model
+            w = _shaped(name, self._read(name), (N, 2, H, D))
+            w = w[:, 0 if path[-1] == "wq" else 1].reshape(N * H, D)
         else:
             w = self._read(name)
+        if hybrid and not self.gguf and (path[-1] in CENTRED_NORMS or path == ("norm",)):
+            w = w + 1.0
         if self.gguf and arch in ("llama", "mixtral") and path[-1] in ("wq", "wk", "bq", "bk"):
             heads = self.config.n_heads if path[-1] in ("wq", "bq") else self.config.n_kv_heads
             w = interleaved_to_half(w, heads)
         return _shaped(name, w, shape)
+
+    def _name(self, path: ParamPath) -> str:
+        name = tensor_names(path, self.config.arch)[1 if self.gguf else 0]
+        if not self.gguf and name.startswith("model."):
+            name = self.prefix + name.removeprefix("model.")
+        return name
+
+    def _linear(self, layer: int, key: str, name: str) -> np.ndarray:
+        """A Gated DeltaNet parameter in jaxinfer's order (V heads grouped by key head, as HF
+        stores them): split out of the fused projections, `a` = -exp(A_log). Qwen3-Next keeps
+        q, k, v, z (and b, a) interleaved per key head in HF; Qwen3.5 GGUFs store V heads
+        tiled (head r * HK + k for HF's k * R + r)."""
+        cfg = self.config
+        HK, HV, DK, DV = cfg.linear_k_heads, cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim
+        R, KD = HV // HK, HK * DK
+        base = name.rpartition(".linear_attn.")[0] + ".linear_attn." if not self.gguf else ""
+        next_hf = cfg.arch == "qwen3_next" and not self.gguf
+        tiled = self.gguf and cfg.arch != "qwen3_next"
+
+        def untile(w, per_head):  # GGUF tiled V heads -> grouped, on axis 0
+            if not tiled:
+                return w
+            return w.reshape(R, HK, per_head, *w.shape[1:]).swapaxes(0, 1).reshape(w.shape)
+
+        if key in ("wq", "wk", "wv", "wz") and next_hf:
+            fused = f"{base}in_proj_qkvz.weight"
+            w = _shaped(fused, self._read(fused), (HK, 2 * DK + 2 * R * DV, cfg.d_model))
+            cut = {"wq": (0, DK), "wk": (DK, 2 * DK), "wv": (2 * DK, 2 * DK + R * DV)}
+            lo, hi = cut.get(key, (2 * DK + R * DV, 2 * DK + 2 * R * DV))
+            return w[:, lo:hi].reshape(-1, w.shape[-1])
+        if key in ("wb", "wa") and (next_hf or (self.gguf and cfg.arch == "qwen3_next")):
+            fused = (
+                f"{base}in_proj_ba.weight"
+                if next_hf
+                else name.replace("ssm_beta" if key == "wb" else "ssm_alpha", "ssm_ba")
+            )
+            w = _shaped(fused, self._read(fused), (HK, 2 * R, cfg.d_model))
+            return (w[:, :R] if key == "wb" else w[:, R:]).reshape(HV, -1)
+        if key in ("wq", "wk", "wv", "conv_q", "conv_k", "conv_v"):
+            fused = name + (".weight" if not self.gguf else "")
+            w = self._read(fused)
+            w = w.reshape(w.shape[0], -1)  # HF conv1d [C, 1, K] -> [C, K]
+            part = {"q": w[:KD], "k": w[KD : 2 * KD], "v": w[2 * KD :]}[key[-1]]
+            return untile(part, DV) if key[-1] == "v" else part
+        if key == "a" and not self.gguf:
+            return -np.exp(self._read(f"{base}A_log"))
+        w = self._read(name + (".weight" if not self.gguf and key in ("wz", "wb", "wa") else ""))
+        if key == "wo":  # [D, HV * DV]: V heads on the columns
+            return untile(w.T, DV).T
+        if key in ("wz",):
+            return untile(w, DV)
+        return untile(w, 1) if key in ("wb", "wa", "a", "dt_bias") else w
 
     def _read(self, name: str) -> np.ndarray:
         if name not in self.names:
@@ -184,7 +274,8 @@ def _open_hf(folder: Path) -> Checkpoint:
         raw = json.loads(cfg_file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{cfg_file} is not valid JSON ({e})") from None
-    config = from_hf(raw)
+    text, multimodal = hf_text_config(raw)
+    config = from_hf(text)
 
     index = folder / "model.safetensors.index.json"
     if index.is_file():
@@ -210,6 +301,9 @@ def _open_hf(folder: Path) -> Checkpoint:
         for key in handles[name].keys():
             owner[key] = name
     dtypes = sorted({str(handles[owner[k]].get_slice(k).get_dtype()) for k in owner})
+    prefix = "model.language_model." if multimodal else "model."
+    skipped = sorted(k for k in owner if not k.startswith((prefix, "lm_head.", "mtp.")))
+    note = f"; {len(skipped)} vision tower tensors skipped" if multimodal and skipped else ""
 
     def read(name: str) -> np.ndarray:
         try:
@@ -221,10 +315,11 @@ def _open_hf(folder: Path) -> Checkpoint:
     return Checkpoint(
         config=config,
         tokenizer=Tokenizer.from_hf_dir(folder),
-        format=f"safetensors ({', '.join(dtypes)})",
+        format=f"safetensors ({', '.join(dtypes)}){note}",
         read=read,
         names=set(owner),
         gguf=False,
+        prefix=prefix,
     )
 
 

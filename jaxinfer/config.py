@@ -13,14 +13,29 @@ from typing import Any
 
 from .errors import CheckpointError, UnsupportedModelError
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+ARCHS = (
+    "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe",
+    "qwen3_next", "qwen3_5", "qwen3_5_moe",
+)  # fmt: skip
+HYBRID_ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe")  # Gated DeltaNet + gated attention
 GGUF_ARCHS = {
     "llama": "llama",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "qwen2moe": "qwen2_moe",
     "qwen3moe": "qwen3_moe",
+    "qwen3next": "qwen3_next",
+    "qwen35": "qwen3_5",
+    "qwen35moe": "qwen3_5_moe",
 }  # GGUF general.architecture -> arch
+# HF model_type -> arch: the text-only Qwen3.5 checkpoints and the multimodal ones (whose
+# text_config holds the language model) load the same text model.
+HF_ARCHS = {a: a for a in ARCHS} | {
+    "qwen3_5_text": "qwen3_5",
+    "qwen3_5_moe_text": "qwen3_5_moe",
+}
+MULTIMODAL = ("qwen3_5", "qwen3_5_moe")  # model_types whose language model is in text_config
+LAYER_TYPES = ("full_attention", "linear_attention")
 
 
 @dataclass(frozen=True)
@@ -61,6 +76,17 @@ class ModelConfig:
     d_ff_shared: int = 0  # FS: the shared expert's width (0 = none)
     shared_gate: bool = False  # the shared expert is scaled by sigmoid(gate . x) (Qwen2-MoE)
     dense_layers: tuple[int, ...] = ()  # layers of an MoE model that keep the dense MLP
+    # Hybrid linear attention (Qwen3-Next, Qwen3.5): these layers are Gated DeltaNet, with
+    # HK key heads of width DK and HV value heads of width DV (HV % HK == 0) and a causal conv
+    # of `conv_kernel` taps; the other layers attend, with a sigmoid output gate if attn_gate.
+    linear_layers: tuple[int, ...] = ()
+    linear_k_heads: int = 0  # HK
+    linear_v_heads: int = 0  # HV
+    linear_k_dim: int = 0  # DK
+    linear_v_dim: int = 0  # DV
+    conv_kernel: int = 0
+    attn_gate: bool = False  # attention output * sigmoid(gate), the gate from q_proj
+    rotary_dim: int = 0  # RoPE on the first rotary_dim dims of each head (0: all of them)
     name: str = ""  # for display only
 
     def __post_init__(self):
@@ -94,6 +120,39 @@ class ModelConfig:
                     f"model config names dense layers {bad} outside 0..{self.n_layers - 1}"
                 )
 
+        if self.linear_layers:
+            bad = [i for i in self.linear_layers if not 0 <= i < self.n_layers]
+            if bad:
+                raise CheckpointError(
+                    f"model config names linear-attention layers {bad} outside "
+                    f"0..{self.n_layers - 1}"
+                )
+            dims = ("linear_k_heads", "linear_v_heads", "linear_k_dim", "linear_v_dim")
+            for field in (*dims, "conv_kernel"):
+                if getattr(self, field) <= 0:
+                    raise CheckpointError(f"model config has {field} = {getattr(self, field)}")
+            if self.linear_v_heads % self.linear_k_heads:
+                raise CheckpointError(
+                    f"model config has {self.linear_v_heads} linear value heads, not a multiple "
+                    f"of its {self.linear_k_heads} key heads"
+                )
+        if self.rotary_dim % 2 or not 0 <= self.rotary_dim <= self.head_dim:
+            raise CheckpointError(
+                f"RoPE dims {self.rotary_dim} must be even and at most head_dim {self.head_dim}"
+            )
+
+    def is_linear(self, layer: int) -> bool:
+        """Whether `layer` is a Gated DeltaNet (linear attention) layer."""
+        return layer in self.linear_layers
+
+    def kind(self, layer: int) -> tuple[bool, bool]:
+        """(linear attention, experts): what a layer's parameters and cache look like."""
+        return self.is_linear(layer), self.is_moe(layer)
+
+    @property
+    def rope_dims(self) -> int:
+        return self.rotary_dim or self.head_dim
+
     def is_moe(self, layer: int) -> bool:
         """Whether `layer` uses the expert block (else the dense MLP of width d_ff)."""
         return self.n_experts > 0 and layer not in self.dense_layers
@@ -107,13 +166,18 @@ class ModelConfig:
         N, K = self.n_heads, self.n_kv_heads
         attn = D * H * (2 * N + 2 * K) + (H * (N + 2 * K) if self.qkv_bias else 0)
         attn += 2 * H if self.qk_norm else 0
+        HK, HV = self.linear_k_heads, self.linear_v_heads
+        conv = 2 * HK * self.linear_k_dim + HV * self.linear_v_dim
+        DV = self.linear_v_dim
+        linear = D * (conv + 2 * HV + 2 * HV * DV) + conv * self.conv_kernel + 2 * HV + DV
+        attn += D * N * H if self.attn_gate else 0
         total = 0
         for i in range(self.n_layers):
             ffn = 3 * D * F
             if self.is_moe(i):
                 ffn = D * self.n_experts + 3 * D * self.n_experts * self.d_ff_expert
                 ffn += 3 * D * self.d_ff_shared + (D if self.shared_gate else 0)
-            total += attn + ffn + 2 * D
+            total += (linear if self.is_linear(i) else attn) + ffn + 2 * D
         return total + V * D * (1 if self.tie_embeddings else 2) + D
 
     def n_active_params(self) -> int:
@@ -144,9 +208,6 @@ def _hf_rope_scaling(rs: dict | None) -> RopeScaling | None:
     )
 
 
-HYBRID_ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
-
-
 def hf_moe_fields(cfg: dict[str, Any], n_layers: int) -> dict[str, Any]:
     """ModelConfig's expert fields from a HF config (Mixtral, Qwen2-MoE, Qwen3-MoE and the
     expert block of Qwen3-Next / Qwen3.5-MoE); {} for a dense model."""
@@ -173,17 +234,62 @@ def hf_moe_fields(cfg: dict[str, Any], n_layers: int) -> dict[str, Any]:
     )
 
 
-def from_hf(cfg: dict[str, Any]) -> ModelConfig:
-    """Build a ModelConfig from a Hugging Face config.json dict."""
-    arch = cfg.get("model_type")
-    if arch in HYBRID_ARCHS:
+def hf_text_config(cfg: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """The language model's config: config.json itself, or the `text_config` of a multimodal
+    checkpoint (Qwen3.5 as published); True when the vision tower is left out."""
+    if cfg.get("model_type") in MULTIMODAL and isinstance(cfg.get("text_config"), dict):
+        text = dict(cfg["text_config"])
+        text.setdefault("model_type", cfg["model_type"] + "_text")
+        for key in ("tie_word_embeddings", "_name_or_path"):
+            if key in cfg:
+                text.setdefault(key, cfg[key])
+        return text, True
+    return cfg, False
+
+
+def hf_linear_fields(cfg: dict[str, Any], n_layers: int) -> dict[str, Any]:
+    """The hybrid layer pattern and Gated DeltaNet dimensions of a Qwen3-Next / Qwen3.5
+    config: `layer_types`, else every `full_attention_interval`-th layer attends."""
+    types = cfg.get("layer_types")
+    if types is None:
+        interval = int(cfg.get("full_attention_interval") or 4)
+        types = [
+            "full_attention" if (i + 1) % interval == 0 else "linear_attention"
+            for i in range(n_layers)
+        ]
+    unknown = sorted({t for t in types if t not in LAYER_TYPES})
+    if unknown:
         raise UnsupportedModelError(
-            f"config.json model_type {arch!r} (hybrid linear attention) is not supported yet; "
-            f"supported: {', '.join(ARCHS)}"
+            f"config.json layer_types has {unknown}; known: {', '.join(LAYER_TYPES)}"
         )
-    if arch not in ARCHS:
+    if len(types) != n_layers:
+        raise CheckpointError(
+            f"config.json layer_types lists {len(types)} layers but num_hidden_layers is {n_layers}"
+        )
+    rope = cfg.get("rope_parameters") or {}
+    factor = float(cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0)
+    head_dim = cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"])
+    return dict(
+        linear_layers=tuple(i for i, t in enumerate(types) if t == "linear_attention"),
+        linear_k_heads=int(cfg["linear_num_key_heads"]),
+        linear_v_heads=int(cfg["linear_num_value_heads"]),
+        linear_k_dim=int(cfg["linear_key_head_dim"]),
+        linear_v_dim=int(cfg["linear_value_head_dim"]),
+        conv_kernel=int(cfg["linear_conv_kernel_dim"]),
+        attn_gate=bool(cfg.get("attn_output_gate", True)),
+        rotary_dim=int(int(head_dim) * factor),
+    )
+
+
+def from_hf(cfg: dict[str, Any]) -> ModelConfig:
+    """Build a ModelConfig from a Hugging Face config.json dict (for a multimodal checkpoint,
+    pass `hf_text_config(cfg)[0]`)."""
+    model_type = cfg.get("model_type")
+    arch = HF_ARCHS.get(model_type)
+    if arch is None:
+        known = sorted(set(HF_ARCHS) | set(MULTIMODAL))
         raise UnsupportedModelError(
-            f"config.json model_type {arch!r} is not supported; supported: {', '.join(ARCHS)}"
+            f"config.json model_type {model_type!r} is not supported; supported: {', '.join(known)}"
         )
     try:
         d_model = int(cfg["hidden_size"])
@@ -196,6 +302,11 @@ def from_hf(cfg: dict[str, Any]) -> ModelConfig:
                     "per-layer sliding windows (Qwen use_sliding_window) are not supported"
                 )
             window = None
+        hybrid = hf_linear_fields(cfg, n_layers) if arch in HYBRID_ARCHS else {}
+        if arch == "qwen3_5_moe":  # its router always renormalizes the top-k weights
+            cfg = {"norm_topk_prob": True, **cfg}
+        moe = hf_moe_fields(cfg, n_layers)
+        rope = cfg.get("rope_parameters") or {}
         return ModelConfig(
             arch=arch,
             d_model=d_model,
@@ -203,19 +314,22 @@ def from_hf(cfg: dict[str, Any]) -> ModelConfig:
             n_heads=n_heads,
             n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
             head_dim=int(cfg.get("head_dim") or d_model // n_heads),
-            d_ff=int(cfg["intermediate_size"]),
+            d_ff=int(cfg.get("intermediate_size") or moe.get("d_ff_expert") or 0)
+            if moe
+            else int(cfg["intermediate_size"]),
             vocab_size=int(cfg["vocab_size"]),
-            rope_theta=float(cfg.get("rope_theta", 10000.0)),
-            rope_scaling=_hf_rope_scaling(cfg.get("rope_scaling")),
+            rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+            rope_scaling=_hf_rope_scaling(cfg.get("rope_scaling") or rope),
             norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            qk_norm=arch in ("qwen3", "qwen3_moe"),
+            qk_norm=arch in ("qwen3", "qwen3_moe", *HYBRID_ARCHS),
             qkv_bias=bool(cfg.get("qkv_bias", arch in ("qwen2", "qwen2_moe")))
             or bool(cfg.get("attention_bias", False)),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             sliding_window=int(window) if window else None,
             max_position=int(cfg.get("max_position_embeddings", 2048)),
             name=cfg.get("_name_or_path", "") or arch,
-            **hf_moe_fields(cfg, n_layers),
+            **moe,
+            **hybrid,
         )
     except KeyError as e:
         raise CheckpointError(f"config.json lacks the field {e.args[0]!r}") from None
@@ -285,7 +399,8 @@ def from_gguf(meta: dict[str, Any], tensors: set[str]) -> ModelConfig:
 
     d_model = int(get("embedding_length"))
     n_heads = int(get("attention.head_count"))
-    n_layers = int(get("block_count"))
+    # Multi-token prediction blocks (Qwen3.5, Qwen3-Next) follow the trunk's layers.
+    n_layers = int(get("block_count")) - int(meta.get(f"{gguf_arch}.nextn_predict_layers") or 0)
     n_kv = get("attention.head_count_kv", n_heads)
     if isinstance(n_kv, list | tuple):  # per-layer lists (some converters); uniform models only
         n_kv = n_kv[0]
@@ -298,6 +413,7 @@ def from_gguf(meta: dict[str, Any], tensors: set[str]) -> ModelConfig:
         raise CheckpointError("GGUF has neither a vocab_size nor a tokenizer vocabulary")
     window = meta.get(f"{gguf_arch}.attention.sliding_window")
     arch = GGUF_ARCHS[gguf_arch]
+    hybrid = _gguf_linear_fields(meta, gguf_arch, n_layers) if arch in HYBRID_ARCHS else {}
     if arch == "llama" and moe:
         arch = "mixtral"  # llama.cpp writes Mixtral as llama with experts
     return ModelConfig(
@@ -311,21 +427,57 @@ def from_gguf(meta: dict[str, Any], tensors: set[str]) -> ModelConfig:
         vocab_size=int(vocab),
         rope_theta=float(meta.get(f"{gguf_arch}.rope.freq_base", 10000.0)),
         norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-        qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        qk_norm=arch in HYBRID_ARCHS or "blk.0.attn_q_norm.weight" in tensors,
         qkv_bias="blk.0.attn_q.bias" in tensors,
         tie_embeddings="output.weight" not in tensors,
         sliding_window=int(window) if window else None,
         max_position=int(get("context_length", 2048)),
         name=str(meta.get("general.name") or gguf_arch),
         **moe,
+        **hybrid,
+    )
+
+
+def _gguf_linear_fields(meta: dict[str, Any], gguf_arch: str, n_layers: int) -> dict[str, Any]:
+    """The layer pattern and Gated DeltaNet dimensions from llama.cpp's `ssm.*` keys:
+    `attention.recurrent_layers`, else every `full_attention_interval`-th layer attends."""
+
+    def get(key):
+        value = meta.get(f"{gguf_arch}.{key}")
+        if value is None:
+            raise CheckpointError(f"GGUF metadata lacks {gguf_arch}.{key}")
+        return value
+
+    recurrent = meta.get(f"{gguf_arch}.attention.recurrent_layers")
+    if recurrent is None:
+        interval = int(get("full_attention_interval"))
+        recurrent = [(i + 1) % interval != 0 for i in range(n_layers)]
+    v_heads = int(get("ssm.time_step_rank"))
+    inner = int(get("ssm.inner_size"))
+    if inner % v_heads:
+        raise CheckpointError(
+            f"GGUF {gguf_arch}.ssm.inner_size ({inner}) is not a multiple of its "
+            f"{v_heads} value heads (ssm.time_step_rank)"
+        )
+    head_dim = int(meta.get(f"{gguf_arch}.attention.key_length") or 0)
+    return dict(
+        linear_layers=tuple(i for i in range(n_layers) if recurrent[i]),
+        linear_k_heads=int(get("ssm.group_count")),
+        linear_v_heads=v_heads,
+        linear_k_dim=int(get("ssm.state_size")),
+        linear_v_dim=inner // v_heads,
+        conv_kernel=int(get("ssm.conv_kernel")),
+        attn_gate=True,
+        rotary_dim=int(meta.get(f"{gguf_arch}.rope.dimension_count") or head_dim),
     )
 
 
 def rope_inv_freq(cfg: ModelConfig):
-    """Inverse frequencies [H/2] of rotate-half RoPE, with Llama 3 scaling or GGUF factors."""
+    """Inverse frequencies [R/2] (R = rope_dims) of rotate-half RoPE, with Llama 3 scaling or
+    GGUF factors."""
     import numpy as np
 
-    H = cfg.head_dim
+    H = cfg.rope_dims  # partial RoPE rotates only the first rope_dims of each head
     inv = 1.0 / cfg.rope_theta ** (np.arange(0, H, 2, dtype=np.float64) / H)  # [H/2]
     if cfg.rope_factors is not None:
         inv = inv / np.asarray(cfg.rope_factors, np.float64)

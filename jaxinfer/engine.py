@@ -121,7 +121,8 @@ class Engine:
         # A smaller pool is allowed: requests that could never fit are refused at submit.
         default = self.max_seq_len * max(self.slots or 1, 1)
         tokens = default if kv_cache_tokens is None else kv_cache_tokens
-        return KVConfig.plan(_positive("kv_cache_tokens", tokens), self.max_seq_len, page_size)
+        tokens = _positive("kv_cache_tokens", tokens)
+        return KVConfig.plan(tokens, self.max_seq_len, page_size, self.shapes.rows)
 
     def _new_scheduler(self) -> Scheduler:
         return Scheduler(
@@ -368,8 +369,11 @@ class Engine:
 
     def kv_stats(self) -> dict:
         """The KV page pool: page_size, pages_total, pages_free (neither held nor reserved),
-        pages_in_use, pages_reserved, bytes_allocated (every layer's pools) and bytes_in_use."""
-        return self.executor.pages.stats()
+        pages_in_use, pages_reserved, bytes_allocated (every layer's pools) and bytes_in_use;
+        for hybrid models also the linear layers' state: state_slots (requests at once),
+        state_bytes_per_slot (every linear layer's conv and recurrent state, float32) and
+        state_bytes_allocated."""
+        return {**self.executor.pages.stats(), **self.executor.state_stats()}
 
     def reset_perf(self) -> None:
         """Zero the timings and graph-reuse counts (compile history is kept)."""

@@ -15,6 +15,7 @@ import numpy as np
 from .compile import CompileCache, Job, shapes_text
 from .config import ModelConfig
 from .errors import JaxinferError
+from .gdn import RecurrentState
 from .kvcache import KVConfig, PagePool
 from .placement import Placement
 from .programs import Program, programs
@@ -60,9 +61,13 @@ class Executor:
             shapes,
             self._kv_shardings,
         )
-        pool_bytes = sum(int(np.prod(s.shape)) * s.dtype.itemsize for s in jax.tree.leaves(shapes))
-        self._check_memory(pool_bytes)
-        self.pages = PagePool(self.kv_config, pool_bytes // self.kv_config.n_pages)
+        total = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(shapes))
+        self._check_memory(total)
+        # Linear layers' state per slot (a pipeline slot holds one per stage); the rest is pages.
+        linear = [c for c in self.runner.caches if isinstance(c, RecurrentState)]
+        self.state_slot_bytes = sum(c.slot_bytes() for c in linear) * self.runner.stages
+        state_bytes = self.state_slot_bytes * self.kv_config.state_slots
+        self.pages = PagePool(self.kv_config, (total - state_bytes) // self.kv_config.n_pages)
         # What the programs close over besides their arguments: a change here is a recompile.
         static = (self.cfg, str(np.dtype(self.dtype)), self.tokens_per_call, self.kv_config)
         layout = (
@@ -77,6 +82,15 @@ class Executor:
         )
         self._bare = cc.context(static, layout, [], (), stages)  # programs without params
 
+    def state_stats(self) -> dict:
+        """The linear layers' per-request state: bytes per slot and allocated in all."""
+        slots = self.kv_config.state_slots
+        return {
+            "state_slots": slots - 1 if self.state_slot_bytes else 0,
+            "state_bytes_per_slot": self.state_slot_bytes,
+            "state_bytes_allocated": self.state_slot_bytes * slots,
+        }
+
     def _check_memory(self, pool_bytes: int) -> None:
         """Refuse page pools that cannot fit the devices' memory (on CPU devices, the host's)."""
         device = self.mesh.devices.flat[0]
@@ -90,8 +104,8 @@ class Executor:
         if need > limit:
             gib = 2.0**30
             raise JaxinferError(
-                f"the KV page pools need {need / gib:.1f} GiB per device but a device has "
-                f"{limit / gib:.1f} GiB; pass a smaller kv_cache_tokens (now "
+                f"the KV page pools (and linear states) need {need / gib:.1f} GiB per device "
+                f"but a device has {limit / gib:.1f} GiB; pass a smaller kv_cache_tokens (now "
                 f"{self.kv_config.usable_pages * self.kv_config.page_size} tokens) or -c"
             )
 

@@ -26,6 +26,7 @@ from jax import lax
 from .sharding import varying_like
 
 NULL_PAGE = 0
+NULL_SLOT = 0  # the state slot padding rows read and write (gdn.py)
 AXES = ("cache_seq", "kv_heads", "head_dim", None)  # logical axes of a pool [P, K, H, page]
 PAGE_SIZES = (16, 32, 64, 128, 256)
 QUERY_TILE = 128  # queries per causal tile inside a prompt chunk (tiles skip keys above them)
@@ -39,11 +40,14 @@ class KVConfig:
     page_size: int  # positions per page
     n_pages: int  # pages per layer, the null page included
     table_width: int  # NB: block table entries per row
+    state_slots: int = 1  # per-request state slots of linear layers, the null slot included
 
     @staticmethod
-    def plan(kv_cache_tokens: int, max_seq_len: int, page_size: int) -> KVConfig:
+    def plan(kv_cache_tokens: int, max_seq_len: int, page_size: int, rows: int = 1) -> KVConfig:
+        """Pages for `kv_cache_tokens`; a state slot for each of `rows` requests at once and
+        one for a scoring pass, beside the null slot."""
         usable = -(-kv_cache_tokens // page_size)
-        return KVConfig(page_size, usable + 1, -(-max_seq_len // page_size))
+        return KVConfig(page_size, usable + 1, -(-max_seq_len // page_size), rows + 2)
 
     @property
     def usable_pages(self) -> int:
@@ -57,6 +61,8 @@ class AttentionKV:
     n_kv_heads: int
     head_dim: int
     dtype: jnp.dtype
+
+    AXES = (AXES, AXES)  # logical axes of (K pool, V pool)
 
     def shape(self, kv: KVConfig) -> tuple[int, ...]:
         return (kv.n_pages, self.n_kv_heads, self.head_dim, kv.page_size)
@@ -76,6 +82,7 @@ class KVView:
     table: jax.Array  # [B, NB] int32 page ids (NULL_PAGE where unallocated)
     start: jax.Array  # [B] int32 position of the row's first token in this call
     length: jax.Array  # [B] int32 tokens of this call that are real (0: an idle row)
+    slot: jax.Array  # [B] int32 the row's state slot in linear layers (NULL_SLOT: padding)
 
     def positions(self, T: int) -> jax.Array:
         return self.start[:, None] + jnp.arange(T, dtype=jnp.int32)[None]  # [B, T]

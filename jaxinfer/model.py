@@ -3,8 +3,11 @@
 Weights are stored [out, in] (GGUF order, no transpose at load), one array per layer and weight,
 and the layer loop is written out in Python so XLA sees every layer separately: scanning stacked
 layers makes XLA CPU copy each layer's weights every token (DESIGN.md section 1).
-Dimension letters: B batch, T tokens, S cache positions, D model, N heads, K kv heads,
-G = N / K, H head dim, F mlp, V vocab.
+Hybrid models (Qwen3-Next, Qwen3.5) replace attention in some layers with Gated DeltaNet
+(`GatedDeltaNet`, its math in gdn.py); their attention layers gate their output and rotate
+only part of each head. Dimension letters: B batch, T tokens, S cache positions, D model,
+N heads, K kv heads, G = N / K, H head dim, F mlp, V vocab; HK/HV linear key/value heads of
+width DK/DV.
 """
 
 from __future__ import annotations
@@ -16,8 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from . import kvcache, moe
+from . import gdn, kvcache, moe
 from .config import ModelConfig, rope_inv_freq
+from .gdn import RecurrentState
 from .kvcache import AttentionKV, KVView
 from .moe import ExpertSplit
 
@@ -39,14 +43,19 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
 
 
 def rope_table(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
-    """cos, sin [B, T, 1, H/2] of rotate-half RoPE at positions [B, T] (once per forward)."""
+    """cos, sin [B, T, 1, R/2] of rotate-half RoPE over R dims at positions [B, T] (once per
+    forward)."""
     angle = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, H/2]
     return jnp.cos(angle)[:, :, None, :], jnp.sin(angle)[:, :, None, :]
 
 
 def rope(x: jax.Array, table: tuple[jax.Array, jax.Array]) -> jax.Array:
-    """Rotate-half RoPE of x [B, T, *, H] with a `rope_table`."""
+    """Rotate-half RoPE of x [B, T, *, H] with a `rope_table`; partial RoPE (R < H) rotates the
+    first R dims and passes the rest."""
     cos, sin = table
+    R = 2 * cos.shape[-1]
+    if R < x.shape[-1]:
+        return jnp.concatenate([rope(x[..., :R], table), x[..., R:]], axis=-1)
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)  # [B, T, *, H/2] each
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)
@@ -69,6 +78,8 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             self.q_norm = _param(rngs, (H,), ("head_dim",), init_one=True)
             self.k_norm = _param(rngs, (H,), ("head_dim",), init_one=True)
+        if cfg.attn_gate:  # per query head, rows of q_proj beside the query's in checkpoints
+            self.wgate = _param(rngs, (N * H, D), ("heads", "embed"))
 
     def __call__(self, x, rope_tab, kv, view: KVView):
         """x [B, T, D] at the view's positions; kv this layer's (K, V) pools -> [B, T, D], kv."""
@@ -92,7 +103,71 @@ class Attention(nnx.Module):
         kv = kvcache.write(kv, k, v, view)
         out = kvcache.attend(q, k, v, kv, view, cfg.sliding_window)  # [B, T, K, G, H]
         out = out.reshape(B, T, K * G * H).astype(x.dtype)  # [B, T, N*H]
+        if cfg.attn_gate:
+            gate = jnp.einsum("BTD,ED->BTE", x, self.wgate[...])  # [B, T, N*H]
+            out = out * jax.nn.sigmoid(gate)
         return jnp.einsum("BTE,DE->BTD", out, self.wo[...]), kv
+
+
+class GatedDeltaNet(nnx.Module):
+    """The linear-attention layer of Qwen3-Next / Qwen3.5: q, k, v through a causal conv, the
+    gated delta rule per value head (gdn.py), a gated RMSNorm, the output projection.
+
+    Weights are kept apart per role ([out, in]), V heads in checkpoint (HF) order: value head
+    h reads key head h // (HV / HK), so splitting both head axes evenly keeps them together.
+    `a` is -exp(A_log), the per-head decay rate.
+    """
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        D, HK, HV = cfg.d_model, cfg.linear_k_heads, cfg.linear_v_heads
+        KD, VD, K = HK * cfg.linear_k_dim, HV * cfg.linear_v_dim, cfg.conv_kernel
+        self.cfg = cfg
+        self.wq = _param(rngs, (KD, D), ("linear_k", "embed"))
+        self.wk = _param(rngs, (KD, D), ("linear_k", "embed"))
+        self.wv = _param(rngs, (VD, D), ("linear_v", "embed"))
+        self.wz = _param(rngs, (VD, D), ("linear_v", "embed"))  # the output gate
+        self.wb = _param(rngs, (HV, D), ("linear_v", "embed"))  # beta = sigmoid(b)
+        self.wa = _param(rngs, (HV, D), ("linear_v", "embed"))  # decay input
+        self.conv_q = _param(rngs, (KD, K), ("linear_k", None), scale=0.5)
+        self.conv_k = _param(rngs, (KD, K), ("linear_k", None), scale=0.5)
+        self.conv_v = _param(rngs, (VD, K), ("linear_v", None), scale=0.5)
+        rate = -jnp.exp(0.5 * jax.random.normal(rngs.params(), (HV,), jnp.float32))
+        self.a = nnx.Param(rate, axes=("linear_v",))
+        self.dt_bias = _param(rngs, (HV,), ("linear_v",), scale=0.5)
+        self.norm = _param(rngs, (cfg.linear_v_dim,), (None,), init_one=True)
+        self.wo = _param(rngs, (D, VD), ("embed", "linear_v"))
+
+    def __call__(self, x, state, view: KVView):
+        """x [B, T, D] at the view's positions; state this layer's pools (conv q, k, v and
+        delta-rule state by slot) -> [B, T, D], state."""
+        cfg = self.cfg
+        B, T, _ = x.shape
+        HK, HV, DK, DV = cfg.linear_k_heads, cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim
+        real = view.real(T)  # [B, T]: padding never reaches the state
+        proj = [jnp.einsum("BTD,ED->BTE", x, w[...]) for w in (self.wq, self.wk, self.wv)]
+        conv_q, conv_k, conv_v, S = gdn.read(state, view.slot, view.start == 0)
+        weights = (self.conv_q, self.conv_k, self.conv_v)
+        (q, conv_q), (k, conv_k), (v, conv_v) = (
+            gdn.causal_conv(jnp.where(real[..., None], y, 0), w[...], c, view.length)
+            for y, w, c in zip(proj, weights, (conv_q, conv_k, conv_v), strict=True)
+        )
+        q = gdn.l2norm(q.reshape(B, T, HK, DK)) * (1.0 / np.sqrt(DK))
+        k = gdn.l2norm(k.reshape(B, T, HK, DK))
+        q, k = jnp.repeat(q, HV // HK, axis=2), jnp.repeat(k, HV // HK, axis=2)  # [B, T, HV, DK]
+        v = v.reshape(B, T, HV, DV).astype(jnp.float32)
+        b = jnp.einsum("BTD,HD->BTH", x, self.wb[...]).astype(jnp.float32)
+        a = jnp.einsum("BTD,HD->BTH", x, self.wa[...]).astype(jnp.float32)
+        beta = jax.nn.sigmoid(b) * real[..., None]  # [B, T, HV]
+        g = self.a[...] * jax.nn.softplus(a + self.dt_bias[...]) * real[..., None]  # log decay
+        if T == 1:
+            o, S = gdn.recurrent_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], S)
+            o = o[:, None]  # [B, 1, HV, DV]
+        else:
+            o, S = gdn.chunked(q, k, v, g, beta, S)
+        z = jnp.einsum("BTD,ED->BTE", x, self.wz[...]).reshape(B, T, HV, DV)
+        o = rms_norm(o, self.norm[...], cfg.norm_eps) * jax.nn.silu(z.astype(jnp.float32))
+        out = jnp.einsum("BTE,DE->BTD", o.reshape(B, T, HV * DV).astype(x.dtype), self.wo[...])
+        return out, gdn.write(state, (conv_q, conv_k, conv_v, S), view.slot)
 
 
 class MLP(nnx.Module):
@@ -147,10 +222,17 @@ class MoE(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, experts: bool = False, split=None):
+    """One decoder layer: attention or Gated DeltaNet, then the MLP or the expert block."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, kind=(False, False), split=None):
+        linear, experts = kind  # ModelConfig.kind(layer)
         self.eps = cfg.norm_eps
         self.attn_norm = _param(rngs, (cfg.d_model,), ("embed",), init_one=True)
-        self.attn = Attention(cfg, rngs)
+        self.linear = linear
+        if linear:
+            self.linear_attn = GatedDeltaNet(cfg, rngs)
+        else:
+            self.attn = Attention(cfg, rngs)
         self.mlp_norm = _param(rngs, (cfg.d_model,), ("embed",), init_one=True)
         self.experts = experts
         if experts:
@@ -159,8 +241,13 @@ class Block(nnx.Module):
             self.mlp = MLP(cfg, rngs)
 
     def __call__(self, x, rope_tab, kv, view: KVView):
-        with jax.named_scope("attn"):
-            h, kv = self.attn(rms_norm(x, self.attn_norm[...], self.eps), rope_tab, kv, view)
+        h = rms_norm(x, self.attn_norm[...], self.eps)
+        if self.linear:
+            with jax.named_scope("linear_attn"):
+                h, kv = self.linear_attn(h, kv, view)
+        else:
+            with jax.named_scope("attn"):
+                h, kv = self.attn(h, rope_tab, kv, view)
         x = x + h
         h = rms_norm(x, self.mlp_norm[...], self.eps)
         if self.experts:
@@ -185,9 +272,7 @@ class Transformer(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, split: ExpertSplit | None = None):
         self.cfg = cfg
         self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), scale=1.0)
-        self.layers = nnx.List(
-            [Block(cfg, rngs, cfg.is_moe(i), split) for i in range(cfg.n_layers)]
-        )
+        self.layers = nnx.List([Block(cfg, rngs, cfg.kind(i), split) for i in range(cfg.n_layers)])
         self.norm = _param(rngs, (cfg.d_model,), ("embed",), init_one=True)
         if not cfg.tie_embeddings:
             self.lm_head = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"))
@@ -220,9 +305,19 @@ def head_logits(h: jax.Array, head: jax.Array) -> jax.Array:
     return jnp.einsum("...D,VD->...V", h, head, preferred_element_type=jnp.float32)
 
 
-def cache_layers(cfg: ModelConfig, dtype) -> list[AttentionKV]:
+def layer_cache(cfg: ModelConfig, kind: tuple[bool, bool], dtype) -> AttentionKV | RecurrentState:
+    """The typed cache of a layer of this kind: KV pages, or a linear layer's state."""
+    if not kind[0]:
+        return AttentionKV(cfg.n_kv_heads, cfg.head_dim, dtype)
+    KD, VD = cfg.linear_k_heads * cfg.linear_k_dim, cfg.linear_v_heads * cfg.linear_v_dim
+    return RecurrentState(
+        (KD, KD, VD), cfg.conv_kernel, cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim
+    )
+
+
+def cache_layers(cfg: ModelConfig, dtype) -> list[AttentionKV | RecurrentState]:
     """The typed cache of every layer, in layer order."""
-    return [AttentionKV(cfg.n_kv_heads, cfg.head_dim, dtype) for _ in range(cfg.n_layers)]
+    return [layer_cache(cfg, cfg.kind(i), dtype) for i in range(cfg.n_layers)]
 
 
 def abstract_model(cfg: ModelConfig, split: ExpertSplit | None = None) -> Transformer:

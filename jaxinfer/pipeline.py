@@ -1,12 +1,16 @@
 """Layer split: pipeline stages on the `pp` mesh axis inside one jitted program.
 
-Layers are assigned to stages as evenly as possible; slot j of every stage is stacked on a
-leading [pp] axis sharded over `pp`, so each device holds only its own layers (and their KV
-page pools) and unrolls its slots in Python, as the dense model does. Inside `jax.shard_map` over
+Layers are assigned to stages as evenly as possible. Each stage runs the same sequence of
+layer slots, each slot of one layer kind (attention or linear attention, MLP or experts):
+slot j of every stage is stacked on a leading [pp] axis sharded over `pp`, so each device
+holds only its own layers (and their KV pages and linear states) and unrolls its slots in
+Python, as the dense model does. Mixed models (3 linear : 1 attention, dense and MoE layers)
+get the shortest slot sequence that every stage's layer kinds fit in order; a stage skips
+the slots it has no layer for. Inside `jax.shard_map` over
 `pp`, rows are split into microbatches that flow stage to stage with `lax.ppermute` (GPipe):
 with M microbatches all stages work at once after a bubble of pp - 1 steps; with one row the
-stages run in sequence, as llama.cpp's layer split does. Stages with fewer layers than slots
-pad with masked identity layers. Other mesh axes (tp) stay automatic inside the stages.
+stages run in sequence, as llama.cpp's layer split does. Other mesh axes (tp) stay automatic
+inside the stages.
 """
 
 from __future__ import annotations
@@ -22,40 +26,53 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from . import kvcache
 from .config import ModelConfig, rope_inv_freq
-from .errors import LayoutError
-from .kvcache import AttentionKV, KVConfig, KVView
-from .model import Block, block, head_logits, rms_norm, rope_table
+from .kvcache import KVConfig, KVView
+from .model import Block, block, head_logits, layer_cache, rms_norm, rope_table
 from .moe import ExpertSplit
-from .placement import Placement, Reader, Runner
+from .placement import Placement, Reader, Runner, cache_shardings
 from .sharding import named, spec
 
 AXIS = "pp"
 
 
+Kind = tuple[bool, bool]  # ModelConfig.kind: (linear attention, experts)
+
+
 @dataclass(frozen=True)
 class StagePlan:
     stages: int
-    slots: int  # layer slots per stage (the largest stage's layer count)
-    layer_of: tuple[tuple[int, ...], ...]  # [stage][slot] -> layer index, -1 = padding
+    kinds: tuple[Kind, ...]  # [slot] -> the layer kind every stage stacks there
+    layer_of: tuple[tuple[int, ...], ...]  # [stage][slot] -> layer index, -1 = no layer
+
+    @property
+    def slots(self) -> int:
+        return len(self.kinds)
 
     @property
     def valid(self) -> np.ndarray:
         return np.array(self.layer_of) >= 0  # [pp, slots]
 
 
-def stage_plan(n_layers: int, stages: int) -> StagePlan:
-    """Contiguous runs of layers, the first `n_layers % stages` stages one layer longer."""
-    base, extra = divmod(n_layers, stages)
+def stage_plan(cfg: ModelConfig, stages: int) -> StagePlan:
+    """Contiguous runs of layers (the first `n_layers % stages` stages one layer longer), and
+    slots that hold every stage's layers in order: at each step the kind the most stages
+    need next (the earliest stage's on a tie), so uniform models get one slot per layer."""
+    base, extra = divmod(cfg.n_layers, stages)
     counts = [base + (s < extra) for s in range(stages)]
     starts = np.cumsum([0, *counts[:-1]])
-    slots = max(counts)
-    layer_of = tuple(
-        tuple(int(starts[s]) + j if j < counts[s] else -1 for j in range(slots))
-        for s in range(stages)
-    )
-    return StagePlan(stages, slots, layer_of)
+    runs = [[int(starts[s]) + j for j in range(counts[s])] for s in range(stages)]
+    kinds, layer_of = [], [[] for _ in range(stages)]
+    at = [0] * stages
+    while any(at[s] < counts[s] for s in range(stages)):
+        nexts = [cfg.kind(runs[s][at[s]]) for s in range(stages) if at[s] < counts[s]]
+        kind = max(nexts, key=lambda k: (nexts.count(k), -nexts.index(k)))
+        kinds.append(kind)
+        for s in range(stages):
+            fits = at[s] < counts[s] and cfg.kind(runs[s][at[s]]) == kind
+            layer_of[s].append(runs[s][at[s]] if fits else -1)
+            at[s] += fits
+    return StagePlan(stages, tuple(kinds), tuple(tuple(row) for row in layer_of))
 
 
 def microbatches(batch: int, stages: int) -> int:
@@ -63,19 +80,14 @@ def microbatches(batch: int, stages: int) -> int:
     return max(m for m in range(1, min(batch, stages) + 1) if batch % m == 0)
 
 
-def stage_block(cfg: ModelConfig, split: ExpertSplit | None = None) -> Block:
-    """The abstract layer every slot stacks: all layers must share one structure."""
-    if cfg.moe and cfg.dense_layers:
-        raise LayoutError(
-            f"the layer split stacks identical layers, but layers {list(cfg.dense_layers)} of "
-            "this MoE model are dense; use layout 'single', 'tensor' or 'expert'"
-        )
-    return nnx.eval_shape(lambda: Block(cfg, nnx.Rngs(0), cfg.moe, split))
+def slot_block(cfg: ModelConfig, kind: Kind, split: ExpertSplit | None = None) -> Block:
+    """The abstract layer a slot of this kind stacks."""
+    return nnx.eval_shape(lambda: Block(cfg, nnx.Rngs(0), kind, split))
 
 
-def block_axes(cfg: ModelConfig) -> dict[tuple, tuple]:
+def block_axes(cfg: ModelConfig, kind: Kind) -> dict[tuple, tuple]:
     """Logical axes of one layer's parameters, by path inside the layer."""
-    block = stage_block(cfg)
+    block = slot_block(cfg, kind)
     return {path: v.get_metadata()["axes"] for path, v in nnx.to_flat_state(nnx.state(block))}
 
 
@@ -94,11 +106,8 @@ def place_params(read: Reader, cfg: ModelConfig, mesh: Mesh, rules: dict, dtype)
     dense model, e.g. ("layers", 3, "attn", "wq")). Each device's callback loads only the
     layers of its own stage.
     """
-    plan = stage_plan(cfg.n_layers, mesh.shape[AXIS])
+    plan = stage_plan(cfg, mesh.shape[AXIS])
     np_dtype = np.dtype(dtype)
-    block = stage_block(cfg)
-    shapes = {path: v.get_value().shape for path, v in nnx.to_flat_state(nnx.state(block))}
-    axes = block_axes(cfg)
     params: dict = {}
     table = ("vocab", "embed")
     outer = [("embed", table), ("norm", ("embed",))]
@@ -109,14 +118,17 @@ def place_params(read: Reader, cfg: ModelConfig, mesh: Mesh, rules: dict, dtype)
         host = read((name,), shape).astype(np_dtype)
         params[name] = jax.device_put(host, named(mesh, spec(logical, rules)))
     slots = []
-    for j in range(plan.slots):
+    for j, kind in enumerate(plan.kinds):
         slot: dict = {}
+        block = slot_block(cfg, kind)
+        shapes = {path: v.get_value().shape for path, v in nnx.to_flat_state(nnx.state(block))}
+        axes = block_axes(cfg, kind)
         for path, shape in shapes.items():
 
             def stage_slice(index, path=path, shape=shape, j=j):
                 stage = index[0].start or 0  # one stage per device along pp
                 layer = plan.layer_of[stage][j]
-                if layer < 0:  # padding slot: an identity layer, its weights never used
+                if layer < 0:  # no layer of this stage here: the slot is skipped
                     host = np.zeros(shape, np_dtype)
                 else:
                     host = read(("layers", layer, *path), shape).astype(np_dtype)
@@ -134,17 +146,18 @@ def place_params(read: Reader, cfg: ModelConfig, mesh: Mesh, rules: dict, dtype)
 
 
 def pipeline_runner(cfg: ModelConfig, mesh: Mesh, rules: dict, dtype) -> Runner:
-    plan = stage_plan(cfg.n_layers, mesh.shape[AXIS])
+    plan = stage_plan(cfg, mesh.shape[AXIS])
     pp = plan.stages
-    block_def = nnx.graphdef(stage_block(cfg, ExpertSplit.of(mesh, rules)))
-    layer = AttentionKV(cfg.n_kv_heads, cfg.head_dim, dtype)
+    split = ExpertSplit.of(mesh, rules)
+    block_defs = [nnx.graphdef(slot_block(cfg, kind, split)) for kind in plan.kinds]
+    caches = [layer_cache(cfg, kind, dtype) for kind in plan.kinds]
     manual = frozenset({AXIS})
     valid = plan.valid
 
     def init_kv(kv: KVConfig):
-        """Per slot, the (K, V) pools of that slot's layer on every stage: [pp, P, K, H, page]."""
-        return [jax.tree.map(lambda a: jnp.broadcast_to(a, (pp, *a.shape)), layer.init(kv))
-                for _ in range(plan.slots)]  # fmt: skip
+        """Per slot, the cache of that slot's layer on every stage: [pp, ...] leaves."""
+        return [jax.tree.map(lambda a: jnp.broadcast_to(a, (pp, *a.shape)), cache.init(kv))
+                for cache in caches]  # fmt: skip
 
     def stage(slots, x, rope_tab, view, kv):
         """One device's stage. slots/kv leaves [1, ...]; x [B, T, D]; view rows [B]."""
@@ -168,9 +181,11 @@ def pipeline_runner(cfg: ModelConfig, mesh: Mesh, rules: dict, dtype) -> Runner:
             new = []
             for j in range(plan.slots):
                 with jax.named_scope(f"slot_{j}"):
-                    out, layer_kv = block(block_def, slots[j], y, tab, kv[j], v)
-                # Padding slots are identity layers; what they write lands in their own pools.
-                y = jnp.where(ok[j], out, y)
+                    run = partial(block, block_defs[j], slots[j], rope_tab=tab, view=v)
+                    # A stage without a layer in this slot passes y through, cache untouched.
+                    y, layer_kv = lax.cond(
+                        ok[j], lambda y, c, run=run: run(x=y, kv=c), lambda y, c: (y, c), y, kv[j]
+                    )
                 new.append(layer_kv)
             return y, new
 
@@ -209,12 +224,12 @@ def pipeline_runner(cfg: ModelConfig, mesh: Mesh, rules: dict, dtype) -> Runner:
     def head(params, h):
         return head_logits(h, params["embed"] if cfg.tie_embeddings else params["lm_head"])
 
-    pool = named(mesh, P(AXIS, *spec(kvcache.AXES, rules)))
     return Runner(
         forward=forward,
         head=head,
         init_kv=init_kv,
-        kv_shardings=lambda: [(pool, pool)] * plan.slots,
+        kv_shardings=lambda: [cache_shardings(c, mesh, rules, (AXIS,)) for c in caches],
+        caches=tuple(caches),
         stages=pp,
         description=describe(plan),
     )
@@ -224,11 +239,11 @@ def describe(plan: StagePlan) -> str:
     parts = []
     for s, layers in enumerate(plan.layer_of):
         real = [n for n in layers if n >= 0]
-        pad = len(layers) - len(real)
+        skip = len(layers) - len(real)
         text = (
             f"stage {s}: layers {real[0]}-{real[-1]}"
             if len(real) > 1
             else f"stage {s}: layer {real[0]}"
         )
-        parts.append(text + (f" (+{pad} identity slot)" if pad else ""))
+        parts.append(text + (f" ({skip} of {len(layers)} slots skipped)" if skip else ""))
     return "; ".join(parts)

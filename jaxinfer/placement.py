@@ -13,8 +13,8 @@ import jax
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from . import kvcache
 from .config import ModelConfig
 from .kvcache import KVConfig
 from .model import Transformer, abstract_model, cache_layers
@@ -30,8 +30,9 @@ class Runner:
 
     forward: Callable  # (params, tokens [B,T], view, kv) -> (hidden [B,T,D], kv)
     head: Callable  # (params, hidden [..., D]) -> float32 logits [..., V]
-    init_kv: Callable[[KVConfig], list]  # zeroed pools, one (K, V) pair per cache slot
+    init_kv: Callable[[KVConfig], list]  # zeroed pools per layer: (K, V) or a linear state
     kv_shardings: Callable[[], list]  # shardings matching init_kv's tree
+    caches: tuple = ()  # the cache type of each entry of init_kv's list
     stages: int = 1
     description: str = ""  # which layers live where, for `jaxinfer info`
 
@@ -81,10 +82,15 @@ def random_reader(cfg: ModelConfig, seed: int) -> Reader:
 def dense_runner(graphdef: nnx.GraphDef, cfg: ModelConfig, dtype, mesh, rules) -> Runner:
     """All layers on every device of the mesh (single or tensor split)."""
     layers = cache_layers(cfg, dtype)
-    pool = named(mesh, spec(kvcache.AXES, rules))
     return Runner(
         forward=lambda p, tokens, view, kv: nnx.merge(graphdef, p)(tokens, view, kv),
         head=lambda p, h: nnx.merge(graphdef, p).logits(h),
         init_kv=lambda kv: [layer.init(kv) for layer in layers],
-        kv_shardings=lambda: [(pool, pool)] * len(layers),
+        kv_shardings=lambda: [cache_shardings(layer, mesh, rules) for layer in layers],
+        caches=tuple(layers),
     )
+
+
+def cache_shardings(layer, mesh, rules, lead: tuple = ()) -> tuple[NamedSharding, ...]:
+    """The shardings of one layer's cache arrays (under `lead` leading mesh axes)."""
+    return tuple(named(mesh, P(*lead, *spec(axes, rules))) for axes in layer.AXES)

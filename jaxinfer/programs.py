@@ -5,10 +5,11 @@
   decode(params, kv, state, table, sampling, steps)  -> kv, state, out [B, C]
   score(params, kv, chunk)                           -> kv, logits [B, T, V]
 
-The page pools `kv` are donated. `decode` runs up to C steps inside one `while_loop` and leaves
-early when every row is done, so the host only wakes to stream and check stops. No program
-depends on the context length: rows reach their pages through block tables. Each program's
-per-call inputs are typed structs, described once here for both warmup and serving.
+The page pools and linear-layer states `kv` are donated. `decode` runs up to C steps inside
+one `while_loop` and leaves early when every row is done, so the host only wakes to stream
+and check stops. No program depends on the context length: rows reach their pages through
+block tables. Each program's per-call inputs are typed structs, described once here for both
+warmup and serving.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class Chunk:
 
     @staticmethod
     def abstract(B: int, T: int, NB: int) -> Chunk:
-        return Chunk(_spec(B, T), KVView(_spec(B, NB), _spec(B), _spec(B)))
+        return Chunk(_spec(B, T), KVView(_spec(B, NB), _spec(B), _spec(B), _spec(B)))
 
 
 @struct.dataclass
@@ -53,11 +54,17 @@ class DecodeState:
     budget: jax.Array  # [B] int32, tokens still allowed
     done: jax.Array  # [B] bool, padding rows start done
     window: jax.Array  # [B, W] int32, recent tokens by position mod W (-1 = empty)
+    slot: jax.Array  # [B] int32, the row's state slot (linear layers; 0 = padding)
 
     @staticmethod
     def abstract(B: int) -> DecodeState:
         return DecodeState(
-            _spec(B), _spec(B), _spec(B), _spec(B, dtype=np.bool_), _spec(B, PENALTY_WINDOW)
+            _spec(B),
+            _spec(B),
+            _spec(B),
+            _spec(B, dtype=np.bool_),
+            _spec(B, PENALTY_WINDOW),
+            _spec(B),
         )
 
 
@@ -93,7 +100,8 @@ def programs(runner: Runner, kv_config: KVConfig, tokens_per_call: int) -> dict[
             # The input token joins the penalty context of the token it predicts.
             window = s.window.at[rows, s.pos % PENALTY_WINDOW].set(s.tokens)
             live = ~s.done
-            view = KVView(table, s.pos, live.astype(I32))  # done rows write the null page
+            # Done rows write the null page and leave their linear state as it is.
+            view = KVView(table, s.pos, live.astype(I32), s.slot)
             h, kv = runner.forward(params, s.tokens[:, None], view, kv)  # [B, 1, D]
             new = sample(runner.head(params, h[:, 0]), window, sampling, s.pos + 1)  # [B]
             stop = jnp.any(new[:, None] == sampling.stops, axis=-1)
@@ -105,6 +113,7 @@ def programs(runner: Runner, kv_config: KVConfig, tokens_per_call: int) -> dict[
                 budget=budget,
                 done=s.done | stop | (budget <= 0),
                 window=window,
+                slot=s.slot,
             )
             return i + 1, kv, s, out
 

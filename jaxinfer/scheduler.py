@@ -3,8 +3,9 @@
 Each step admits queued requests while a row and their KV pages are free, runs one prompt
 chunk for every row still prefilling (as one batch), runs one decode call for the rows that are
 decoding, and returns what each request produced. Rows are compacted into the smallest batch
-bucket that holds them: the KV lives in pages reached through block tables, so moving a
-request to another row moves nothing but its table row. A request reserves every page it can
+bucket that holds them: the KV lives in pages reached through block tables and a linear
+layer's state in the request's slot, so moving a request to another row moves nothing but
+its table row and slot number. A request reserves every page it can
 need when admitted and takes them as it grows, so it never fails mid-generation; finishing or
 cancelling gives them back at once.
 """
@@ -21,7 +22,7 @@ import numpy as np
 from .buckets import ShapePlan
 from .errors import RequestError
 from .executor import Executor
-from .kvcache import NULL_PAGE, KVView
+from .kvcache import NULL_PAGE, NULL_SLOT, KVView
 from .perf import PerfStats
 from .programs import Chunk, DecodeState
 from .request import RequestState, StreamPiece
@@ -36,6 +37,7 @@ class _Active:
 
     state: RequestState | None  # None: a scoring pass (Engine.logits)
     reserved: int  # pages promised to it and not yet taken
+    slot: int  # its state slot in the linear layers (one per running request)
     pages: list[int] = field(default_factory=list)  # held, in position order
     offset: int = 0  # prompt tokens prefilled
     decoding: bool = False
@@ -66,6 +68,7 @@ class Scheduler:
         self.always_interactive = always_interactive
         self.queue: deque[RequestState] = deque()
         self.running: list[_Active] = []  # in admission order
+        self._slots = list(range(shapes.rows, NULL_SLOT, -1))  # free state slots, lowest last
         # The last decode call's rows, device state and sampling rows, and (host, device) table.
         self._last: tuple = ((), None, None, (None, None))
         self._step_arrays: dict[int, object] = {}
@@ -123,7 +126,7 @@ class Scheduler:
                 return  # it waits for pages; later requests wait behind it
             self.queue.popleft()
             state.admitted_at = time.perf_counter()
-            self.running.append(_Active(state, need))
+            self.running.append(_Active(state, need, self._slots.pop()))
 
     def _table(self, rows: list[_Active], batch: int) -> np.ndarray:
         table = np.full((batch, self.executor.kv_config.table_width), NULL_PAGE, np.int32)
@@ -144,18 +147,17 @@ class Scheduler:
         rows = rows[: self.shapes.rows_for(T)]
         B = self.shapes.batch_for(len(rows))
         tokens = np.zeros((B, T), np.int32)
-        start = np.zeros(B, np.int32)
-        length = np.zeros(B, np.int32)
+        start, length, slot = (np.zeros(B, np.int32) for _ in range(3))
         window = np.full((B, PENALTY_WINDOW), -1, np.int32)
         for b, active in enumerate(rows):
             prompt = active.state.prompt
             seg = prompt[active.offset : active.offset + T]
             tokens[b, : len(seg)] = seg
-            start[b], length[b] = active.offset, len(seg)
+            start[b], length[b], slot[b] = active.offset, len(seg), active.slot
             self._grow(active, active.offset + len(seg))
             if active.offset + len(seg) == len(prompt):  # the chunk that samples a token
                 window[b] = recent_window(prompt)
-        chunk = Chunk(tokens, KVView(self._table(rows, B), start, length))
+        chunk = Chunk(tokens, KVView(self._table(rows, B), start, length, slot))
         sampling = SamplingRows.stack([a.state.sampling for a in rows], B)
         t0 = self.clock()
         (first,) = self.executor.run("prefill", chunk, window, sampling)
@@ -234,19 +236,21 @@ class Scheduler:
     def _host_state(rows, batch: int) -> DecodeState:
         """The decode state of `rows` from their host copies; padding rows start done."""
         window = np.full((batch, PENALTY_WINDOW), -1, np.int32)
-        tokens, pos, left = (np.zeros(batch, np.int32) for _ in range(3))
+        tokens, pos, left, slot = (np.zeros(batch, np.int32) for _ in range(4))
         done = np.ones(batch, np.bool_)
         for b, active in enumerate(rows):
             state = active.state
             # The context before the input token: the prompt and all but the last new token.
             window[b] = recent_window(state.prompt + state.token_ids[:-1])
             tokens[b], pos[b], left[b], done[b] = active.token, active.pos, active.left, False
-        return DecodeState(tokens, pos, left, done, window)
+            slot[b] = active.slot
+        return DecodeState(tokens, pos, left, done, window, slot)
 
     def _retire(self, active: _Active) -> None:
         self.executor.pages.release(active.pages, active.reserved)
         active.reserved = 0
         self.running.remove(active)
+        self._slots.append(active.slot)  # the next request in it starts from zeros
 
     # ---- scoring ------------------------------------------------------------------------
 
@@ -254,7 +258,8 @@ class Scheduler:
         """Float32 logits [T, V] at every position of `ids`, or None while the pool lacks the
         pages (the caller steps the running requests until they free some)."""
         pages = self.executor.pages
-        active = _Active(None, pages.pages_for(len(ids)))
+        # The scoring pass has a state slot of its own, past the requests' ones.
+        active = _Active(None, pages.pages_for(len(ids)), self.executor.kv_config.state_slots - 1)
         if not pages.reserve(active.reserved):
             return None
         out = []
@@ -269,6 +274,7 @@ class Scheduler:
                     self._table([active], 1),
                     np.array([active.offset], np.int32),
                     np.array([len(seg)], np.int32),
+                    np.array([active.slot], np.int32),
                 )
                 (logits,) = self.executor.run("score", Chunk(tokens, view))
                 out.append(np.asarray(logits)[0, : len(seg)])

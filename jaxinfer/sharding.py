@@ -23,7 +23,7 @@ from .shardings import BUILTIN
 
 LOGICAL_AXES = (
     "batch", "seq", "cache_seq", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab",
-    "layers", "experts",
+    "layers", "experts", "linear_k", "linear_v",
 )  # fmt: skip
 
 
@@ -130,6 +130,9 @@ def effective_rules(layout: Layout, mesh: Mesh, cfg: ModelConfig) -> dict[str, s
     """
     rules = dict(layout.rules)
     sizes = dict(mesh.shape)
+    if cfg.linear_layers and "heads" in rules:  # linear layers split their heads like attention
+        rules.setdefault("linear_v", rules["heads"])
+        rules.setdefault("linear_k", rules["heads"])
     moe = [i for i in range(cfg.n_layers) if cfg.is_moe(i)]
     widths = [("d_ff", cfg.d_ff)] if len(moe) < cfg.n_layers else []
     if moe:
@@ -142,13 +145,15 @@ def effective_rules(layout: Layout, mesh: Mesh, cfg: ModelConfig) -> dict[str, s
         "vocab": [("vocab_size", cfg.vocab_size)],
         "embed": [("d_model", cfg.d_model)],
         "head_dim": [("head_dim", cfg.head_dim)],
+        "linear_v": [("the linear-attention value heads", cfg.linear_v_heads)],
+        "linear_k": [("the linear-attention key heads", cfg.linear_k_heads)],
     }
     for logical, fields in dims.items():
         axis = rules.get(logical)
         for field, value in fields:
             if axis is None or value % sizes[axis] == 0:
                 continue
-            if logical in ("kv_heads", "vocab"):
+            if logical in ("kv_heads", "vocab", "linear_k"):  # replicated: cheap, still exact
                 del rules[logical]
                 continue
             raise LayoutError(

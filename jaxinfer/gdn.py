@@ -1,0 +1,162 @@
+"""Gated DeltaNet (Qwen3-Next, Qwen3.5 linear attention): the causal conv, the delta rule and
+the per-request state they carry between calls.
+
+Each linear layer keeps, per state slot, the last K - 1 inputs of its causal conv (for the q,
+k and v channels) and the recurrent state S [HV, DK, DV], all float32 whatever the compute
+dtype. A row of a call reaches its slot through `KVView.slot` (slot 0 is the null slot that
+padding rows write); a row whose call starts at position 0 begins from zeros, so a reused
+slot never leaks the previous request's state. Padding tokens leave the state untouched:
+their beta and decay are 0 (S = S * exp(0) + k (x) 0) and the conv state is cut at the last
+real input.
+
+The delta rule per value head, with q, k L2-normed and q scaled by DK^-1/2:
+    S_t = exp(g_t) S_{t-1} + k_t (x) beta_t (v_t - exp(g_t) S_{t-1}^T k_t),  o_t = S_t^T q_t
+Decode runs it token by token; a prompt chunk uses the chunkwise-parallel (WY) form over
+sub-chunks of CHUNK tokens, each with the state of the one before. Dimension letters: B rows,
+T tokens, S state slots, C conv channels, W = K - 1 conv inputs kept, HV/HK value/key heads,
+DK/DV their widths, L sub-chunk length.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.scipy.linalg import solve_triangular
+
+CHUNK = 64  # tokens per sub-chunk of the parallel form (as the reference kernels use)
+_EXACT = lax.Precision.HIGHEST  # accelerators would round f32 matmuls of the state otherwise
+_L2_EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class RecurrentState:
+    """The cache of one linear layer: conv inputs per channel group (q, k, v) and the delta-rule
+    state, per state slot, in float32."""
+
+    conv_channels: tuple[int, int, int]  # C of q, k, v (HK*DK, HK*DK, HV*DV)
+    kernel: int  # conv taps K
+    heads: int  # HV
+    k_dim: int  # DK
+    v_dim: int  # DV
+
+    # logical axes of (conv q, conv k, conv v, state)
+    AXES = (
+        (None, None, "linear_k"),
+        (None, None, "linear_k"),
+        (None, None, "linear_v"),
+        (None, "linear_v", None, None),
+    )
+
+    def shapes(self, slots: int) -> tuple[tuple[int, ...], ...]:
+        W = self.kernel - 1
+        convs = tuple((slots, W, c) for c in self.conv_channels)
+        return (*convs, (slots, self.heads, self.k_dim, self.v_dim))
+
+    def init(self, kv) -> tuple[jax.Array, ...]:
+        return tuple(jnp.zeros(s, jnp.float32) for s in self.shapes(kv.state_slots))
+
+    def slot_bytes(self) -> int:
+        return 4 * sum(math.prod(s) for s in self.shapes(1))
+
+
+def read(pools, slot: jax.Array, fresh: jax.Array):
+    """Each row's state [B, ...] from its slot; zeros where the row starts a request."""
+
+    def one(pool):
+        state = pool.at[slot].get(mode="promise_in_bounds")
+        keep = ~fresh.reshape(-1, *([1] * (state.ndim - 1)))
+        return jnp.where(keep, state, 0.0)
+
+    return tuple(one(p) for p in pools)
+
+
+def write(pools, states, slot: jax.Array):
+    """Store each row's new state in its slot (padding rows all write the null slot)."""
+    return tuple(
+        p.at[slot].set(s.astype(p.dtype), mode="promise_in_bounds")
+        for p, s in zip(pools, states, strict=True)
+    )
+
+
+def causal_conv(x, w, state, length):
+    """Depthwise causal conv then SiLU. x [B, T, C] (padding zeroed), w [C, K], state [B, W, C]
+    the inputs before x -> y [B, T, C] in x's dtype, new state [B, W, C] float32: the last W
+    real inputs (length [B] real tokens of x)."""
+    T = x.shape[1]
+    K = w.shape[1]
+    full = jnp.concatenate([state, x.astype(jnp.float32)], axis=1)  # [B, W + T, C]
+    w32 = w.astype(jnp.float32)
+    y = sum(full[:, j : j + T] * w32[:, j] for j in range(K))  # [B, T, C]
+    pick = length[:, None] + jnp.arange(K - 1)[None]  # [B, W]: positions length .. length+W-1
+    new_state = jnp.take_along_axis(full, pick[..., None], axis=1)
+    return jax.nn.silu(y).astype(x.dtype), new_state
+
+
+def l2norm(x):
+    x = x.astype(jnp.float32)
+    return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + _L2_EPS)
+
+
+def recurrent_step(q, k, v, g, beta, S):
+    """One token per row: q, k [B, H, DK], v [B, H, DV], g, beta [B, H], S [B, H, DK, DV] (all
+    float32) -> o [B, H, DV], S."""
+    S = S * jnp.exp(g)[..., None, None]
+    kv = jnp.einsum("BHKV,BHK->BHV", S, k, precision=_EXACT)
+    delta = (v - kv) * beta[..., None]
+    S = S + k[..., :, None] * delta[..., None, :]
+    return jnp.einsum("BHKV,BHK->BHV", S, q, precision=_EXACT), S
+
+
+def chunked(q, k, v, g, beta, S):
+    """A prompt chunk: q, k [B, T, H, DK], v [B, T, H, DV], g, beta [B, T, H], S [B, H, DK, DV]
+    (float32) -> o [B, T, H, DV], final S. Sub-chunks of L tokens run in sequence; inside one,
+    the WY form turns the T rank-1 updates into triangular solves and matmuls."""
+    B, T, H, DK = k.shape
+    L = min(CHUNK, T)
+    pad = -T % L
+    if pad:  # zero beta and decay: padded tokens change nothing
+        q, k, v, g, beta = (
+            jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2)) for a in (q, k, v, g, beta)
+        )
+    N = (T + pad) // L
+
+    def split(a):  # [B, N*L, H, ...] -> [N, B, H, L, ...]
+        a = a.reshape(B, N, L, H, *a.shape[3:])
+        return jnp.moveaxis(jnp.moveaxis(a, 1, 0), 3, 2)
+
+    q, k, v, g, beta = (split(a) for a in (q, k, v, g, beta))
+    gc = jnp.cumsum(g, axis=-1)  # [N, B, H, L] log decay from the sub-chunk's start
+    i, j = jnp.arange(L)[:, None], jnp.arange(L)[None]
+    # exp(gc_i - gc_j) for j <= i, 0 above the diagonal (masked before exp: it would overflow)
+    decay = jnp.exp(jnp.where(j <= i, gc[..., :, None] - gc[..., None, :], -jnp.inf))
+    kb = k * beta[..., None]
+    lower = jnp.einsum("NBHiK,NBHjK->NBHij", kb, k, precision=_EXACT) * decay
+    lower = jnp.where(j < i, lower, 0.0)
+    eye = jnp.eye(L, dtype=jnp.float32)
+    # (I + lower)^-1 applied to beta v and to beta k exp(gc): the WY representation
+    rhs = jnp.concatenate([v * beta[..., None], kb * jnp.exp(gc)[..., None]], axis=-1)
+    solved = solve_triangular(eye + lower, rhs, lower=True, unit_diagonal=True)
+    u, w = solved[..., : v.shape[-1]], solved[..., v.shape[-1] :]  # [N, B, H, L, DV|DK]
+    qk = jnp.einsum("NBHiK,NBHjK->NBHij", q, k, precision=_EXACT) * decay  # j <= i kept
+    q_decayed = q * jnp.exp(gc)[..., None]
+    last = gc[..., -1:]  # [N, B, H, 1]
+    k_tail = k * jnp.exp(last - gc)[..., None]  # what each key weighs at the sub-chunk's end
+
+    def body(S, xs):
+        u, w, qk, qd, kt, last = xs
+        v_new = u - jnp.einsum("BHLK,BHKV->BHLV", w, S, precision=_EXACT)
+        o = jnp.einsum("BHLK,BHKV->BHLV", qd, S, precision=_EXACT)
+        o = o + jnp.einsum("BHij,BHjV->BHiV", qk, v_new, precision=_EXACT)
+        S = S * jnp.exp(last)[..., None] + jnp.einsum(
+            "BHLK,BHLV->BHKV", kt, v_new, precision=_EXACT
+        )
+        return S, o
+
+    S, o = lax.scan(body, S, (u, w, qk, q_decayed, k_tail, last))  # o [N, B, H, L, DV]
+    o = jnp.moveaxis(o, 0, 1)  # [B, N, H, L, DV]
+    o = jnp.swapaxes(o, 2, 3).reshape(B, N * L, H, -1)[:, :T]
+    return o, S
