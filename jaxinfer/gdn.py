@@ -25,7 +25,6 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.scipy.linalg import solve_triangular
 
 CHUNK = 64  # tokens per sub-chunk of the parallel form (as the reference kernels use)
 _EXACT = lax.Precision.HIGHEST  # accelerators would round f32 matmuls of the state otherwise
@@ -111,12 +110,40 @@ def recurrent_step(q, k, v, g, beta, S):
     return jnp.einsum("BHKV,BHK->BHV", S, q, precision=_EXACT), S
 
 
+def unit_lower_inverse(lower):
+    """(I + lower)^-1 for strictly lower triangular lower [..., L, L], L a power of two, by
+    doubling blocks: inv [[A, 0], [C, B]] = [[A', 0], [-B' C A', B']]. Only matmuls, so it
+    runs the same everywhere (XLA CPU's triangular solve waits on the thread pool that a
+    pipeline's collectives hold, and deadlocks there)."""
+    L = lower.shape[-1]
+    lead = lower.shape[:-2]
+    inv = jnp.ones((*lead, L, 1, 1), lower.dtype)  # diagonal blocks of size b, here b = 1
+    b = 1
+    while b < L:
+        n = L // (2 * b)
+        blocks = lower.reshape(*lead, n, 2 * b, n, 2 * b)
+        # the lower-left quarter of each 2b diagonal block: [..., n, b, b]
+        c = jnp.diagonal(blocks, axis1=-4, axis2=-2)  # [..., 2b, 2b, n]
+        c = jnp.moveaxis(c, -1, -3)[..., b:, :b]
+        pairs = inv.reshape(*lead, n, 2, b, b)
+        first, second = pairs[..., 0, :, :], pairs[..., 1, :, :]
+        corner = -jnp.einsum(
+            "...ij,...jk,...kl->...il", second, c, first, precision=_EXACT
+        )  # [..., n, b, b]
+        zero = jnp.zeros_like(corner)
+        top = jnp.concatenate([first, zero], axis=-1)
+        bottom = jnp.concatenate([corner, second], axis=-1)
+        inv = jnp.concatenate([top, bottom], axis=-2)  # [..., n, 2b, 2b]
+        b *= 2
+    return inv.reshape(*lead, L, L)
+
+
 def chunked(q, k, v, g, beta, S):
     """A prompt chunk: q, k [B, T, H, DK], v [B, T, H, DV], g, beta [B, T, H], S [B, H, DK, DV]
     (float32) -> o [B, T, H, DV], final S. Sub-chunks of L tokens run in sequence; inside one,
     the WY form turns the T rank-1 updates into triangular solves and matmuls."""
     B, T, H, DK = k.shape
-    L = min(CHUNK, T)
+    L = min(CHUNK, 1 << (T - 1).bit_length())  # a power of two
     pad = -T % L
     if pad:  # zero beta and decay: padded tokens change nothing
         q, k, v, g, beta = (
@@ -136,10 +163,9 @@ def chunked(q, k, v, g, beta, S):
     kb = k * beta[..., None]
     lower = jnp.einsum("NBHiK,NBHjK->NBHij", kb, k, precision=_EXACT) * decay
     lower = jnp.where(j < i, lower, 0.0)
-    eye = jnp.eye(L, dtype=jnp.float32)
     # (I + lower)^-1 applied to beta v and to beta k exp(gc): the WY representation
     rhs = jnp.concatenate([v * beta[..., None], kb * jnp.exp(gc)[..., None]], axis=-1)
-    solved = solve_triangular(eye + lower, rhs, lower=True, unit_diagonal=True)
+    solved = jnp.einsum("NBHij,NBHjX->NBHiX", unit_lower_inverse(lower), rhs, precision=_EXACT)
     u, w = solved[..., : v.shape[-1]], solved[..., v.shape[-1] :]  # [N, B, H, L, DV|DK]
     qk = jnp.einsum("NBHiK,NBHjK->NBHij", q, k, precision=_EXACT) * decay  # j <= i kept
     q_decayed = q * jnp.exp(gc)[..., None]

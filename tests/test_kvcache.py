@@ -63,7 +63,8 @@ def run_paged(rows, chunk, page, window=None, seed=0):
             n = take(b)
             sl = slice(done[b], done[b] + n)
             q[b, :n], k[b, :n], v[b, :n], length[b] = r["q"][sl], r["k"][sl], r["v"][sl], n
-        view = KVView(jnp.asarray(table), jnp.asarray(np.array(done, np.int32)), length)
+        start = jnp.asarray(np.array(done, np.int32))
+        view = KVView(jnp.asarray(table), start, length, jnp.zeros(B, jnp.int32))
         got, pools = _step(q, k, v, pools, view, window=window)
         for b in range(B):
             out[b][done[b] : done[b] + length[b]] = np.asarray(got)[b, : length[b]]
@@ -110,7 +111,9 @@ def test_padding_and_idle_rows_write_only_the_null_page():
     pools = AttentionKV(K, H, jnp.float32).init(kv)
     table = np.zeros((2, kv.table_width), np.int32)
     table[0, :2] = [3, 1]
-    view = KVView(jnp.asarray(table), jnp.asarray([5, 0], jnp.int32), jnp.asarray([4, 0]))
+    view = KVView(
+        jnp.asarray(table), jnp.asarray([5, 0], jnp.int32), jnp.asarray([4, 0]), jnp.zeros(2)
+    )
     k = jnp.ones((2, 8, K, H))
     pool_k, _ = kvcache.write(pools, k, k, view)
     pages_axis = kvcache.AXES.index("cache_seq")
