@@ -185,10 +185,20 @@ class Checkpoint:
             fused = name + (".weight" if not self.gguf else "")
             w = self._read(fused)
             w = w.reshape(w.shape[0], -1)  # HF conv1d [C, 1, K] -> [C, K]
+            conv = key.startswith("conv")
+            want = (2 * KD + HV * DV, cfg.conv_kernel if conv else cfg.d_model)
+            if w.shape != want:
+                taps = f" and a {cfg.conv_kernel}-tap conv" if conv else ""
+                raise CheckpointError(
+                    f"tensor {fused!r} has shape {list(w.shape)} but the config's {HK} key heads "
+                    f"x {DK} and {HV} value heads x {DV}{taps} imply {list(want)}; does the "
+                    "config match the weights?"
+                )
             part = {"q": w[:KD], "k": w[KD : 2 * KD], "v": w[2 * KD :]}[key[-1]]
             return untile(part, DV) if key[-1] == "v" else part
         if key == "a" and not self.gguf:
-            return -np.exp(self._read(f"{base}A_log"))
+            # in float64, then rounded: float32 exp is an ulp off on some values
+            return (-np.exp(self._read(f"{base}A_log").astype(np.float64))).astype(np.float32)
         w = self._read(name + (".weight" if not self.gguf and key in ("wz", "wb", "wa") else ""))
         if key == "wo":  # [D, HV * DV]: V heads on the columns
             return untile(w.T, DV).T
@@ -213,7 +223,7 @@ class Checkpoint:
     def _hf_experts(self, path: ParamPath, shape: tuple[int, ...]) -> np.ndarray:
         """Per-expert tensors stacked into [E, ...] one expert at a time, or the fused
         `experts.gate_up_proj [E, 2F, D]` / `experts.down_proj [E, D, F]` form."""
-        first = tensor_names(path, self.config.arch)[0]
+        first = self._name(path)
         prefix, _, leaf = first.partition("experts.0.")
         if first not in self.names:
             fused = prefix + (

@@ -340,5 +340,12 @@ def test_layouts_that_do_not_fit_the_experts_are_refused(written):
         jaxinfer.load(written["qwen3_moe"]["hf"], layout="layer-expert", devices=6)
     with pytest.raises(LayoutError, match="has none"):
         jaxinfer.load(model_path("stories260K-gguf/stories260K.gguf"), layout="expert", devices=2)
-    with pytest.raises(LayoutError, match=r"layers \[0, 2, 3\] .* dense"):
-        jaxinfer.load(written["qwen2_moe"]["hf"], layout="layer", devices=2)
+
+
+def test_layer_split_of_dense_and_moe_layers(written):
+    """Qwen2-MoE layers 0, 2, 3 dense and 1 experts: the stages' slots follow the kinds."""
+    case = written["qwen2_moe"]
+    engine = jaxinfer.load(case["hf"], max_seq_len=128, layout="layer", devices=2)
+    assert "skipped" in engine.runner.description
+    greedy = R.greedy(case["weights"], case["config"], PROMPT, 12)
+    assert engine.generate(PROMPT, max_new_tokens=12, temperature=0).token_ids == greedy
