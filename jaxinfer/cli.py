@@ -259,8 +259,11 @@ def _info(args) -> None:
         ("heads / kv heads", f"{cfg.n_heads} / {cfg.n_kv_heads} (head_dim {cfg.head_dim})"),
         ("ffn", cfg.d_ff if cfg.dense_layers or not cfg.moe else "- (experts in every layer)"),
         *_experts_rows(cfg),
+        *_linear_rows(cfg),
         ("vocab", cfg.vocab_size),
-        ("rope", f"theta {cfg.rope_theta:g}" + (", llama3 scaling" if scaled else "")),
+        ("rope", f"theta {cfg.rope_theta:g}" + (", llama3 scaling" if scaled else "")
+         + (f", on {cfg.rope_dims} of {cfg.head_dim} dims" if cfg.rope_dims < cfg.head_dim
+            else "")),
         ("features", ", ".join(features) or "-"),
         ("sliding window", cfg.sliding_window or "-"),
         ("context", f"{engine.max_seq_len} (model declares {cfg.max_position})"),
@@ -281,6 +284,13 @@ def _info(args) -> None:
         f"({kv['pages_total'] * kv['page_size']} tokens, {kv['bytes_allocated'] / 2**20:.2f} MiB); "
         f"{len(engine.compile_plan())} programs in the compile plan",
     ))  # fmt: skip
+    if kv.get("state_bytes_per_slot"):
+        rows.append((
+            "linear state",
+            f"{kv['state_bytes_per_slot'] / 2**20:.3f} MiB per request (float32 conv + delta-rule "
+            f"state of {len(cfg.linear_layers)} layers), {kv['state_slots']} slots, "
+            f"{kv['state_bytes_allocated'] / 2**20:.2f} MiB allocated",
+        ))  # fmt: skip
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:>{width}} : {value}")
@@ -288,6 +298,20 @@ def _info(args) -> None:
     for path, leaf in jax.tree_util.tree_flatten_with_path(engine.params)[0]:
         name = ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
         print(f"  {name}: {list(leaf.shape)} {leaf.sharding.spec}")
+
+
+def _linear_rows(cfg) -> list[tuple[str, str]]:
+    if not cfg.linear_layers:
+        return []
+    attention = [i for i in range(cfg.n_layers) if not cfg.is_linear(i)]
+    return [
+        ("linear attention", (
+            f"Gated DeltaNet in {len(cfg.linear_layers)} of {cfg.n_layers} layers (attention in "
+            f"{attention}); {cfg.linear_k_heads} key / {cfg.linear_v_heads} value heads of "
+            f"{cfg.linear_k_dim} / {cfg.linear_v_dim}, conv {cfg.conv_kernel} taps"
+        )),
+        ("attention gate", "sigmoid output gate" if cfg.attn_gate else "-"),
+    ]  # fmt: skip
 
 
 def _experts_rows(cfg) -> list[tuple[str, str]]:
