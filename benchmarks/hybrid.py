@@ -22,6 +22,7 @@ Writes benchmarks/results/hybrid.md.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -46,12 +47,12 @@ TESTS = {
 REUSE = dict(test="tg", n=16, depth=0)
 
 
-def jaxinfer_worker(path: Path, threads: int, n_ctx: int, devices: int = 1, **options):
+def jaxinfer_worker(path: Path, threads: int, n_ctx: int, **options):
+    """jaxinfer loaded with `options`, on as many fake CPU devices as they name."""
     env = os.environ.get("XLA_FLAGS", "")
-    os.environ["XLA_FLAGS"] = f"{env} --xla_force_host_platform_device_count={devices}".strip()
+    fake = options.get("devices", 1)
+    os.environ["XLA_FLAGS"] = f"{env} --xla_force_host_platform_device_count={fake}".strip()
     try:
-        import json
-
         return Worker(OURS, str(path), str(threads), str(n_ctx), str(ROOT), json.dumps(options))
     finally:
         os.environ["XLA_FLAGS"] = env
@@ -75,8 +76,8 @@ def main():
         }
         split = dict(layout="layer", devices=2, decode_chunk=1, batch_buckets=[1])
         reuse = {
-            "reuse ON": jaxinfer_worker(hybrid, args.threads, 256, 2, **split),
-            "reuse OFF": jaxinfer_worker(hybrid, args.threads, 256, 2, graph_reuse=False, **split),
+            "reuse ON": jaxinfer_worker(hybrid, args.threads, 256, **split),
+            "reuse OFF": jaxinfer_worker(hybrid, args.threads, 256, graph_reuse=False, **split),
         }
         runs = {(w, t): [] for w in [*workers, "llama-bench hybrid"] for t in TESTS}
         runs |= {(w, "tg16"): [] for w in reuse}

@@ -288,7 +288,7 @@ def _info(args) -> None:
         rows.append((
             "linear state",
             f"{kv['state_bytes_per_slot'] / 2**20:.3f} MiB per request (float32 conv + delta-rule "
-            f"state of {len(cfg.linear_layers)} layers), {kv['state_slots']} slots, "
+            f"state of the linear layers), {kv['state_slots']} slots, "
             f"{kv['state_bytes_allocated'] / 2**20:.2f} MiB allocated",
         ))  # fmt: skip
     width = max(len(k) for k, _ in rows)

@@ -141,7 +141,7 @@ def unit_lower_inverse(lower):
 def chunked(q, k, v, g, beta, S):
     """A prompt chunk: q, k [B, T, H, DK], v [B, T, H, DV], g, beta [B, T, H], S [B, H, DK, DV]
     (float32) -> o [B, T, H, DV], final S. Sub-chunks of L tokens run in sequence; inside one,
-    the WY form turns the T rank-1 updates into triangular solves and matmuls."""
+    the WY form turns its L rank-1 updates into one triangular inverse and matmuls."""
     B, T, H, DK = k.shape
     L = min(CHUNK, 1 << (T - 1).bit_length())  # a power of two
     pad = -T % L

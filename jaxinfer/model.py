@@ -109,6 +109,17 @@ class Attention(nnx.Module):
         return jnp.einsum("BTE,DE->BTD", out, self.wo[...]), kv
 
 
+# Parameters that stay float32 whatever the compute dtype: the decay rate and its bias, whose
+# bf16 rounding the recurrence would compound (a known accuracy bug elsewhere).
+FLOAT32_PARAMS = frozenset({"a", "dt_bias"})
+
+
+def param_dtype(path: tuple, dtype) -> np.dtype:
+    """The dtype a parameter is stored in: the compute dtype, or float32 for FLOAT32_PARAMS."""
+    linear = "linear_attn" in path and path[-1] in FLOAT32_PARAMS
+    return np.dtype(np.float32 if linear else dtype)
+
+
 class GatedDeltaNet(nnx.Module):
     """The linear-attention layer of Qwen3-Next / Qwen3.5: q, k, v through a causal conv, the
     gated delta rule per value head (gdn.py), a gated RMSNorm, the output projection.

@@ -5,8 +5,8 @@ layer slots, each slot of one layer kind (attention or linear attention, MLP or 
 slot j of every stage is stacked on a leading [pp] axis sharded over `pp`, so each device
 holds only its own layers (and their KV pages and linear states) and unrolls its slots in
 Python, as the dense model does. Mixed models (3 linear : 1 attention, dense and MoE layers)
-get the shortest slot sequence that every stage's layer kinds fit in order; a stage skips
-the slots it has no layer for. Inside `jax.shard_map` over
+get a slot sequence that every stage's layer kinds fit in order (built greedily: the kind
+most stages need next); a stage skips the slots it has no layer for. Inside `jax.shard_map` over
 `pp`, rows are split into microbatches that flow stage to stage with `lax.ppermute` (GPipe):
 with M microbatches all stages work at once after a bubble of pp - 1 steps; with one row the
 stages run in sequence, as llama.cpp's layer split does. Other mesh axes (tp) stay automatic
@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from .config import ModelConfig, rope_inv_freq
 from .kvcache import KVConfig, KVView
-from .model import Block, block, head_logits, layer_cache, rms_norm, rope_table
+from .model import Block, block, head_logits, layer_cache, param_dtype, rms_norm, rope_table
 from .moe import ExpertSplit
 from .placement import Placement, Reader, Runner, cache_shardings
 from .sharding import named, spec
@@ -129,9 +129,9 @@ def place_params(read: Reader, cfg: ModelConfig, mesh: Mesh, rules: dict, dtype)
                 stage = index[0].start or 0  # one stage per device along pp
                 layer = plan.layer_of[stage][j]
                 if layer < 0:  # no layer of this stage here: the slot is skipped
-                    host = np.zeros(shape, np_dtype)
+                    host = np.zeros(shape, param_dtype(path, dtype))
                 else:
-                    host = read(("layers", layer, *path), shape).astype(np_dtype)
+                    host = read(("layers", layer, *path), shape).astype(param_dtype(path, dtype))
                 return host[None][(slice(0, 1), *index[1:])]
 
             sharding = named(mesh, P(AXIS, *spec(axes[path], rules)))

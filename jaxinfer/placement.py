@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from .config import ModelConfig
 from .kvcache import KVConfig
-from .model import Transformer, abstract_model, cache_layers
+from .model import Transformer, abstract_model, cache_layers, param_dtype
 from .moe import ExpertSplit
 from .sharding import named, spec
 
@@ -55,7 +55,7 @@ def place_dense(read: Reader, cfg: ModelConfig, dtype, name: str, mesh: Mesh, ru
 
     def put(path, leaf):
         key = tuple(k.key for k in path)
-        host = read(key, leaf.shape).astype(np.dtype(dtype))
+        host = read(key, leaf.shape).astype(param_dtype(key, dtype))
         # Each device receives only its slice (on several hosts, only local devices ask).
         return jax.make_array_from_callback(leaf.shape, shardings[key], lambda i: host[i])
 

@@ -117,6 +117,7 @@ def test_fixtures_match_transformers_and_llama_cpp(kind, gguf):
     root, ref = _fixture(kind)
     engine = jaxinfer.load(root / "model-f32.gguf" if gguf else root, **BUCKETS)
     assert engine.cfg.linear_layers == (0, 1, 2)
+    assert engine.cfg.n_params() == ref["n_params"]  # the trunk, MTP weights left out
     for prompt in ref["prompts"]:
         last = np.asarray(engine.logits(prompt["ids"]))[-1]
         np.testing.assert_allclose(last, prompt["last_logits_f64"], atol=FIXTURE_ATOL, rtol=0)
@@ -151,6 +152,19 @@ def test_multimodal_checkpoint_loads_its_language_model(tmp_path):
     got = np.asarray(engine.logits(ids))
     np.testing.assert_allclose(got, R.forward(w, cfg, ids), atol=F32_LOGITS_ATOL, rtol=0)
     assert _greedy(engine, ids, 12) == R.greedy(w, cfg, ids, 12)
+
+
+def test_bfloat16_keeps_the_state_and_decay_in_float32():
+    root, ref = _fixture("qwen3_5")
+    engine = jaxinfer.load(root, dtype="bfloat16", **BUCKETS)
+    layer = engine.params["layers"][0]["linear_attn"]
+    assert layer["a"].dtype == layer["dt_bias"].dtype == jnp.float32
+    assert layer["wq"].dtype == jnp.bfloat16
+    prompt = ref["prompts"][2]
+    last = np.asarray(engine.logits(prompt["ids"]))[-1]
+    assert all(a.dtype == jnp.float32 for a in engine.executor.kv[0])  # conv + delta state
+    # bf16 weights and activations: within bf16 noise of float64 (measured 0.03 here)
+    np.testing.assert_allclose(last, prompt["last_logits_f64"], atol=0.15, rtol=0)
 
 
 # ---- chunks, padding, slots ----------------------------------------------------------------
