@@ -3,11 +3,13 @@ the per-request state they carry between calls.
 
 Each linear layer keeps, per state slot, the last K - 1 inputs of its causal conv (for the q,
 k and v channels) and the recurrent state S [HV, DK, DV], all float32 whatever the compute
-dtype. A row of a call reaches its slot through `KVView.slot` (slot 0 is the null slot that
-padding rows write); a row whose call starts at position 0 begins from zeros, so a reused
-slot never leaks the previous request's state. Padding tokens leave the state untouched:
-their beta and decay are 0 (S = S * exp(0) + k (x) 0) and the conv state is cut at the last
-real input.
+dtype. A row of a prompt chunk reaches its slot through `KVView.slot` (slot 0 is the null
+slot that padding rows write); a row whose call starts at position 0 begins from zeros, so a
+reused slot never leaks the previous request's state. A decode call takes its rows' states
+out of the slots once, carries them through its steps and puts them back at the end (read
+and written in the loop, the pools would be copied every step). Padding tokens leave the
+state untouched: their beta and decay are 0 (S = S * exp(0) + k (x) 0) and the conv state
+is cut at the last real input.
 
 The delta rule per value head, with q, k L2-normed and q scaled by DK^-1/2:
     S_t = exp(g_t) S_{t-1} + k_t (x) beta_t (v_t - exp(g_t) S_{t-1}^T k_t),  o_t = S_t^T q_t
@@ -62,23 +64,37 @@ class RecurrentState:
         return 4 * sum(math.prod(s) for s in self.shapes(1))
 
 
-def read(pools, slot: jax.Array, fresh: jax.Array):
-    """Each row's state [B, ...] from its slot; zeros where the row starts a request."""
-
-    def one(pool):
-        state = pool.at[slot].get(mode="promise_in_bounds")
-        keep = ~fresh.reshape(-1, *([1] * (state.ndim - 1)))
-        return jnp.where(keep, state, 0.0)
-
-    return tuple(one(p) for p in pools)
+def take(pools, slot: jax.Array, axis: int = 0):
+    """Each row's state [B, ...] from its slot (slots on `axis` of the pools)."""
+    index = (slice(None),) * axis + (slot,)
+    return tuple(p.at[index].get(mode="promise_in_bounds") for p in pools)
 
 
-def write(pools, states, slot: jax.Array):
-    """Store each row's new state in its slot (padding rows all write the null slot)."""
+def put(pools, states, slot: jax.Array, axis: int = 0):
+    """Store each row's state in its slot (padding rows all write the null slot)."""
+
+    def one(pool, state):
+        index = (slice(None),) * axis + (slot,)
+        return pool.at[index].set(state.astype(pool.dtype), mode="promise_in_bounds")
+
+    return tuple(one(p, s) for p, s in zip(pools, states, strict=True))
+
+
+def read(pools, slot: jax.Array | None, fresh: jax.Array):
+    """A call's states [B, ...]: from the rows' slots, zeros where a row starts a request; or,
+    with no slots (a decode loop, which took them out once), the rows' states themselves."""
+    if slot is None:
+        return pools
+    keep = ~fresh
     return tuple(
-        p.at[slot].set(s.astype(p.dtype), mode="promise_in_bounds")
-        for p, s in zip(pools, states, strict=True)
+        jnp.where(keep.reshape(-1, *([1] * (s.ndim - 1))), s, 0.0) for s in take(pools, slot)
     )
+
+
+def write(pools, states, slot: jax.Array | None):
+    """The cache after a call: the pools with each row's new state in its slot; or, with no
+    slots, the new states themselves."""
+    return states if slot is None else put(pools, states, slot)
 
 
 def causal_conv(x, w, state, length):
@@ -90,8 +106,11 @@ def causal_conv(x, w, state, length):
     full = jnp.concatenate([state, x.astype(jnp.float32)], axis=1)  # [B, W + T, C]
     w32 = w.astype(jnp.float32)
     y = sum(full[:, j : j + T] * w32[:, j] for j in range(K))  # [B, T, C]
-    pick = length[:, None] + jnp.arange(K - 1)[None]  # [B, W]: positions length .. length+W-1
-    new_state = jnp.take_along_axis(full, pick[..., None], axis=1)
+    if T == 1:  # a decode step: shifted by one where the row is live
+        new_state = jnp.where((length > 0)[:, None, None], full[:, 1:], full[:, :-1])
+    else:
+        pick = length[:, None] + jnp.arange(K - 1)[None]  # [B, W]: positions length .. +W-1
+        new_state = jnp.take_along_axis(full, pick[..., None], axis=1)
     return jax.nn.silu(y).astype(x.dtype), new_state
 
 

@@ -82,7 +82,9 @@ class KVView:
     table: jax.Array  # [B, NB] int32 page ids (NULL_PAGE where unallocated)
     start: jax.Array  # [B] int32 position of the row's first token in this call
     length: jax.Array  # [B] int32 tokens of this call that are real (0: an idle row)
-    slot: jax.Array  # [B] int32 the row's state slot in linear layers (NULL_SLOT: padding)
+    # [B] int32 the row's state slot in linear layers (NULL_SLOT: padding); None inside a
+    # decode loop, whose linear caches are the rows' own states (gdn.read)
+    slot: jax.Array | None
 
     def positions(self, T: int) -> jax.Array:
         return self.start[:, None] + jnp.arange(T, dtype=jnp.int32)[None]  # [B, T]

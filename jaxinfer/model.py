@@ -156,7 +156,7 @@ class GatedDeltaNet(nnx.Module):
         HK, HV, DK, DV = cfg.linear_k_heads, cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim
         real = view.real(T)  # [B, T]: padding never reaches the state
         proj = [jnp.einsum("BTD,ED->BTE", x, w[...]) for w in (self.wq, self.wk, self.wv)]
-        conv_q, conv_k, conv_v, S = gdn.read(state, view.slot, view.start == 0)
+        conv_q, conv_k, conv_v, S = gdn.read(state, view.slot, view.start == 0)  # [B, ...]
         weights = (self.conv_q, self.conv_k, self.conv_v)
         (q, conv_q), (k, conv_k), (v, conv_v) = (
             gdn.causal_conv(jnp.where(real[..., None], y, 0), w[...], c, view.length)

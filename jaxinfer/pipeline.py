@@ -27,6 +27,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from .config import ModelConfig, rope_inv_freq
+from .gdn import RecurrentState
 from .kvcache import KVConfig, KVView
 from .model import Block, block, head_logits, layer_cache, param_dtype, rms_norm, rope_table
 from .moe import ExpertSplit
@@ -176,17 +177,26 @@ def pipeline_runner(cfg: ModelConfig, mesh: Mesh, rules: dict, dtype) -> Runner:
             return jax.tree.map(lambda a: lax.dynamic_slice_in_dim(a, m * mb, mb, 0), tree)
 
         def run_stage(y, kv, m):
-            # Microbatches write disjoint pages of the shared pools: no slicing of the cache.
+            # Microbatches write disjoint pages and slots of the shared pools: no slicing of
+            # the cache, but for a decode loop's per-row linear states (view.slot None).
             tab, v = rows(rope_tab, m), rows(view, m)
             new = []
             for j in range(plan.slots):
+                per_row = view.slot is None and isinstance(caches[j], RecurrentState) and M > 1
+                cache = rows(kv[j], m) if per_row else kv[j]
                 with jax.named_scope(f"slot_{j}"):
                     run = partial(block, block_defs[j], slots[j], rope_tab=tab, view=v)
                     # A stage without a layer in this slot passes y through, cache untouched.
-                    y, layer_kv = lax.cond(
-                        ok[j], lambda y, c, run=run: run(x=y, kv=c), lambda y, c: (y, c), y, kv[j]
+                    y, cache = lax.cond(
+                        ok[j], lambda y, c, run=run: run(x=y, kv=c), lambda y, c: (y, c), y, cache
                     )
-                new.append(layer_kv)
+                if per_row:
+                    cache = jax.tree.map(
+                        lambda a, part: lax.dynamic_update_slice_in_dim(a, part, m * mb, 0),
+                        kv[j],
+                        cache,
+                    )
+                new.append(cache)
             return y, new
 
         def step(t, carry):
@@ -230,6 +240,7 @@ def pipeline_runner(cfg: ModelConfig, mesh: Mesh, rules: dict, dtype) -> Runner:
         init_kv=init_kv,
         kv_shardings=lambda: [cache_shardings(c, mesh, rules, (AXIS,)) for c in caches],
         caches=tuple(caches),
+        state_axis=1,  # [pp, slots, ...]
         stages=pp,
         description=describe(plan),
     )

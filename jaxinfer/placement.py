@@ -33,6 +33,7 @@ class Runner:
     init_kv: Callable[[KVConfig], list]  # zeroed pools per layer: (K, V) or a linear state
     kv_shardings: Callable[[], list]  # shardings matching init_kv's tree
     caches: tuple = ()  # the cache type of each entry of init_kv's list
+    state_axis: int = 0  # the slot axis of a linear layer's cache arrays
     stages: int = 1
     description: str = ""  # which layers live where, for `jaxinfer info`
 

@@ -22,6 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from . import gdn
+from .gdn import RecurrentState
 from .kvcache import KVConfig, KVView
 from .placement import Runner
 from .sampling import PENALTY_WINDOW, SamplingRows, sample
@@ -90,10 +92,18 @@ def programs(runner: Runner, kv_config: KVConfig, tokens_per_call: int) -> dict[
         logits = runner.head(params, h[jnp.arange(B), last])  # [B, V]
         return kv, sample(logits, window, sampling, chunk.view.start + chunk.view.length)
 
+    linear = [isinstance(c, RecurrentState) for c in runner.caches]
+    axis = runner.state_axis
+
     def decode(params, kv, state: DecodeState, table, sampling: SamplingRows, steps):
-        """Up to `steps` (<= C) tokens per row; table [B, NB] covers every position written."""
+        """Up to `steps` (<= C) tokens per row; table [B, NB] covers every position written.
+        Linear layers' states leave their slots for the loop and return after it."""
         B = state.tokens.shape[0]
         rows = jnp.arange(B)
+        pools = kv
+        kv = [
+            gdn.take(c, state.slot, axis) if lin else c for c, lin in zip(kv, linear, strict=True)
+        ]
 
         def step(carry):
             i, kv, s, out = carry
@@ -101,7 +111,7 @@ def programs(runner: Runner, kv_config: KVConfig, tokens_per_call: int) -> dict[
             window = s.window.at[rows, s.pos % PENALTY_WINDOW].set(s.tokens)
             live = ~s.done
             # Done rows write the null page and leave their linear state as it is.
-            view = KVView(table, s.pos, live.astype(I32), s.slot)
+            view = KVView(table, s.pos, live.astype(I32), None)
             h, kv = runner.forward(params, s.tokens[:, None], view, kv)  # [B, 1, D]
             new = sample(runner.head(params, h[:, 0]), window, sampling, s.pos + 1)  # [B]
             stop = jnp.any(new[:, None] == sampling.stops, axis=-1)
@@ -123,6 +133,10 @@ def programs(runner: Runner, kv_config: KVConfig, tokens_per_call: int) -> dict[
 
         out = jnp.full((B, tokens_per_call), -1, I32)
         _, kv, state, out = jax.lax.while_loop(more, step, (jnp.int32(0), kv, state, out))
+        kv = [
+            gdn.put(p, c, state.slot, axis) if lin else c
+            for p, c, lin in zip(pools, kv, linear, strict=True)
+        ]
         return kv, state, out
 
     def score(params, kv, chunk: Chunk):

@@ -208,11 +208,16 @@ def _requests(dense):
     return prompts, [24, 5, 30, 12, 40, 8, 21, 3, 33, 17]
 
 
-def test_ten_requests_in_four_slots_equal_each_alone(dense, slots4):
-    root = dense[0]
+@pytest.fixture(scope="module")
+def alone(dense):
+    """Each request of _requests run alone on a one-row engine."""
+    engine = jaxinfer.load(dense[0], **BUCKETS)
+    return [_greedy(engine, p, n) for p, n in zip(*_requests(dense), strict=True)]
+
+
+def test_ten_requests_in_four_slots_equal_each_alone(dense, slots4, alone):
     prompts, new = _requests(dense)
-    alone = jaxinfer.load(root, **BUCKETS)
-    want = [_greedy(alone, p, n) for p, n in zip(prompts, new, strict=True)]
+    want = alone
     with CompileCounter() as seen:
         requests = [
             slots4.submit(p, max_new_tokens=n, temperature=0, ignore_eos=True)
@@ -257,19 +262,23 @@ def test_same_tokens_under_every_layout(layout, devices):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout, devices", [("single", 1), ("tensor", 2), ("layer", 2)])
-def test_slots_coming_and_going_compile_nothing(dense, layout, devices):
+def test_slots_coming_and_going_compile_nothing(dense, alone, layout, devices):
     root = dense[0]
     engine = jaxinfer.load(root, layout=layout, devices=devices, slots=2, strict=True, **BUCKETS)
     engine.warmup(progress=False)
     prompts, new = _requests(dense)
+    kw = dict(temperature=0, ignore_eos=True)
     with CompileCounter() as seen:
-        requests = [engine.submit(p, max_new_tokens=n, temperature=0) for p, n in
+        requests = [engine.submit(p, max_new_tokens=n, **kw) for p, n in
                     zip(prompts[:6], new[:6], strict=True)]  # fmt: skip
         requests[1].cancel()
-        for r in requests:
-            r.result()
+        got = [r.result().token_ids for r in requests]
         engine.logits(prompts[1])
     assert seen.n == 0
+    # two rows decode at once (two microbatches under `layer`): each as if alone
+    assert [g for i, g in enumerate(got) if i != 1] == [
+        a for i, a in enumerate(alone[:6]) if i != 1
+    ]
     stats = engine.perf_stats()
     assert (stats.recompiles_same, stats.recompiles_diff) == (0, 0)
 
