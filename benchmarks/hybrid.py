@@ -22,8 +22,6 @@ Writes benchmarks/results/hybrid.md.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import shutil
 import statistics
 import sys
@@ -35,7 +33,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from hybrid_checkpoints import hybrid_bench_gguf  # noqa: E402
-from vs_llamacpp import OURS, PEER, ROOT, Worker, llama_bench, write_random_gguf  # noqa: E402
+from vs_llamacpp import (  # noqa: E402
+    PEER,
+    ROOT,  # noqa: E402
+    Worker,
+    jaxinfer_worker,
+    llama_bench,
+    write_random_gguf,
+)
 
 DENSE = dict(arch="qwen3", d_model=512, n_layers=8, n_heads=4, n_kv_heads=2, d_ff=1536)
 TESTS = {
@@ -45,17 +50,6 @@ TESTS = {
     "tg128 @ d1536": dict(test="tg", n=128, depth=1536),
 }
 REUSE = dict(test="tg", n=16, depth=0)
-
-
-def jaxinfer_worker(path: Path, threads: int, n_ctx: int, **options):
-    """jaxinfer loaded with `options`, on as many fake CPU devices as they name."""
-    env = os.environ.get("XLA_FLAGS", "")
-    fake = options.get("devices", 1)
-    os.environ["XLA_FLAGS"] = f"{env} --xla_force_host_platform_device_count={fake}".strip()
-    try:
-        return Worker(OURS, str(path), str(threads), str(n_ctx), str(ROOT), json.dumps(options))
-    finally:
-        os.environ["XLA_FLAGS"] = env
 
 
 def main():

@@ -18,7 +18,6 @@ Writes benchmarks/results/moe.md.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import statistics
 import sys
@@ -28,23 +27,20 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from vs_llamacpp import OURS, PEER, ROOT, Worker, llama_bench, write_random_gguf  # noqa: E402
+from vs_llamacpp import (  # noqa: E402
+    OURS,
+    PEER,
+    ROOT,
+    Worker,
+    jaxinfer_worker,
+    llama_bench,
+    write_random_gguf,  # noqa: E402
+)
 
 SHAPE = dict(d_model=512, n_layers=8, n_heads=8, n_kv_heads=4, vocab=512)
 MOE = dict(arch="qwen3moe", d_ff=2048, n_experts=64, n_experts_used=8, d_ff_expert=256)
 DENSE = dict(arch="qwen3", d_ff=8 * 256)
 TESTS = {"pp512": dict(test="pp", n=512, depth=0), "tg128": dict(test="tg", n=128, depth=0)}
-
-
-def split_worker(path: Path, threads: int, n_ctx: int, devices: int) -> Worker:
-    """jaxinfer with the expert layout over `devices` fake CPU devices."""
-    env = os.environ.get("XLA_FLAGS", "")
-    os.environ["XLA_FLAGS"] = f"{env} --xla_force_host_platform_device_count={devices}".strip()
-    try:
-        options = f'{{"layout": "expert", "devices": {devices}}}'
-        return Worker(OURS, str(path), str(threads), str(n_ctx), str(ROOT), options)
-    finally:
-        os.environ["XLA_FLAGS"] = env
 
 
 def main():
@@ -62,8 +58,12 @@ def main():
             "jaxinfer MoE": Worker(OURS, str(moe), threads, str(n_ctx), str(ROOT), "{}"),
             "llama.cpp dense": Worker(PEER, str(dense), threads, str(n_ctx)),
             "jaxinfer dense": Worker(OURS, str(dense), threads, str(n_ctx), str(ROOT), "{}"),
-            "jaxinfer MoE, expert x2": split_worker(moe, args.threads, n_ctx, 2),
-            "jaxinfer MoE, expert x4": split_worker(moe, args.threads, n_ctx, 4),
+            "jaxinfer MoE, expert x2": jaxinfer_worker(
+                moe, args.threads, n_ctx, layout="expert", devices=2
+            ),
+            "jaxinfer MoE, expert x4": jaxinfer_worker(
+                moe, args.threads, n_ctx, layout="expert", devices=4
+            ),
         }
         runs = {(w, t): [] for w in [*workers, "llama-bench MoE"] for t in TESTS}
         try:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -165,6 +166,18 @@ class Worker:
     def close(self):
         self.proc.stdin.close()
         self.proc.wait()
+
+
+def jaxinfer_worker(path: Path, threads: int, n_ctx: int, **options) -> Worker:
+    """jaxinfer loaded with `options` (load()'s keywords), on as many fake CPU devices as they
+    name."""
+    env = os.environ.get("XLA_FLAGS", "")
+    fake = options.get("devices", 1)
+    os.environ["XLA_FLAGS"] = f"{env} --xla_force_host_platform_device_count={fake}".strip()
+    try:
+        return Worker(OURS, str(path), str(threads), str(n_ctx), str(ROOT), json.dumps(options))
+    finally:
+        os.environ["XLA_FLAGS"] = env
 
 
 def write_random_gguf(

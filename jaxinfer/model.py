@@ -150,7 +150,8 @@ class GatedDeltaNet(nnx.Module):
 
     def __call__(self, x, state, view: KVView):
         """x [B, T, D] at the view's positions; state this layer's pools (conv q, k, v and
-        delta-rule state by slot) -> [B, T, D], state."""
+        delta-rule state by slot; in a decode loop, the rows' own states: gdn.read) ->
+        [B, T, D], state."""
         cfg = self.cfg
         B, T, _ = x.shape
         HK, HV, DK, DV = cfg.linear_k_heads, cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim
