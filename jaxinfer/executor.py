@@ -104,7 +104,7 @@ class Executor:
         if need > limit:
             gib = 2.0**30
             raise JaxinferError(
-                f"the KV page pools (and linear states) need {need / gib:.1f} GiB per device "
+                f"the KV page pools need {need / gib:.1f} GiB per device (linear states included) "
                 f"but a device has {limit / gib:.1f} GiB; pass a smaller kv_cache_tokens (now "
                 f"{self.kv_config.usable_pages * self.kv_config.page_size} tokens) or -c"
             )
