@@ -160,11 +160,12 @@ def test_bfloat16_keeps_the_state_and_decay_in_float32():
     layer = engine.params["layers"][0]["linear_attn"]
     assert layer["a"].dtype == layer["dt_bias"].dtype == jnp.float32
     assert layer["wq"].dtype == jnp.bfloat16
-    prompt = ref["prompts"][2]
+    prompt = ref["prompts"][3]  # the longest: 235 tokens through the recurrence
     last = np.asarray(engine.logits(prompt["ids"]))[-1]
     assert all(a.dtype == jnp.float32 for a in engine.executor.kv[0])  # conv + delta state
-    # bf16 weights and activations: within bf16 noise of float64 (measured 0.03 here)
-    np.testing.assert_allclose(last, prompt["last_logits_f64"], atol=0.15, rtol=0)
+    # bf16 weights and activations against float64: measured max |d| 0.14-0.37 over the 4
+    # prompts (0.30 on this one), so 1.0 leaves room for another CPU's summation order
+    np.testing.assert_allclose(last, prompt["last_logits_f64"], atol=1.0, rtol=0)
 
 
 # ---- chunks, padding, slots ----------------------------------------------------------------
