@@ -76,7 +76,7 @@ def test_chunked_and_recurrent_forms_match_the_float64_recurrence(T):
         want_o, want_S = R.gdn_recurrent(
             *(x[k][b].astype(np.float64) for k in ("q", "k", "v", "g", "beta")), x["S"][b]
         )
-        # f32 noise: |o| ~ 1-10 here; measured max 2e-6 (chunked), 1e-6 (recurrent)
+        # f32 noise: |o| <= 1 here; measured max 4.6e-7 (chunked), 9e-8 (recurrent)
         np.testing.assert_allclose(np.asarray(o)[b], want_o, atol=2e-5, rtol=2e-5)
         np.testing.assert_allclose(np.asarray(S)[b], want_S, atol=2e-5, rtol=2e-5)
         np.testing.assert_allclose(np.stack(steps, 1)[b], want_o, atol=2e-5, rtol=2e-5)
