@@ -129,7 +129,7 @@ class Checkpoint:
         if path[2:] in EXPERT_TENSORS:
             w = self._gguf_experts(name, shape) if self.gguf else self._hf_experts(path, shape)
         elif hybrid and path[2:3] == ("linear_attn",):
-            w = self._linear(path[1], path[3], name)
+            w = self._linear(path[3], name)
         elif hybrid and path[2:] in (("attn", "wq"), ("attn", "wgate")):
             # q_proj rows per head: [query (H), gate (H)]
             N, H, D = self.config.n_heads, self.config.head_dim, self.config.d_model
@@ -150,43 +150,52 @@ class Checkpoint:
             name = self.prefix + name.removeprefix("model.")
         return name
 
-    def _linear(self, layer: int, key: str, name: str) -> np.ndarray:
-        """A Gated DeltaNet parameter in jaxinfer's order (V heads grouped by key head, as HF
-        stores them): split out of the fused projections, `a` = -exp(A_log). Qwen3-Next keeps
-        q, k, v, z (and b, a) interleaved per key head in HF; Qwen3.5 GGUFs store V heads
-        tiled (head r * HK + k for HF's k * R + r)."""
+    def _linear(self, key: str, name: str) -> np.ndarray:
+        """A Gated DeltaNet parameter in jaxinfer's order: V heads grouped by key head, as HF
+        stores them. Qwen3.5 GGUFs store V heads tiled (head r * HK + k for HF's k * R + r),
+        which is undone here on the rows (on `wo`, the columns) of each V-head parameter."""
+        cfg = self.config
+        HK, HV, DV = cfg.linear_k_heads, cfg.linear_v_heads, cfg.linear_v_dim
+        w = self._linear_raw(key, name)
+        # rows (on wo, columns) per V head of the parameters whose heads a GGUF tiles
+        per_head = dict(wv=DV, wz=DV, conv_v=DV, wo=DV, wb=1, wa=1, a=1, dt_bias=1)
+        if not self.gguf or cfg.arch == "qwen3_next" or key not in per_head:
+            return w
+        rows = w.T if key == "wo" else w  # wo [D, HV * DV]: V heads on the columns
+        R, n = HV // HK, per_head[key]
+        rows = rows.reshape(R, HK, n, *rows.shape[1:]).swapaxes(0, 1).reshape(rows.shape)
+        return rows.T if key == "wo" else rows
+
+    def _linear_raw(self, key: str, name: str) -> np.ndarray:
+        """A Gated DeltaNet parameter as the file orders its heads, out of the fused tensors:
+        [q | k | v] (in_proj_qkv, attn_qkv, the conv), Qwen3-Next HF's in_proj_qkvz grouped per
+        key head [q | k | v | z], and in_proj_ba / ssm_ba grouped per key head [b | a];
+        `a` = -exp(A_log) for HF."""
         cfg = self.config
         HK, HV, DK, DV = cfg.linear_k_heads, cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim
-        R, KD = HV // HK, HK * DK
-        base = name.rpartition(".linear_attn.")[0] + ".linear_attn." if not self.gguf else ""
+        R, KD, D = HV // HK, HK * DK, cfg.d_model
+        base = name.rpartition("linear_attn.")[0] + "linear_attn."  # HF names
         next_hf = cfg.arch == "qwen3_next" and not self.gguf
-        tiled = self.gguf and cfg.arch != "qwen3_next"
-
-        def untile(w, per_head):  # GGUF tiled V heads -> grouped, on axis 0
-            if not tiled:
-                return w
-            return w.reshape(R, HK, per_head, *w.shape[1:]).swapaxes(0, 1).reshape(w.shape)
-
         if key in ("wq", "wk", "wv", "wz") and next_hf:
             fused = f"{base}in_proj_qkvz.weight"
-            w = _shaped(fused, self._read(fused), (HK, 2 * DK + 2 * R * DV, cfg.d_model))
-            cut = {"wq": (0, DK), "wk": (DK, 2 * DK), "wv": (2 * DK, 2 * DK + R * DV)}
-            lo, hi = cut.get(key, (2 * DK + R * DV, 2 * DK + 2 * R * DV))
-            return w[:, lo:hi].reshape(-1, w.shape[-1])
-        if key in ("wb", "wa") and (next_hf or (self.gguf and cfg.arch == "qwen3_next")):
+            w = _shaped(fused, self._read(fused), (HK, 2 * DK + 2 * R * DV, D))
+            cuts = {"wq": 0, "wk": DK, "wv": 2 * DK, "wz": 2 * DK + R * DV}
+            width = DK if key in ("wq", "wk") else R * DV
+            return w[:, cuts[key] : cuts[key] + width].reshape(-1, D)
+        if key in ("wb", "wa") and cfg.arch == "qwen3_next":
             fused = (
                 f"{base}in_proj_ba.weight"
-                if next_hf
+                if not self.gguf
                 else name.replace("ssm_beta" if key == "wb" else "ssm_alpha", "ssm_ba")
             )
-            w = _shaped(fused, self._read(fused), (HK, 2 * R, cfg.d_model))
-            return (w[:, :R] if key == "wb" else w[:, R:]).reshape(HV, -1)
+            w = _shaped(fused, self._read(fused), (HK, 2 * R, D))
+            return (w[:, :R] if key == "wb" else w[:, R:]).reshape(HV, D)
         if key in ("wq", "wk", "wv", "conv_q", "conv_k", "conv_v"):
-            fused = name + (".weight" if not self.gguf else "")
+            fused = name if self.gguf else name + ".weight"
             w = self._read(fused)
             w = w.reshape(w.shape[0], -1)  # HF conv1d [C, 1, K] -> [C, K]
             conv = key.startswith("conv")
-            want = (2 * KD + HV * DV, cfg.conv_kernel if conv else cfg.d_model)
+            want = (2 * KD + HV * DV, cfg.conv_kernel if conv else D)
             if w.shape != want:
                 taps = f" and a {cfg.conv_kernel}-tap conv" if conv else ""
                 raise CheckpointError(
@@ -194,17 +203,11 @@ class Checkpoint:
                     f"x {DK} and {HV} value heads x {DV}{taps} imply {list(want)}; does the "
                     "config match the weights?"
                 )
-            part = {"q": w[:KD], "k": w[KD : 2 * KD], "v": w[2 * KD :]}[key[-1]]
-            return untile(part, DV) if key[-1] == "v" else part
+            return {"q": w[:KD], "k": w[KD : 2 * KD], "v": w[2 * KD :]}[key[-1]]
         if key == "a" and not self.gguf:
             # in float64, then rounded: float32 exp is an ulp off on some values
             return (-np.exp(self._read(f"{base}A_log").astype(np.float64))).astype(np.float32)
-        w = self._read(name + (".weight" if not self.gguf and key in ("wz", "wb", "wa") else ""))
-        if key == "wo":  # [D, HV * DV]: V heads on the columns
-            return untile(w.T, DV).T
-        if key in ("wz",):
-            return untile(w, DV)
-        return untile(w, 1) if key in ("wb", "wa", "a", "dt_bias") else w
+        return self._read(name + (".weight" if not self.gguf and key in ("wz", "wb", "wa") else ""))
 
     def _read(self, name: str) -> np.ndarray:
         if name not in self.names:
