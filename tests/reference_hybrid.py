@@ -235,6 +235,11 @@ def causal_conv(
     return _silu(y), new_state
 
 
+def _initial_state(state: np.ndarray | None, shape: tuple[int, ...]) -> np.ndarray:
+    """A float64 copy of the given state, or zeros."""
+    return np.zeros(shape) if state is None else np.array(state, dtype=np.float64)
+
+
 def gdn_recurrent(
     q: np.ndarray,
     k: np.ndarray,
@@ -253,11 +258,7 @@ def gdn_recurrent(
     q, k, v, g, beta = (np.asarray(a, dtype=np.float64) for a in (q, k, v, g, beta))
     T, H, dk = k.shape
     dv = v.shape[-1]
-    S = (
-        np.zeros((H, dk, dv), dtype=np.float64)
-        if state is None
-        else np.array(state, dtype=np.float64)
-    )
+    S = _initial_state(state, (H, dk, dv))
     out = np.empty((T, H, dv), dtype=np.float64)
     for t in range(T):
         S = S * np.exp(g[t])[:, None, None]
@@ -287,11 +288,7 @@ def gdn_chunked(
     q, k, v, g, beta = (np.asarray(a, dtype=np.float64) for a in (q, k, v, g, beta))
     T, H, dk = k.shape
     dv = v.shape[-1]
-    S = (
-        np.zeros((H, dk, dv), dtype=np.float64)
-        if state is None
-        else np.array(state, dtype=np.float64)
-    )
+    S = _initial_state(state, (H, dk, dv))
     out = np.empty((T, H, dv), dtype=np.float64)
     for s in range(0, T, chunk):
         e = min(s + chunk, T)
