@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -35,10 +34,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from hybrid_checkpoints import hybrid_bench_gguf  # noqa: E402
 from vs_llamacpp import (  # noqa: E402
     PEER,
-    ROOT,  # noqa: E402
+    ROOT,
     Worker,
     jaxinfer_worker,
     llama_bench,
+    run_rounds,
     write_random_gguf,
 )
 
@@ -73,28 +73,14 @@ def main():
             "reuse ON": jaxinfer_worker(hybrid, args.threads, 256, **split),
             "reuse OFF": jaxinfer_worker(hybrid, args.threads, 256, graph_reuse=False, **split),
         }
-        runs = {(w, t): [] for w in [*workers, "llama-bench hybrid"] for t in TESTS}
-        runs |= {(w, "tg16"): [] for w in reuse}
-        try:
-            for round_ in range(args.rounds + 1):
-                for test, cmd in TESTS.items():
-                    for name, worker in workers.items():
-                        value = worker(**cmd)
-                        if round_:
-                            runs[name, test].append(value)
-                for name, worker in reuse.items():
-                    value = worker(**REUSE)
-                    if round_:
-                        runs[name, "tg16"].append(value)
-                if args.llama_bench and round_:
-                    for test, value in llama_bench(args.llama_bench, hybrid, args.threads).items():
-                        if test in TESTS:
-                            runs["llama-bench hybrid", test].append(value)
-                print(f"round {round_} done", flush=True)
-        finally:
-            for worker in [*workers.values(), *reuse.values()]:
-                worker.close()
-    med = {key: statistics.median(v) if v else float("nan") for key, v in runs.items()}
+
+        def bench():
+            if not args.llama_bench:
+                return {}
+            found = llama_bench(args.llama_bench, hybrid, args.threads)
+            return {("llama-bench hybrid", t): v for t, v in found.items() if t in TESTS}
+
+        med = run_rounds([(workers, TESTS), (reuse, {"tg16": REUSE})], args.rounds, bench)
     head = " | ".join(f"{t} t/s" for t in TESTS)
     lines = [
         f"# Hybrid (Gated DeltaNet) vs llama.cpp and vs dense ({time.strftime('%Y-%m-%d')}, F32 "

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -28,13 +27,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from vs_llamacpp import (  # noqa: E402
-    OURS,
     PEER,
     ROOT,
     Worker,
     jaxinfer_worker,
     llama_bench,
-    write_random_gguf,  # noqa: E402
+    run_rounds,
+    write_random_gguf,
 )
 
 SHAPE = dict(d_model=512, n_layers=8, n_heads=8, n_kv_heads=4, vocab=512)
@@ -55,9 +54,9 @@ def main():
         dense = write_random_gguf(Path(tmp) / "dense.gguf", **SHAPE, **DENSE, name="qwen3-rand")
         workers = {
             "llama.cpp MoE": Worker(PEER, str(moe), threads, str(n_ctx)),
-            "jaxinfer MoE": Worker(OURS, str(moe), threads, str(n_ctx), str(ROOT), "{}"),
+            "jaxinfer MoE": jaxinfer_worker(moe, args.threads, n_ctx),
             "llama.cpp dense": Worker(PEER, str(dense), threads, str(n_ctx)),
-            "jaxinfer dense": Worker(OURS, str(dense), threads, str(n_ctx), str(ROOT), "{}"),
+            "jaxinfer dense": jaxinfer_worker(dense, args.threads, n_ctx),
             "jaxinfer MoE, expert x2": jaxinfer_worker(
                 moe, args.threads, n_ctx, layout="expert", devices=2
             ),
@@ -65,23 +64,14 @@ def main():
                 moe, args.threads, n_ctx, layout="expert", devices=4
             ),
         }
-        runs = {(w, t): [] for w in [*workers, "llama-bench MoE"] for t in TESTS}
-        try:
-            for round_ in range(args.rounds + 1):
-                for test, cmd in TESTS.items():
-                    for name, worker in workers.items():
-                        value = worker(**cmd)
-                        if round_:
-                            runs[name, test].append(value)
-                if args.llama_bench and round_:
-                    for test, value in llama_bench(args.llama_bench, moe, args.threads).items():
-                        if test in TESTS:
-                            runs["llama-bench MoE", test].append(value)
-                print(f"round {round_} done", flush=True)
-        finally:
-            for worker in workers.values():
-                worker.close()
-    med = {key: statistics.median(v) if v else float("nan") for key, v in runs.items()}
+
+        def bench():
+            if not args.llama_bench:
+                return {}
+            found = llama_bench(args.llama_bench, moe, args.threads)
+            return {("llama-bench MoE", t): v for t, v in found.items() if t in TESTS}
+
+        med = run_rounds([(workers, TESTS)], args.rounds, bench)
     lines = [
         f"# MoE vs llama.cpp and vs dense ({time.strftime('%Y-%m-%d')}, F32 GGUF, "
         f"{args.threads} threads, medians of {args.rounds} interleaved rounds after a dropped "
@@ -93,9 +83,8 @@ def main():
         "| run | pp512 t/s | tg128 t/s |",
         "|---|---:|---:|",
     ]
-    for name in runs:
-        if name[1] == "pp512":
-            lines.append(f"| {name[0]} | {med[name]:.1f} | {med[name[0], 'tg128']:.1f} |")
+    for name in [*workers, "llama-bench MoE"]:
+        lines.append(f"| {name} | {med[name, 'pp512']:.1f} | {med[name, 'tg128']:.1f} |")
     lines += ["", "| ratio | pp512 | tg128 |", "|---|---:|---:|"]
     ratios = [
         ("jaxinfer MoE / llama.cpp MoE (peer)", "jaxinfer MoE", "llama.cpp MoE"),

@@ -26,6 +26,7 @@ Writes benchmarks/results/vs_llamacpp.md.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import shutil
@@ -166,6 +167,32 @@ class Worker:
     def close(self):
         self.proc.stdin.close()
         self.proc.wait()
+
+
+def run_rounds(groups, rounds: int, extra=None) -> dict:
+    """Interleaved rounds: each round sends every test of a group to each of its workers in
+    turn; `groups` is [(workers {name: Worker}, tests {test: command})]. The first round is a
+    warm-up and dropped; after each timed round `extra()` may add {(name, test): value} (a
+    llama-bench run). Closes the workers. Medians by (name, test); nan where nothing ran."""
+    runs = collections.defaultdict(list)
+    try:
+        for round_ in range(rounds + 1):
+            for workers, tests in groups:
+                for test, cmd in tests.items():
+                    for name, worker in workers.items():
+                        value = worker(**cmd)
+                        if round_:
+                            runs[name, test].append(value)
+            if extra is not None and round_:
+                for key, value in extra().items():
+                    runs[key].append(value)
+            print(f"round {round_} done", flush=True)
+    finally:
+        for workers, _ in groups:
+            for worker in workers.values():
+                worker.close()
+    medians = {key: statistics.median(values) for key, values in runs.items()}
+    return collections.defaultdict(lambda: float("nan"), medians)
 
 
 def jaxinfer_worker(path: Path, threads: int, n_ctx: int, **options) -> Worker:
