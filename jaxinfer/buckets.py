@@ -1,7 +1,7 @@
 """Shape buckets: the few batch sizes and prompt-chunk lengths every program is compiled for.
 
 A program's shapes never depend on the context length (rows reach their KV pages through block
-tables), so the plan is small and known before serving: `cache`, `decode[B]` per batch bucket,
+tables), so the plan is small and known before serving: `cache`, `decode[B]` (or with speculation `verify[B]`) per batch bucket,
 `prefill[B, T]` per batch bucket and chunk within the prompt token budget (B x T at most the
 largest chunk, as llama.cpp's n_ubatch bounds the tokens of one prompt pass), and
 `score[1, T]` per chunk.
@@ -18,9 +18,10 @@ from .errors import JaxinferError
 class ShapePlan:
     chunks: tuple[int, ...]  # prompt chunk lengths T, ascending
     batches: tuple[int, ...]  # batch sizes B, ascending; the last is the most rows at once
+    loop: str = "decode"  # the decode program: "decode", or "verify" with speculation
 
     @staticmethod
-    def make(chunks, batches, slots: int | None, max_seq_len: int) -> ShapePlan:
+    def make(chunks, batches, slots: int | None, max_seq_len: int, loop="decode") -> ShapePlan:
         """Chunks never longer than the context; batch buckets up to the rows served at once
         (the slots, else the largest batch bucket), that number itself included."""
         for name, values in (("prefill_buckets", chunks), ("batch_buckets", batches)):
@@ -34,7 +35,7 @@ class ShapePlan:
         rows = slots or max(batches)
         chunks = tuple(sorted({min(c, max_seq_len) for c in chunks}))
         batches = tuple(sorted({b for b in batches if b < rows} | {rows}))
-        return ShapePlan(chunks, batches)
+        return ShapePlan(chunks, batches, loop)
 
     @property
     def rows(self) -> int:
@@ -60,7 +61,7 @@ class ShapePlan:
     def jobs(self) -> list[tuple[str, int, int]]:
         """Every (program, B, T) serving can call."""
         jobs = [("cache", 0, 0)]
-        jobs += [("decode", B, 0) for B in self.batches]
+        jobs += [(self.loop, B, 0) for B in self.batches]
         jobs += [("prefill", B, T) for B in self.batches for T in self.chunks
                  if B <= self.rows_for(T)]  # fmt: skip
         jobs += [("score", 1, T) for T in self.chunks]

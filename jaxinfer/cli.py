@@ -95,6 +95,14 @@ def _parser() -> argparse.ArgumentParser:
         "-np", "--parallel", type=int, default=None,
         help="slots: requests decoded together with continuous batching",
     )  # fmt: skip
+    g.add_argument(
+        "--spec-type", choices=["ngram", "draft", "mtp"], default=None,
+        help="speculative decoding: prompt lookup, a draft model (-md) or the MTP layer",
+    )  # fmt: skip
+    g.add_argument(
+        "--spec-draft-n-max", type=int, default=4, metavar="K", help="drafts per step (4)"
+    )
+    g.add_argument("-md", "--model-draft", default=None, help="draft model: HF folder or .gguf")
 
     b = sub.add_parser("bench", help="llama-bench style throughput")
     _common(b)
@@ -125,10 +133,25 @@ def _load(args):
         options["kv_cache_tokens"] = args.kv_cache_tokens
     if args.page_size is not None:
         options["page_size"] = args.page_size
+    options.update(_spec_options(args))
     return jaxinfer.load(
         args.model, dtype=args.dtype, max_seq_len=args.ctx_size, layout=args.layout,
         devices=args.devices, **options,
     )  # fmt: skip
+
+
+def _spec_options(args) -> dict:
+    """--spec-type / -md as load options (-md alone means a draft model, as in llama.cpp)."""
+    how, draft = getattr(args, "spec_type", None), getattr(args, "model_draft", None)
+    if how is None and draft is None:
+        return {}
+    if how in (None, "draft"):
+        if draft is None:
+            raise JaxinferError("--spec-type draft needs a draft model: pass -md PATH")
+        how = draft
+    elif draft is not None:
+        raise JaxinferError(f"-md is for --spec-type draft; --spec-type {how} uses no draft model")
+    return {"speculative": how, "draft_tokens": args.spec_draft_n_max}
 
 
 def _sampling(args) -> dict:

@@ -30,6 +30,7 @@ from .profiler import profile
 from .request import Request, RequestState, StreamPiece
 from .sampling import SamplingParams, SamplingRows
 from .scheduler import Scheduler
+from .speculative import SpecConfig
 from .tokenizer import Tokenizer
 
 DEFAULT_PREFILL_BUCKETS = (32, 128, 512)
@@ -76,6 +77,9 @@ class Engine:
         slots: int | None = None,
         kv_cache_tokens: int | None = None,
         page_size: int = DEFAULT_PAGE_SIZE,
+        spec: SpecConfig | None = None,
+        draft: Placement | None = None,
+        place_draft: Callable[..., Placement] | None = None,
     ):
         self.cfg = cfg
         self.tokenizer = tokenizer
@@ -90,7 +94,9 @@ class Engine:
         # Tokens per call while streaming, with stop strings, or serving slots: the host
         # wakes more often there (text to show, strings to find, requests to admit).
         self.stream_chunk = min(_positive("stream_chunk", stream_chunk), decode_chunk)
-        self.shapes = ShapePlan.make(prefill_buckets, batch_buckets, slots, max_seq_len)
+        self.spec = spec  # speculative decoding: `verify` serves in place of `decode`
+        loop = "verify" if spec else "decode"
+        self.shapes = ShapePlan.make(prefill_buckets, batch_buckets, slots, max_seq_len, loop)
         self.kv_config = self._kv_config(kv_cache_tokens, page_size)
         plan = len(self.shapes.jobs())
         if compile_cache_size is None:
@@ -105,8 +111,10 @@ class Engine:
         self.executor = Executor(
             placement, cfg=cfg, dtype=dtype, kv_config=self.kv_config,
             tokens_per_call=self.decode_chunk, compile_cache=self.compile_cache,
+            spec=spec, draft=draft,
         )  # fmt: skip
         self._place = place  # (layout, devices) -> Placement, for reshard()
+        self._place_draft = place_draft
         self._perf = PerfStats(load_ms=load_ms)
         self._scheduler = self._new_scheduler()
         self._warm = False  # warmup() done: strict mode now refuses compiles
@@ -167,8 +175,9 @@ class Engine:
             raise JaxinferError("this engine was built without a loader; it cannot reshard")
         if not self._scheduler.idle():
             raise JaxinferError("requests are still running; finish or cancel them first")
-        self.executor.params = self.executor.kv = None  # let the old shards go first
-        self.executor.adopt(self._place(layout, devices))
+        self.executor.params = self.executor.kv = self.executor.draft = None  # shards go first
+        draft = self._place_draft(layout, devices) if self._place_draft else None
+        self.executor.adopt(self._place(layout, devices), draft)
         self._scheduler = self._new_scheduler()
         if self.strict:
             self._warm = False  # new programs are expected until the next warmup()
@@ -365,6 +374,8 @@ class Engine:
         stats.kv_pages_in_use, stats.kv_pages_total = kv["pages_in_use"], kv["pages_total"]
         stats.kv_page_size = kv["page_size"]
         stats.kv_bytes_in_use, stats.kv_bytes_allocated = kv["bytes_in_use"], kv["bytes_allocated"]
+        if self.spec:
+            stats.spec_method, stats.spec_k = self.spec.method, self.spec.k
         return stats
 
     def kv_stats(self) -> dict:

@@ -20,6 +20,7 @@ from .kvcache import KVConfig, PagePool
 from .placement import Placement
 from .programs import Program, programs
 from .sharding import named
+from .speculative import SpecConfig
 
 
 class Executor:
@@ -32,29 +33,37 @@ class Executor:
         kv_config: KVConfig,
         tokens_per_call: int,
         compile_cache: CompileCache,
+        spec: SpecConfig | None = None,
+        draft: Placement | None = None,
     ):
         self.cfg = cfg
+        self.spec = spec
         self.dtype = dtype
         self.kv_config = kv_config
         self.tokens_per_call = tokens_per_call  # C: most decode steps in one call
         self.compile_cache = compile_cache
         self.device_ms = 0.0  # time inside compiled decode calls (and their wait)
         self._step_counts: dict[str, int] = {}  # step numbers of the trace annotations
-        self.adopt(placement)
+        self.adopt(placement, draft)
 
-    def adopt(self, placement: Placement) -> None:
-        """Serve from `placement` (a new layout): new programs, new pools, an empty page pool."""
+    def adopt(self, placement: Placement, draft: Placement | None = None) -> None:
+        """Serve from `placement` (a new layout; with a draft model, the draft on the same
+        mesh): new programs, new pools, an empty page pool."""
         self.layout = placement.layout
         self.mesh = placement.mesh
         self.rules = dict(placement.rules)
         self.runner = placement.runner
         self.params = placement.params
+        self.draft = draft
+        draft_runner = draft.runner if draft else None
         self.programs: dict[str, Program] = programs(
-            self.runner, self.kv_config, self.tokens_per_call
+            self.runner, self.kv_config, self.tokens_per_call, self.spec, draft_runner
         )
         self.kv = None  # the page pools, allocated on first use
         self._replicated = named(self.mesh)
-        self._kv_shardings = self.runner.kv_shardings()
+        self._kv_shardings = self.runner.kv_shardings() + (
+            draft_runner.kv_shardings() if draft else []
+        )
         shapes = jax.eval_shape(self.programs["cache"].fn)
         self._kv_abstract = jax.tree.map(
             lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
@@ -64,12 +73,14 @@ class Executor:
         total = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(shapes))
         self._check_memory(total)
         # Linear layers' state per slot (a pipeline slot holds one per stage); the rest is pages.
-        linear = [c for c in self.runner.caches if isinstance(c, RecurrentState)]
+        caches = self.runner.caches + (draft_runner.caches if draft else ())
+        linear = [c for c in caches if isinstance(c, RecurrentState)]
         self.state_slot_bytes = sum(c.slot_bytes() for c in linear) * self.runner.stages
         state_bytes = self.state_slot_bytes * self.kv_config.state_slots
         self.pages = PagePool(self.kv_config, (total - state_bytes) // self.kv_config.n_pages)
         # What the programs close over besides their arguments: a change here is a recompile.
-        static = (self.cfg, str(np.dtype(self.dtype)), self.tokens_per_call, self.kv_config)
+        static = (self.cfg, str(np.dtype(self.dtype)), self.tokens_per_call, self.kv_config,
+                  self.spec, draft is not None)  # fmt: skip
         layout = (
             self.layout,
             tuple(self.mesh.shape.items()),
@@ -78,9 +89,13 @@ class Executor:
         )
         cc, stages = self.compile_cache, self.runner.stages
         self._context = cc.context(
-            static, layout, ["params", "kv"], (self.params, self._kv_abstract), stages
+            static, layout, ["params", "kv"], (self.model_params(), self._kv_abstract), stages
         )
         self._bare = cc.context(static, layout, [], (), stages)  # programs without params
+
+    def model_params(self):
+        """The programs' `params`: the model's, or (the model's, the draft's)."""
+        return self.params if self.draft is None else (self.params, self.draft.params)
 
     def state_stats(self) -> dict:
         """The linear layers' per-request state: bytes per slot and allocated in all."""
@@ -120,9 +135,9 @@ class Executor:
     def run(self, name: str, *inputs):
         """Call a program on host (numpy) or device inputs; returns its outputs after the pools."""
         self.allocate()
-        args = (self.params, self.kv, *self.put(inputs))
+        args = (self.model_params(), self.kv, *self.put(inputs))
         compiled = self._executable(name, args)
-        if name != "decode":
+        if name not in ("decode", "verify"):
             outs = self._annotated(name, compiled, *args)
         else:
             t0 = time.perf_counter()  # device time: the executable and its wait, nothing else
@@ -172,7 +187,7 @@ class Executor:
         if name == "cache":
             args, context = inputs, self._bare
         else:
-            args, context = (self.params, self._kv_abstract, *inputs), self._context
+            args, context = (self.model_params(), self._kv_abstract, *inputs), self._context
         label = " ".join(f"{k}={v}" for k, v in (("B", B), ("T", T)) if v)
         return Job(name, context, program.fn, args, program.donate, self._outputs(program), label)
 

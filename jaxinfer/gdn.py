@@ -80,33 +80,52 @@ def put(pools, states, slot: jax.Array, axis: int = 0):
     return tuple(one(p, s) for p, s in zip(pools, states, strict=True))
 
 
-def read(pools, slot: jax.Array | None, fresh: jax.Array):
+def read(pools, slot: jax.Array | None, fresh: jax.Array, pick: jax.Array | None = None):
     """A call's states [B, ...]: from the rows' slots, zeros where a row starts a request; or,
-    with no slots (a decode loop, which took them out once), the rows' states themselves."""
+    with no slots (a decode loop, which took them out once), the rows' states themselves; or,
+    keeping every token's state ([B, N, ...], speculative decoding), the one at `pick` [B]."""
     if slot is None:
-        return pools
+        return pools if pick is None else tuple(select(p, pick) for p in pools)
     keep = ~fresh
     return tuple(
         jnp.where(keep.reshape(-1, *([1] * (s.ndim - 1))), s, 0.0) for s in take(pools, slot)
     )
 
 
-def write(pools, states, slot: jax.Array | None):
+def write(pools, states, slot: jax.Array | None, keep_at: jax.Array | None = None):
     """The cache after a call: the pools with each row's new state in its slot; or, with no
-    slots, the new states themselves."""
-    return states if slot is None else put(pools, states, slot)
+    slots, the new states themselves; or, keeping every token's state, the call's T states
+    [B, T, ...] stored at kept indices keep_at .. keep_at + T - 1."""
+    if slot is not None:
+        return put(pools, states, slot)
+    if keep_at is None:
+        return states
+    return tuple(
+        lax.dynamic_update_slice_in_dim(p, s.astype(p.dtype), keep_at, axis=1)
+        for p, s in zip(pools, states, strict=True)
+    )
 
 
-def causal_conv(x, w, state, length):
+def select(kept, index: jax.Array, axis: int = 0):
+    """kept [B, N, ...] (rows on `axis`) -> [B, ...]: each row's entry at index [B] (a
+    speculative step's accepted state: rollback by selection, nothing copied or run again)."""
+    index = index.reshape(*([1] * axis), -1, 1, *([1] * (kept.ndim - axis - 2)))
+    return jnp.squeeze(jnp.take_along_axis(kept, index, axis=axis + 1), axis + 1)
+
+
+def causal_conv(x, w, state, length, every: bool = False):
     """Depthwise causal conv then SiLU. x [B, T, C] (padding zeroed), w [C, K], state [B, W, C]
     the inputs before x -> y [B, T, C] in x's dtype, new state [B, W, C] float32: the last W
-    real inputs (length [B] real tokens of x)."""
+    real inputs (length [B] real tokens of x); with `every`, the state after each token
+    [B, T, W, C]."""
     T = x.shape[1]
     K = w.shape[1]
     full = jnp.concatenate([state, x.astype(jnp.float32)], axis=1)  # [B, W + T, C]
     w32 = w.astype(jnp.float32)
     y = sum(full[:, j : j + T] * w32[:, j] for j in range(K))  # [B, T, C]
-    if T == 1:  # a decode step: shifted by one where the row is live
+    if every:
+        new_state = jnp.stack([full[:, t + 1 : t + K] for t in range(T)], axis=1)
+    elif T == 1:  # a decode step: shifted by one where the row is live
         new_state = jnp.where((length > 0)[:, None, None], full[:, 1:], full[:, :-1])
     else:
         pick = length[:, None] + jnp.arange(K - 1)[None]  # [B, W]: positions length .. +W-1
@@ -127,6 +146,19 @@ def recurrent_step(q, k, v, g, beta, S):
     delta = (v - kv) * beta[..., None]
     S = S + k[..., :, None] * delta[..., None, :]
     return jnp.einsum("BHKV,BHK->BHV", S, q, precision=_EXACT), S
+
+
+def recurrent(q, k, v, g, beta, S):
+    """Token by token, keeping each token's state: q, k [B, T, H, DK], v [B, T, H, DV], g, beta
+    [B, T, H], S [B, H, DK, DV] (float32) -> o [B, T, H, DV], states [B, T, H, DK, DV]."""
+
+    def body(S, xs):
+        o, S = recurrent_step(*xs, S)
+        return S, (o, S)
+
+    xs = tuple(jnp.swapaxes(a, 0, 1) for a in (q, k, v, g, beta))  # [T, B, ...]
+    _, (o, states) = lax.scan(body, S, xs)
+    return jnp.swapaxes(o, 0, 1), jnp.swapaxes(states, 0, 1)
 
 
 def unit_lower_inverse(lower):

@@ -85,6 +85,11 @@ class KVView:
     # [B] int32 the row's state slot in linear layers (NULL_SLOT: padding); None inside a
     # decode loop, whose linear caches are the rows' own states (gdn.read)
     slot: jax.Array | None
+    # Speculative decoding keeps every token's linear state ([B, T+, ...] per row, gdn.py):
+    # pick [B] int32 is the kept state a row starts from, keep_at (int32 scalar) where the
+    # call's T new states go. None: one state per row.
+    pick: jax.Array | None = None
+    keep_at: jax.Array | None = None
 
     def positions(self, T: int) -> jax.Array:
         return self.start[:, None] + jnp.arange(T, dtype=jnp.int32)[None]  # [B, T]

@@ -18,10 +18,11 @@ from .checkpoint import open_checkpoint
 from .compile import default_cache_dir, use_persistent_cache
 from .config import ModelConfig
 from .engine import Engine
-from .errors import JaxinferError
+from .errors import JaxinferError, UnsupportedModelError
 from .pipeline import place_pipeline
 from .placement import Placement, Reader, place_dense, random_reader
 from .sharding import effective_rules, load_layout, make_mesh, select_devices
+from .speculative import SpecConfig
 from .tokenizer import Tokenizer
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -75,6 +76,8 @@ def load(
     layout: str | Path = "single",
     devices=None,
     compile_cache_dir: str | Path | None = _DEFAULT,  # type: ignore[assignment]
+    speculative: str | Path | ModelConfig | None = None,
+    draft_tokens: int = 4,
     **options,
 ) -> Engine:
     """Load a Hugging Face folder or a .gguf file.
@@ -84,6 +87,9 @@ def load(
     `compile_cache_dir` sets the persistent compilation cache (default: a per-user cache
     directory or $JAXINFER_COMPILE_CACHE_DIR; None disables). `strict=True` (or
     JAXINFER_STRICT=1) makes any compile after `warmup()` raise RecompileError.
+    `speculative` turns on speculative decoding with `draft_tokens` (K) drafts per step:
+    "ngram" (prompt lookup), "mtp" (the checkpoint's multi-token-prediction layer), or a draft
+    model with the same vocabulary (a path, or a ModelConfig for random weights).
     """
     unknown = sorted(set(options) - set(ENGINE_OPTIONS))
     if unknown:
@@ -114,9 +120,11 @@ def load(
     bad = not isinstance(max_seq_len, int) or isinstance(max_seq_len, bool)
     if bad or max_seq_len < 2:
         raise JaxinferError(f"max_seq_len = {max_seq_len!r} is invalid; it must be >= 2")
+    spec, place_draft = _speculative(speculative, draft_tokens, cfg, tokenizer, compute, model)
     placer = partial(place, read, cfg, compute)
     placement = placer(layout, devices)
-    jax.block_until_ready(placement.params)
+    draft = place_draft(layout, devices) if place_draft else None
+    jax.block_until_ready((placement.params, draft.params if draft else None))
     return Engine(
         cfg,
         tokenizer,
@@ -127,13 +135,49 @@ def load(
         name=name,
         source=source,
         load_ms=(time.perf_counter() - t0) * 1e3,
+        spec=spec,
+        draft=draft,
+        place_draft=place_draft,
         **options,
     )
+
+
+def _speculative(how, k, cfg: ModelConfig, tokenizer: Tokenizer, compute, model):
+    """The speculative config and, for a draft model, its placer (layout, devices) ->
+    Placement; a bad choice raises here, before anything is placed."""
+    if how is None:
+        return None, None
+    if how == "ngram":
+        return SpecConfig.make("ngram", k), None
+    if how == "mtp":
+        raise UnsupportedModelError(
+            f"speculative='mtp' needs a checkpoint's MTP layer, which {model!s} does not "
+            "provide here; use speculative='ngram' or a draft model"
+        )
+    spec = SpecConfig.make("draft", k)
+    if isinstance(how, ModelConfig):
+        draft_cfg, draft_read = how, random_reader(how, BUILTIN_SEED + 1)
+        draft_tok = tokenizer
+    elif isinstance(how, str | Path):
+        ckpt = open_checkpoint(how)
+        draft_cfg, draft_tok, draft_read = ckpt.config, ckpt.tokenizer, ckpt.tensor
+    else:
+        raise JaxinferError(
+            f"speculative = {how!r} is invalid; use 'ngram', 'mtp' or a draft model's path"
+        )
+    probe = "Once upon a time, 12 friends met at the café."
+    if draft_cfg.vocab_size != cfg.vocab_size or draft_tok.encode(probe) != tokenizer.encode(probe):
+        raise JaxinferError(
+            f"the draft model's vocabulary ({draft_cfg.vocab_size} tokens) is not the model's "
+            f"({cfg.vocab_size}); a draft must share the model's tokenizer"
+        )
+    return spec, partial(place, draft_read, draft_cfg, compute)
 
 
 def generate(model_or_engine=None, prompt="", **kwargs):
     """One call: load the model (a path, or None for the built-in) or reuse an Engine."""
     if isinstance(model_or_engine, Engine):
         return model_or_engine.generate(prompt, **kwargs)
-    load_kw = {k: kwargs.pop(k) for k in ("dtype", "max_seq_len", *ENGINE_OPTIONS) if k in kwargs}
+    names = ("dtype", "max_seq_len", "speculative", "draft_tokens", *ENGINE_OPTIONS)
+    load_kw = {k: kwargs.pop(k) for k in names if k in kwargs}
     return load(model_or_engine, **load_kw).generate(prompt, **kwargs)

@@ -157,10 +157,11 @@ class GatedDeltaNet(nnx.Module):
         HK, HV, DK, DV = cfg.linear_k_heads, cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim
         real = view.real(T)  # [B, T]: padding never reaches the state
         proj = [jnp.einsum("BTD,ED->BTE", x, w[...]) for w in (self.wq, self.wk, self.wv)]
-        conv_q, conv_k, conv_v, S = gdn.read(state, view.slot, view.start == 0)  # [B, ...]
+        keep = view.pick is not None  # speculative: every token's state is kept
+        conv_q, conv_k, conv_v, S = gdn.read(state, view.slot, view.start == 0, view.pick)
         weights = (self.conv_q, self.conv_k, self.conv_v)
         (q, conv_q), (k, conv_k), (v, conv_v) = (
-            gdn.causal_conv(jnp.where(real[..., None], y, 0), w[...], c, view.length)
+            gdn.causal_conv(jnp.where(real[..., None], y, 0), w[...], c, view.length, keep)
             for y, w, c in zip(proj, weights, (conv_q, conv_k, conv_v), strict=True)
         )
         q = gdn.l2norm(q.reshape(B, T, HK, DK)) * (1.0 / np.sqrt(DK))
@@ -171,7 +172,9 @@ class GatedDeltaNet(nnx.Module):
         a = jnp.einsum("BTD,HD->BTH", x, self.wa[...]).astype(jnp.float32)
         beta = jax.nn.sigmoid(b) * real[..., None]  # [B, T, HV]
         g = self.a[...] * jax.nn.softplus(a + self.dt_bias[...]) * real[..., None]  # log decay
-        if T == 1:
+        if keep:
+            o, S = gdn.recurrent(q, k, v, g, beta, S)  # S [B, T, HV, DK, DV]
+        elif T == 1:
             o, S = gdn.recurrent_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], S)
             o = o[:, None]  # [B, 1, HV, DV]
         else:
@@ -179,7 +182,7 @@ class GatedDeltaNet(nnx.Module):
         z = jnp.einsum("BTD,ED->BTE", x, self.wz[...]).reshape(B, T, HV, DV)
         o = rms_norm(o, self.norm[...], cfg.norm_eps) * jax.nn.silu(z.astype(jnp.float32))
         out = jnp.einsum("BTE,DE->BTD", o.reshape(B, T, HV * DV).astype(x.dtype), self.wo[...])
-        return out, gdn.write(state, (conv_q, conv_k, conv_v, S), view.slot)
+        return out, gdn.write(state, (conv_q, conv_k, conv_v, S), view.slot, view.keep_at)
 
 
 class MLP(nnx.Module):

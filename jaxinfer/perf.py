@@ -30,6 +30,11 @@ class PerfStats:
     kv_page_size: int = 0
     kv_bytes_in_use: int = 0
     kv_bytes_allocated: int = 0
+    spec_method: str = ""  # speculative decoding: "ngram", "draft", "mtp"; "" = off
+    spec_k: int = 0  # drafts proposed per step at most
+    draft_tokens: int = 0  # drafts proposed
+    accepted_tokens: int = 0  # of them, accepted
+    spec_steps: int = 0  # verify steps, summed over rows (each makes 1 + its accepted drafts)
 
     def host_share(self) -> float:
         """Share of decode wall time spent on the host outside compiled code."""
@@ -49,6 +54,15 @@ class PerfStats:
 
         lazy = self.programs - self.warmup_programs
         mib = 2.0**20
+        spec = []
+        if self.spec_method:
+            share = self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+            per = (self.spec_steps + self.accepted_tokens) / self.spec_steps if self.spec_steps else 0
+            spec = [
+                f"perf:      speculative: {self.spec_method}, K = {self.spec_k}, drafted = "
+                f"{self.draft_tokens}, accepted = {self.accepted_tokens} ({share:.1%}), "
+                f"tokens per step = {per:.2f}"
+            ]
         return "\n".join(
             [
                 f"perf:        load time = {self.load_ms:10.2f} ms",
@@ -67,5 +81,6 @@ class PerfStats:
                 f"perf:         kv cache = {self.kv_pages_in_use} / {self.kv_pages_total} pages "
                 f"of {self.kv_page_size} tokens in use ({self.kv_bytes_in_use / mib:.2f} / "
                 f"{self.kv_bytes_allocated / mib:.2f} MiB)",
+                *spec,
             ]
         )

@@ -174,7 +174,9 @@ def pipeline_runner(cfg: ModelConfig, mesh: Mesh, rules: dict, dtype) -> Runner:
         def rows(tree, m):  # microbatch m's rows of a [B, ...] tree (all of it when M = 1)
             if M == 1:
                 return tree
-            return jax.tree.map(lambda a: lax.dynamic_slice_in_dim(a, m * mb, mb, 0), tree)
+            return jax.tree.map(
+                lambda a: lax.dynamic_slice_in_dim(a, m * mb, mb, 0) if a.ndim else a, tree
+            )
 
         def run_stage(y, kv, m):
             # Microbatches write disjoint pages and slots of the shared pools: no slicing of

@@ -3,6 +3,7 @@
   cache()                                            -> kv                 zeroed page pools
   prefill(params, kv, chunk, window, sampling)       -> kv, tokens [B]     one prompt chunk per row
   decode(params, kv, state, table, sampling, steps)  -> kv, state, out [B, C]
+  verify(params, kv, state, table, sampling, steps)  -> kv, state, out [B, C + K], counts [3]
   score(params, kv, chunk)                           -> kv, logits [B, T, V]
 
 The page pools and linear-layer states `kv` are donated. `decode` runs up to C steps inside
@@ -22,11 +23,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from . import gdn
+from . import gdn, speculative
 from .gdn import RecurrentState
 from .kvcache import KVConfig, KVView
 from .placement import Runner
-from .sampling import PENALTY_WINDOW, SamplingRows, sample
+from .sampling import PENALTY_WINDOW, SamplingRows, accept, sample
+from .speculative import SpecConfig
 
 I32 = np.int32
 
@@ -57,9 +59,10 @@ class DecodeState:
     done: jax.Array  # [B] bool, padding rows start done
     window: jax.Array  # [B, W] int32, recent tokens by position mod W (-1 = empty)
     slot: jax.Array  # [B] int32, the row's state slot (linear layers; 0 = padding)
+    history: jax.Array  # [B, H] int32, tokens by position mod H for n-gram lookup (H may be 0)
 
     @staticmethod
-    def abstract(B: int) -> DecodeState:
+    def abstract(B: int, history: int = 0) -> DecodeState:
         return DecodeState(
             _spec(B),
             _spec(B),
@@ -67,6 +70,7 @@ class DecodeState:
             _spec(B, dtype=np.bool_),
             _spec(B, PENALTY_WINDOW),
             _spec(B),
+            _spec(B, history),
         )
 
 
@@ -78,32 +82,75 @@ class Program:
     donate: tuple[str, ...] = ("kv",)  # argument names donated to the call
 
 
-def programs(runner: Runner, kv_config: KVConfig, tokens_per_call: int) -> dict[str, Program]:
-    """The programs of one model on one mesh; `tokens_per_call` = C, most decode steps a call."""
+def programs(
+    runner: Runner,
+    kv_config: KVConfig,
+    tokens_per_call: int,
+    spec: SpecConfig | None = None,
+    draft: Runner | None = None,
+) -> dict[str, Program]:
+    """The programs of one model on one mesh; `tokens_per_call` = C, most decode steps a call.
+    With a draft model, `params` is (the model's, the draft's) and `kv` lists the model's
+    layers then the draft's (one page pool, one set of slots)."""
+    n_model = len(runner.caches)
+    caches = runner.caches + (draft.caches if draft else ())
+    linear = [isinstance(c, RecurrentState) for c in caches]
+    flags = {"model": linear[:n_model], "draft": linear[n_model:]}
+    axis = runner.state_axis
+
+    def split(params, kv):
+        """(model params, model kv, draft params, draft kv)."""
+        if draft is None:
+            return params, kv, None, []
+        return params[0], kv[:n_model], params[1], kv[n_model:]
 
     def cache():
-        return runner.init_kv(kv_config)
+        return runner.init_kv(kv_config) + (draft.init_kv(kv_config) if draft else [])
 
     def prefill(params, kv, chunk: Chunk, window, sampling: SamplingRows):
         """window [B, W] of the whole prompt; samples after each row's last real token."""
+        params, kv, draft_params, draft_kv = split(params, kv)
         B, T = chunk.tokens.shape
         h, kv = runner.forward(params, chunk.tokens, chunk.view, kv)  # [B, T, D]
+        if draft:
+            _, draft_kv = draft.forward(draft_params, chunk.tokens, chunk.view, draft_kv)
         last = jnp.clip(chunk.view.length - 1, 0, T - 1)  # [B]
         logits = runner.head(params, h[jnp.arange(B), last])  # [B, V]
-        return kv, sample(logits, window, sampling, chunk.view.start + chunk.view.length)
+        return kv + draft_kv, sample(logits, window, sampling, chunk.view.start + chunk.view.length)
 
-    linear = [isinstance(c, RecurrentState) for c in runner.caches]
-    axis = runner.state_axis
+    def take_states(kv, slot, keep: int = 0, of: str = "model"):
+        """Linear layers' states out of their slots for a loop: [B, ...] per row, or with
+        `keep` = T, T copies [B, T, ...] (speculation keeps every token's state)."""
+
+        def one(c, lin):
+            if not lin:
+                return c
+            states = gdn.take(c, slot, axis)
+            if keep:
+                states = tuple(jnp.repeat(jnp.expand_dims(s, axis + 1), keep, axis + 1)
+                               for s in states)  # fmt: skip
+            return states
+
+        return [one(c, lin) for c, lin in zip(kv, flags[of], strict=True)]
+
+    def put_states(pools, kv, slot, pick=None, of: str = "model"):
+        def one(p, c, lin):
+            if not lin:
+                return c
+            if pick is not None:  # the accepted token's state
+                c = tuple(gdn.select(a, pick, axis) for a in c)
+            return gdn.put(p, c, slot, axis)
+
+        return [one(p, c, lin) for p, c, lin in zip(pools, kv, flags[of], strict=True)]
 
     def decode(params, kv, state: DecodeState, table, sampling: SamplingRows, steps):
         """Up to `steps` (<= C) tokens per row; table [B, NB] covers every position written.
         Linear layers' states leave their slots for the loop and return after it."""
+        params, kv, draft_params, draft_kv = split(params, kv)
         B = state.tokens.shape[0]
         rows = jnp.arange(B)
         pools = kv
-        kv = [
-            gdn.take(c, state.slot, axis) if lin else c for c, lin in zip(kv, linear, strict=True)
-        ]
+        kv = take_states(kv, state.slot)
 
         def step(carry):
             i, kv, s, out = carry
@@ -117,13 +164,12 @@ def programs(runner: Runner, kv_config: KVConfig, tokens_per_call: int) -> dict[
             stop = jnp.any(new[:, None] == sampling.stops, axis=-1)
             budget = s.budget - live
             out = out.at[:, i].set(jnp.where(live, new, -1))
-            s = DecodeState(
+            s = s.replace(
                 tokens=jnp.where(live, new, s.tokens),
                 pos=s.pos + live,
                 budget=budget,
                 done=s.done | stop | (budget <= 0),
                 window=window,
-                slot=s.slot,
             )
             return i + 1, kv, s, out
 
@@ -133,15 +179,138 @@ def programs(runner: Runner, kv_config: KVConfig, tokens_per_call: int) -> dict[
 
         out = jnp.full((B, tokens_per_call), -1, I32)
         _, kv, state, out = jax.lax.while_loop(more, step, (jnp.int32(0), kv, state, out))
-        kv = [
-            gdn.put(p, c, state.slot, axis) if lin else c
-            for p, c, lin in zip(pools, kv, linear, strict=True)
-        ]
-        return kv, state, out
+        return put_states(pools, kv, state.slot) + draft_kv, state, out
+
+    def verify(params, kv, state: DecodeState, table, sampling: SamplingRows, steps):
+        """Speculative decode: while every live row has made fewer than `steps` tokens, each
+        row proposes up to K drafts, one forward scores its input token and the drafts
+        (T = K + 1 tokens), and the accepted prefix plus one token of the model's own is
+        kept. -> kv, state, out [B, C + K] (-1 where no token), counts [3] (drafts scored,
+        drafts accepted, row steps). Steps where no row has a draft run the plain one-token
+        forward."""
+        K = spec.k
+        T = K + 1
+        params, kv, draft_params, draft_kv = split(params, kv)
+        B = state.tokens.shape[0]
+        rows = jnp.arange(B)
+        at = jnp.arange(T)[None]  # [1, T]
+        pools, draft_pools = kv, draft_kv
+        kv, draft_kv = take_states(kv, state.slot, T), take_states(draft_kv, state.slot, T, "draft")
+        zero = jnp.int32(0)
+
+        def propose(s: DecodeState, history, live, pick, draft_kv):
+            """drafts [B, K], count [B], the draft's kv."""
+            if spec.method == "ngram":
+                drafts, count = speculative.ngram(history, s.pos, K)
+                return drafts, count, draft_kv
+
+            def one(t, carry):  # the draft's greedy step t: input x_t at pos + t
+                token, drafts, draft_kv = carry
+                view = KVView(
+                    table, s.pos + t, live.astype(I32), None, jnp.where(t == 0, pick, t - 1), t
+                )
+                h, draft_kv = draft.forward(draft_params, token[:, None], view, draft_kv)
+                new = jnp.argmax(draft.head(draft_params, h[:, 0]), axis=-1).astype(I32)
+                drafts = jax.lax.dynamic_update_slice_in_dim(
+                    drafts, new[:, None], jnp.minimum(t, K - 1), axis=1
+                )  # step K only feeds the draft's cache its last draft
+                return new, drafts, draft_kv
+
+            drafts = jnp.zeros((B, K), I32)
+            with jax.named_scope("draft"):
+                _, drafts, draft_kv = jax.lax.fori_loop(0, T, one, (s.tokens, drafts, draft_kv))
+            return drafts, jnp.full((B,), K, I32), draft_kv
+
+        def advance(s: DecodeState, made, out, new, n, window, history, live):
+            """Keep tokens new[:, :n + 1] ([B, t] candidates) of each live row, up to a stop
+            token -> made, out, state, n (the row's accepted drafts)."""
+            at = jnp.arange(new.shape[1])[None]
+            stop = jnp.any(new[..., None] == sampling.stops[:, None], axis=-1) & (at <= n[:, None])
+            hit = jnp.any(stop, axis=1)
+            n = jnp.where(live, jnp.where(hit, jnp.minimum(n, jnp.argmax(stop, axis=1)), n), 0)
+            made_now = jnp.where(live, n + 1, 0)
+            kept = (at <= n[:, None]) & live[:, None]
+            out = out.at[rows[:, None], made[:, None] + at].set(
+                jnp.where(kept, new, -1), mode="drop"
+            )
+            budget = s.budget - made_now
+            s = s.replace(
+                tokens=jnp.where(live, new[rows, n], s.tokens),
+                pos=s.pos + made_now,
+                budget=budget,
+                done=s.done | (live & hit) | (budget <= 0),
+                window=window,
+                history=history,
+            )
+            return made + made_now, out, s, n
+
+        def step(carry):
+            made, kv, draft_kv, s, out, pick, counts = carry
+            window = s.window.at[rows, s.pos % PENALTY_WINDOW].set(s.tokens)
+            H = s.history.shape[1]
+            history = s.history.at[rows, s.pos % H].set(s.tokens) if H else s.history
+            live = ~s.done
+            drafts, count, draft_kv = propose(s, history, live, pick, draft_kv)
+            count = jnp.where(live, jnp.minimum(count, s.budget - 1), 0)  # [B]
+
+            def speculate(kv, made, out):
+                with jax.named_scope("verify"):
+                    tokens = jnp.concatenate([s.tokens[:, None], drafts], axis=1)  # [B, T]
+                    view = KVView(table, s.pos, jnp.where(live, 1 + count, 0), None, pick, zero)
+                    h, kv = runner.forward(params, tokens, view, kv)  # [B, T, D]
+                    # The penalty window each position sees: the input token's, plus drafts.
+                    windows = [window]
+                    for t in range(K):
+                        at_t = (s.pos + 1 + t) % PENALTY_WINDOW
+                        windows.append(windows[-1].at[rows, at_t].set(drafts[:, t]))
+                    windows = jnp.stack(windows, axis=1)  # [B, T, W]
+                    positions = s.pos[:, None] + 1 + at  # [B, T] of the tokens predicted
+                    logits = runner.head(params, h)  # [B, T, V]
+                    new, n = accept(logits, windows, sampling, positions, drafts, count)
+                kept = history
+                if H:  # accepted drafts join the history
+                    follow = (s.pos[:, None] + 1 + at[:, :K]) % H  # [B, K]
+                    old = jnp.take_along_axis(history, follow, axis=1)
+                    kept = history.at[rows[:, None], follow].set(
+                        jnp.where(at[:, :K] < n[:, None], drafts, old)
+                    )
+                made, out, s_new, n = advance(s, made, out, new, n, windows[rows, n], kept, live)
+                return kv, made, out, s_new, n
+
+            def single(kv, made, out):  # the plain decode step
+                view = KVView(table, s.pos, live.astype(I32), None, pick, zero)
+                h, kv = runner.forward(params, s.tokens[:, None], view, kv)  # [B, 1, D]
+                new = sample(runner.head(params, h[:, 0]), window, sampling, s.pos + 1)
+                n = jnp.zeros((B,), I32)
+                made, out, s_new, n = advance(s, made, out, new[:, None], n, window, history, live)
+                return kv, made, out, s_new, n
+
+            kv, made, out, s, n = jax.lax.cond(
+                jnp.any(count > 0), speculate, single, kv, made, out
+            )
+            counts = counts + jnp.stack([count.sum(), n.sum(), live.sum()])
+            return made, kv, draft_kv, s, out, n, counts
+
+        def more(carry):
+            made, _, _, s, *_ = carry
+            return jnp.any(~s.done) & (jnp.max(jnp.where(s.done, 0, made)) < steps)
+
+        out = jnp.full((B, tokens_per_call + K), -1, I32)
+        init = (jnp.zeros((B,), I32), kv, draft_kv, state, out, jnp.zeros((B,), I32),
+                jnp.zeros((3,), I32))  # fmt: skip
+        _, kv, draft_kv, state, out, pick, counts = jax.lax.while_loop(more, step, init)
+        kv = put_states(pools, kv, state.slot, pick)
+        draft_kv = put_states(draft_pools, draft_kv, state.slot, pick, "draft")
+        return kv + draft_kv, state, out, counts
 
     def score(params, kv, chunk: Chunk):
+        params, kv, _, draft_kv = split(params, kv)
         h, kv = runner.forward(params, chunk.tokens, chunk.view, kv)
-        return kv, runner.head(params, h)  # [B, T, V]
+        return kv + draft_kv, runner.head(params, h)  # [B, T, V]
+
+    def loop_inputs(B: int, T: int, NB: int) -> tuple:
+        history = spec.history if spec else 0
+        return DecodeState.abstract(B, history), _spec(B, NB), SamplingRows.abstract(B), _spec()
 
     return {
         "cache": Program(cache, lambda B, T, NB: (), ("kv",), donate=()),
@@ -154,15 +323,7 @@ def programs(runner: Runner, kv_config: KVConfig, tokens_per_call: int) -> dict[
             ),
             ("kv", "rep"),
         ),
-        "decode": Program(
-            decode,
-            lambda B, T, NB: (
-                DecodeState.abstract(B),
-                _spec(B, NB),
-                SamplingRows.abstract(B),
-                _spec(),
-            ),
-            ("kv", "rep", "rep"),
-        ),
+        "decode": Program(decode, loop_inputs, ("kv", "rep", "rep")),
+        "verify": Program(verify, loop_inputs, ("kv", "rep", "rep", "rep")),
         "score": Program(score, lambda B, T, NB: (Chunk.abstract(B, T, NB),), ("kv", "rep")),
     }

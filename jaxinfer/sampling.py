@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -70,12 +71,12 @@ class SamplingParams:
         return self.seed % (2**31 - 1)
 
 
-def recent_window(ids: list[int]) -> np.ndarray:
+def recent_window(ids: list[int], width: int = PENALTY_WINDOW) -> np.ndarray:
     """The penalty window [W] of a context: its last W ids, each at (position mod W), -1 where
     empty. The decode step keeps it up to date by writing each new token at its position."""
-    window = np.full(PENALTY_WINDOW, -1, np.int32)
-    tail = range(max(0, len(ids) - PENALTY_WINDOW), len(ids))
-    window[[p % PENALTY_WINDOW for p in tail]] = [ids[p] for p in tail]
+    window = np.full(width, -1, np.int32)
+    tail = range(max(0, len(ids) - width), len(ids))
+    window[[p % width for p in tail]] = [ids[p] for p in tail]
     return window
 
 
@@ -165,6 +166,11 @@ def _filter(logits, f, top_k):
     return jnp.where(logits >= cut, logits, -jnp.inf)
 
 
+def _key(seed, position, salt=None):
+    key = jax.random.fold_in(jax.random.key(seed), position)
+    return key if salt is None else jax.random.fold_in(key, salt)
+
+
 @jax.jit  # traced once per batch size, shared by the prefill and decode programs
 def sample(logits, window, rows: SamplingRows, positions):
     """logits [B, V] f32, window [B, W], the rows' values, positions [B] of the new tokens
@@ -180,11 +186,69 @@ def sample(logits, window, rows: SamplingRows, positions):
 
     def draw(_):
         tempered = _filter(logits, f, rows.ints[:, _C["top_k"]]) / jnp.maximum(temperature, 1e-6)
-        keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(
-            rows.ints[:, _C["seed"]], positions
-        )
+        keys = jax.vmap(_key)(rows.ints[:, _C["seed"]], positions)
         drawn = jax.vmap(jax.random.categorical)(keys, tempered).astype(jnp.int32)
         return jnp.where(temperature[:, 0] > 0, drawn, greedy)
 
     # All-greedy batches skip the sort over the vocabulary.
     return jax.lax.cond(jnp.any(temperature > 0), draw, lambda _: greedy, None)
+
+
+@jax.jit
+def accept(logits, windows, rows: SamplingRows, positions, drafts, count):
+    """Speculative verification: the target's logits [B, T, V] at a row's input token and its
+    T - 1 drafts, the penalty window [B, T, W] each position sees, positions [B, T] of the
+    tokens they predict, drafts [B, T - 1] of which the first count [B] are real ->
+    tokens [B, T] (-1 past the last), accepted drafts n [B].
+
+    Greedy rows accept while the draft is the target's argmax. Sampling rows use the standard
+    rejection rule for a deterministic draft (llama.cpp's and vLLM's drafts are one-hot too):
+    draft d is kept with probability p(d); at the first rejection the token is drawn from p
+    without d, renormalized; with every draft kept, the next token is drawn from p. The
+    result is distributed exactly as sampling without speculation; with no drafts it is the
+    same token (the same key).
+    """
+    B, T, V = logits.shape
+    flat = jax.tree.map(lambda a: jnp.repeat(a, T, axis=0), rows)  # [B*T, ...]
+    f = flat.floats
+    logits = _penalize(logits.reshape(B * T, V), windows.reshape(B * T, -1), f)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32).reshape(B, T)
+    temperature = rows.floats[:, _C["temperature"]]  # [B]
+    steps = jnp.arange(T)[None]  # [1, T]
+    real = steps[:, :-1] < count[:, None]  # [B, T - 1]
+
+    def kept(n_kept):  # drafts accepted: the run of leading kept ones
+        return jnp.sum(jnp.cumprod(n_kept & real, axis=1), axis=1).astype(jnp.int32)
+
+    def draw(_):
+        tempered = _filter(logits, f, flat.ints[:, _C["top_k"]]) / jnp.maximum(
+            _col(f, "temperature"), 1e-6
+        )
+        tempered = tempered.reshape(B, T, V)
+        seeds = jnp.broadcast_to(rows.ints[:, _C["seed"], None], (B, T))
+        p = jax.nn.softmax(tempered, axis=-1)
+        p_draft = jnp.take_along_axis(p[:, :-1], drafts[..., None], axis=-1)[..., 0]
+        keys = jax.vmap(jax.vmap(partial(_key, salt=1)))(seeds[:, :-1], positions[:, :-1])
+        u = jax.vmap(jax.vmap(jax.random.uniform))(keys)  # [B, T - 1]
+        sampled = temperature > 0
+        n = kept(jnp.where(sampled[:, None], u < p_draft, drafts == greedy[:, :-1]))
+        rows_ = jnp.arange(B)
+        last = tempered[rows_, n]  # [B, V] the distribution at the first unkept position
+        rejected = n < count
+        d = jnp.take_along_axis(drafts, jnp.minimum(n, T - 2)[:, None], axis=1)[:, 0]
+        residual = jnp.where(rejected[:, None] & (jnp.arange(V)[None] == d[:, None]), -jnp.inf, last)
+        pos, seed = positions[rows_, n], rows.ints[:, _C["seed"]]
+        salted = jax.vmap(partial(_key, salt=2))(seed, pos)
+        plain = jax.vmap(_key)(seed, pos)
+        keys = jax.vmap(lambda r, a, b: jax.lax.select(r, a, b))(rejected, salted, plain)
+        drawn = jax.vmap(jax.random.categorical)(keys, residual).astype(jnp.int32)
+        return n, jnp.where(sampled, drawn, greedy[rows_, n])
+
+    def argmax(_):
+        n = kept(drafts == greedy[:, :-1])
+        return n, greedy[jnp.arange(B), n]
+
+    n, final = jax.lax.cond(jnp.any(temperature > 0), draw, argmax, None)
+    padded = jnp.concatenate([drafts, jnp.zeros((B, 1), jnp.int32)], axis=1)  # [B, T]
+    tokens = jnp.where(steps < n[:, None], padded, jnp.where(steps == n[:, None], final[:, None], -1))
+    return tokens, n

@@ -183,12 +183,21 @@ class Scheduler:
             return
         B = self.shapes.batch_for(len(rows))
         n = self._tokens_per_call(rows)
+        spec = self.executor.spec
+        ahead = spec.k if spec else 0  # a speculative step writes its drafts' positions too
         for active in rows:  # pages for every position this call may write
-            self._grow(active, min(active.pos + n, active.state.need))
+            self._grow(active, min(active.pos + n + ahead, active.state.need))
         state, sampling, table = self._inputs(rows, B)
         t0 = self.clock()
-        state, ids = self.executor.run("decode", state, table, sampling, self._steps(n))
+        state, ids, *counts = self.executor.run(
+            self.shapes.loop, state, table, sampling, self._steps(n)
+        )
         ids = np.asarray(ids)
+        if counts:  # drafted, accepted, row steps
+            drafted, accepted, steps = (int(c) for c in np.asarray(counts[0]))
+            self.perf.draft_tokens += drafted
+            self.perf.accepted_tokens += accepted
+            self.perf.spec_steps += steps
         generated = 0
         for b, active in enumerate(rows):
             new = [int(t) for t in ids[b] if t >= 0]
@@ -232,19 +241,24 @@ class Scheduler:
         interactive = self.always_interactive or waiting or any(a.state.interactive for a in rows)
         return self.stream_chunk if interactive else self.decode_chunk
 
-    @staticmethod
-    def _host_state(rows, batch: int) -> DecodeState:
+    def _host_state(self, rows, batch: int) -> DecodeState:
         """The decode state of `rows` from their host copies; padding rows start done."""
+        spec = self.executor.spec
+        width = spec.history if spec else 0
+        history = np.full((batch, width), -1, np.int32)
         window = np.full((batch, PENALTY_WINDOW), -1, np.int32)
         tokens, pos, left, slot = (np.zeros(batch, np.int32) for _ in range(4))
         done = np.ones(batch, np.bool_)
         for b, active in enumerate(rows):
             state = active.state
             # The context before the input token: the prompt and all but the last new token.
-            window[b] = recent_window(state.prompt + state.token_ids[:-1])
+            context = state.prompt + state.token_ids[:-1]
+            window[b] = recent_window(context)
+            if width:  # n-gram lookup: the longer history, by position mod its width
+                history[b] = recent_window(context, width)
             tokens[b], pos[b], left[b], done[b] = active.token, active.pos, active.left, False
             slot[b] = active.slot
-        return DecodeState(tokens, pos, left, done, window, slot)
+        return DecodeState(tokens, pos, left, done, window, slot, history)
 
     def _retire(self, active: _Active) -> None:
         self.executor.pages.release(active.pages, active.reserved)
