@@ -211,9 +211,8 @@ def programs(
                 )
                 h, draft_kv = draft.forward(draft_params, token[:, None], view, draft_kv)
                 new = jnp.argmax(draft.head(draft_params, h[:, 0]), axis=-1).astype(I32)
-                drafts = jax.lax.dynamic_update_slice_in_dim(
-                    drafts, new[:, None], jnp.minimum(t, K - 1), axis=1
-                )  # step K only feeds the draft's cache its last draft
+                # (step K only feeds the draft's cache its last draft: nothing is written)
+                drafts = jnp.where(jnp.arange(K)[None] == t, new[:, None], drafts)
                 return new, drafts, draft_kv
 
             drafts = jnp.zeros((B, K), I32)

@@ -1,0 +1,317 @@
+"""Speculative decoding: greedy output equal to the references (HF's greedy ids, the published
+stories260K ids) with n-gram lookup and draft models, on every architecture, with slots and
+under layouts; the rejection rule's distribution against plain sampling (chi-square); the
+n-gram lookup against a brute-force search; compiles in a storm of requests; bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import GOLDEN, model_path
+from safetensors.numpy import load_file, save_file
+from scipy.stats import chi2_contingency
+from test_compile import CompileCounter
+
+import jaxinfer
+from jaxinfer import speculative
+from jaxinfer.cli import main
+from jaxinfer.errors import JaxinferError, RequestError, UnsupportedModelError
+
+STORIES = "stories260K-gguf/stories260K.gguf"
+FIXTURES = {
+    "mixtral": "tiny-random/mixtral_e8k2",
+    "qwen3_moe": "tiny-random/qwen3_moe_e8k2_bpe",
+    "qwen3_next": "tiny-random/qwen3_next_l3f1_e8k2_mtp",
+    "qwen3_5": "tiny-random/qwen3_5_l3f1_dense_mtp",
+    "qwen3_5_moe": "tiny-random/qwen3_5_moe_l3f1_e8k2_mtp",
+}
+SMALL = dict(max_seq_len=512, prefill_buckets=(32, 128), batch_buckets=(1,))
+
+
+def _reference(kind: str):
+    root = model_path(FIXTURES[kind])
+    return root, json.loads((root / "reference.json").read_text())["prompts"]
+
+
+def _greedy(engine, ids, n=32):
+    return engine.generate(ids, max_new_tokens=n, temperature=0, ignore_eos=True).token_ids
+
+
+def perturbed(root, dest, noise=0.05, seed=0):
+    """A draft that agrees with the model often but not always: the same checkpoint with
+    noise added to two layers' weights (so drafts are accepted in part, and linear states
+    are rolled back to every position)."""
+    shutil.copytree(root, dest, ignore=shutil.ignore_patterns("*.gguf"))
+    weights = load_file(dest / "model.safetensors")
+    rng = np.random.default_rng(seed)
+    for name, w in weights.items():
+        if "layers.1." in name or "layers.3." in name:
+            weights[name] = (w + noise * w.std() * rng.standard_normal(w.shape)).astype(w.dtype)
+    save_file(weights, dest / "model.safetensors", metadata={"format": "pt"})
+    return dest
+
+
+# ---- the lookup against a brute-force search ----------------------------------------
+
+
+def _ngram_reference(context: list[int], k: int) -> list[int]:
+    """The longest (NGRAM_MIN..NGRAM_MAX) suffix of `context` that occurs earlier, the latest
+    such occurrence; the up to k tokens after it."""
+    pos = len(context) - 1
+    for n in range(speculative.NGRAM_MAX, speculative.NGRAM_MIN - 1, -1):
+        if n > pos:
+            continue
+        suffix = context[pos - n + 1 :]
+        for end in range(pos - 1, n - 2, -1):
+            if context[end - n + 1 : end + 1] == suffix:
+                return context[end + 1 : end + 1 + k]
+    return []
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_ngram_lookup_matches_brute_force(seed):
+    rng = np.random.default_rng(seed)
+    K, H = 4, 256
+    rows = []
+    for _ in range(8):
+        n = int(rng.integers(3, 200))
+        vocab = int(rng.integers(3, 12))  # small vocabularies: many matches of every length
+        context = [int(t) for t in rng.integers(0, vocab, n)]
+        if rng.random() < 0.5:  # a planted copy
+            at = int(rng.integers(0, n))
+            context += context[at : at + int(rng.integers(1, 12))]
+        rows.append(context)
+    history = np.stack([speculative_history(c, H) for c in rows])
+    pos = np.array([len(c) - 1 for c in rows], np.int32)
+    drafts, count = speculative.ngram(jnp.asarray(history), jnp.asarray(pos), K)
+    for b, context in enumerate(rows):
+        want = _ngram_reference(context, K)
+        assert int(count[b]) == len(want), (b, context)
+        assert [int(t) for t in drafts[b, : len(want)]] == want
+
+
+def speculative_history(context, width):
+    from jaxinfer.sampling import recent_window
+
+    return recent_window(context, width)
+
+
+# ---- greedy output equals the references ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def stories_ngram():
+    return jaxinfer.load(model_path(STORIES), speculative="ngram", **SMALL)
+
+
+def test_ngram_greedy_equals_the_published_ids(stories_ngram):
+    # From BOS alone the text repeats words: the lookup proposes (and is refused).
+    assert _greedy(stories_ngram, [1], len(GOLDEN)) == GOLDEN
+    stats = stories_ngram.perf_stats()
+    assert stats.draft_tokens > 0
+    assert stats.recompiles_same == stats.recompiles_diff == 0
+
+
+def test_ngram_on_a_copy_accepts_most_drafts():
+    engine = jaxinfer.load(model_path(STORIES), speculative="ngram", **SMALL)
+    plain = jaxinfer.load(model_path(STORIES), **SMALL)
+    # A passage, then its first sentence again: the continuation can be looked up.
+    passage = _greedy(plain, [1], 96)
+    prompt = [1, *passage, 1, *passage[:12]]
+    assert _greedy(engine, prompt, 48) == _greedy(plain, prompt, 48)
+    stats = engine.perf_stats()
+    assert stats.accepted_tokens >= 0.5 * stats.draft_tokens > 0
+    assert (stats.spec_steps + stats.accepted_tokens) / stats.spec_steps > 2.0  # tokens per step
+    text = str(stats)
+    assert "perf:      speculative: ngram, K = 4, drafted = " in text
+    assert "tokens per step = " in text
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next", "mixtral"])
+def test_ngram_greedy_equals_hf_on_the_fixtures(kind):
+    root, prompts = _reference(kind)
+    engine = jaxinfer.load(root, speculative="ngram", draft_tokens=3, **SMALL)
+    for p in prompts:
+        # The prompt again after its greedy ids: the lookup proposes, the model disagrees
+        # or agrees; either way the ids are HF's.
+        assert _greedy(engine, p["ids"]) == p["greedy_ids"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen3_5_moe"])
+def test_ngram_greedy_equals_hf_on_the_moe_fixtures(kind):
+    test_ngram_greedy_equals_hf_on_the_fixtures(kind)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next", "qwen3_moe"])
+def test_draft_model_greedy_equals_hf(kind, tmp_path):
+    """A perturbed copy drafts: some drafts are accepted, some rejected, and for the hybrid
+    models every rejection rolls the linear states of the model and the draft back."""
+    root, prompts = _reference(kind)
+    draft = perturbed(root, tmp_path / "draft")
+    engine = jaxinfer.load(root, speculative=str(draft), **SMALL)
+    for p in prompts:
+        assert _greedy(engine, p["ids"]) == p["greedy_ids"]
+    stats = engine.perf_stats()
+    assert 0 < stats.accepted_tokens < stats.draft_tokens
+
+
+def test_the_model_as_its_own_draft_accepts_everything():
+    path = model_path(STORIES)
+    engine = jaxinfer.load(path, speculative=str(path), draft_tokens=5, **SMALL)
+    assert _greedy(engine, [1], len(GOLDEN)) == GOLDEN
+    stats = engine.perf_stats()
+    # Every draft is accepted but those past the budget (the last step drafts fewer).
+    assert stats.accepted_tokens == stats.draft_tokens > 0
+    assert "speculative: draft, K = 5" in str(stats)
+
+
+def _slots_keep_hf_greedy(draft, layout, devices):
+    """Each slot speculates on its own in the N-row program: rows accept different numbers
+    of drafts; under `layer` the model and the draft are split into 2 stages."""
+    root, prompts = _reference("qwen3_5")
+    engine = jaxinfer.load(
+        root, speculative=draft, slots=2, layout=layout, devices=devices,
+        max_seq_len=512, prefill_buckets=(32, 128),
+    )  # fmt: skip
+    requests = [
+        engine.submit(p["ids"], max_new_tokens=32, temperature=0, ignore_eos=True)
+        for p in prompts
+    ]
+    for r, p in zip(requests, prompts, strict=True):
+        assert r.result().token_ids == p["greedy_ids"], layout
+
+
+def test_slots_under_the_layer_split_keep_hf_greedy(tmp_path):
+    root, _ = _reference("qwen3_5")
+    _slots_keep_hf_greedy(str(perturbed(root, tmp_path / "draft")), "layer", 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout, devices", [("single", None), ("tensor", 2)])
+def test_slots_keep_hf_greedy(tmp_path, layout, devices):
+    root, _ = _reference("qwen3_5")
+    _slots_keep_hf_greedy(str(perturbed(root, tmp_path / "draft")), layout, devices)
+    _slots_keep_hf_greedy("ngram", layout, devices)
+
+
+# ---- sampling keeps the distribution --------------------------------------------------
+
+
+def _draws(engine, prompt, n, seed0):
+    """The first four sampled tokens of n requests with seeds seed0 .. seed0 + n - 1."""
+    opts = dict(max_new_tokens=4, temperature=2.0, top_k=5, top_p=1.0, min_p=0.0)
+    out = []
+    for start in range(0, n, 8):
+        requests = [
+            engine.submit(prompt, seed=seed0 + i, **opts) for i in range(start, min(n, start + 8))
+        ]
+        out += [tuple(r.result().token_ids) for r in requests]
+    return out
+
+
+def test_rejection_sampling_keeps_the_distribution():
+    """Two-sample chi-square, speculative vs plain, on the 2nd to 4th tokens: those are the
+    tokens verify steps decide (accepted drafts, draws from the residual, bonus draws). Top-k
+    = 5 makes the vocabulary tiny; temperature 2 makes rejections common."""
+    path = model_path(STORIES)
+    opts = dict(max_seq_len=256, prefill_buckets=(32,), slots=8)
+    spec = jaxinfer.load(path, speculative="ngram", **opts)
+    plain = jaxinfer.load(path, **opts)
+    plain_ids = plain.tokenize("Once upon a time, there was a little")
+    # A repeated phrase: the lookup proposes what followed it the first time.
+    prompt = [1, *plain_ids, *plain_ids[:4]]
+    n = 2000
+    a, b = _draws(spec, prompt, n, 0), _draws(plain, prompt, n, 10**6)
+    stats = spec.perf_stats()
+    assert stats.draft_tokens - stats.accepted_tokens > 300 and stats.accepted_tokens > 300
+    for position in (1, 2, 3):
+        cells = sorted({s[position] for s in a + b})
+        table = np.array([[sum(s[position] == c for s in x) for c in cells] for x in (a, b)])
+        table = table[:, table.sum(0) >= 10]  # chi-square needs populated cells
+        assert chi2_contingency(table).pvalue > 1e-3, (position, table)
+
+
+# ---- compiles: the storm, gone --------------------------------------------------------
+
+
+def test_a_storm_of_speculative_requests_compiles_nothing_after_warmup(tmp_path):
+    """100 requests: repetitive prompts (long accepted runs), random ones (hardly any), cancels;
+    n-gram lookup and a draft model, in strict mode."""
+    path = model_path(STORIES)
+    rng = np.random.default_rng(0)
+    prompts = []
+    for i in range(100):
+        if i % 2:
+            prompts.append([1, *(int(t) for t in rng.integers(3, 512, int(rng.integers(2, 60))))])
+        else:
+            phrase = [int(t) for t in rng.integers(3, 512, int(rng.integers(3, 9)))]
+            prompts.append([1, *(phrase * int(rng.integers(2, 6)))])
+    for how in ("ngram", str(path)):
+        engine = jaxinfer.load(
+            path, speculative=how, slots=4, strict=True, max_seq_len=256, prefill_buckets=(16, 64)
+        )
+        engine.warmup(progress=False)
+        with CompileCounter() as counter:
+            requests = [
+                engine.submit(p, max_new_tokens=int(rng.integers(1, 40)), temperature=0.0 if i % 3
+                              else 0.8, seed=i)
+                for i, p in enumerate(prompts)
+            ]  # fmt: skip
+            for i, r in enumerate(requests):
+                if i % 7 == 3:
+                    r.cancel()
+            results = [r.result() for r in requests]
+        assert counter.n == 0
+        stats = engine.perf_stats()
+        assert stats.recompiles_same == stats.recompiles_diff == stats.untracked_compiles == 0
+        assert stats.draft_tokens > stats.accepted_tokens > 0
+        assert sum(r.finish_reason == "cancelled" for r in results) == len(range(3, 100, 7))
+
+
+# ---- bad input -------------------------------------------------------------------------
+
+
+def test_bad_speculative_options_are_one_line_errors(tmp_path, capsys):
+    path = model_path(STORIES)
+    for k in (0, 17, 2.5, True):
+        with pytest.raises(JaxinferError, match="draft_tokens .* must be an integer in 1..16"):
+            jaxinfer.load(path, speculative="ngram", draft_tokens=k)
+    other, _ = _reference("qwen3_5")
+    with pytest.raises(JaxinferError, match="vocabulary .* a draft must share"):
+        jaxinfer.load(path, speculative=str(other))
+    with pytest.raises(UnsupportedModelError, match="mtp"):
+        jaxinfer.load(path, speculative="mtp")
+    with pytest.raises(JaxinferError, match="speculative = 3 is invalid"):
+        jaxinfer.load(path, speculative=3)
+    with pytest.raises(JaxinferError, match="does not exist"):
+        jaxinfer.load(path, speculative=str(tmp_path / "missing.gguf"))
+    # The CLI: one line, no traceback.
+    for argv in (
+        ["--spec-type", "ngram", "--spec-draft-n-max", "0"],
+        ["--spec-type", "draft"],
+        ["--spec-type", "ngram", "-md", str(path)],
+        ["-md", str(other)],
+    ):
+        assert main(["generate", "-m", str(path), "-p", "Once", "-n", "4", *argv]) == 1
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err
+
+
+def test_a_refused_request_leaves_the_speculative_engine_usable(stories_ngram):
+    with pytest.raises(RequestError):
+        stories_ngram.generate([1] * 600, max_new_tokens=4)
+    assert _greedy(stories_ngram, [1], 16) == GOLDEN[:16]
+
+
+def test_cli_prints_the_speculative_line(capsys):
+    path = model_path(STORIES)
+    argv = ["generate", "-m", str(path), "-p", "Once upon a time", "-n", "24", "--temp", "0",
+            "--spec-type", "ngram", "--spec-draft-n-max", "3", "-c", "256"]  # fmt: skip
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "speculative: ngram, K = 3, drafted = " in err
