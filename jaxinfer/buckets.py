@@ -1,10 +1,10 @@
 """Shape buckets: the few batch sizes and prompt-chunk lengths every program is compiled for.
 
 A program's shapes never depend on the context length (rows reach their KV pages through block
-tables), so the plan is small and known before serving: `cache`, `decode[B]` (or with speculation `verify[B]`) per batch bucket,
-`prefill[B, T]` per batch bucket and chunk within the prompt token budget (B x T at most the
-largest chunk, as llama.cpp's n_ubatch bounds the tokens of one prompt pass), and
-`score[1, T]` per chunk.
+tables), so the plan is small and known before serving: `cache`, `decode[B]` (with
+speculation `verify[B]` in its place) per batch bucket, `prefill[B, T]` per batch bucket and
+chunk within the prompt token budget (B x T at most the largest chunk, as llama.cpp's n_ubatch
+bounds the tokens of one prompt pass), and `score[1, T]` per chunk.
 """
 
 from __future__ import annotations

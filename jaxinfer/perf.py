@@ -57,7 +57,9 @@ class PerfStats:
         spec = []
         if self.spec_method:
             share = self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
-            per = (self.spec_steps + self.accepted_tokens) / self.spec_steps if self.spec_steps else 0
+            per = (
+                (self.spec_steps + self.accepted_tokens) / self.spec_steps if self.spec_steps else 0
+            )
             spec = [
                 f"perf:      speculative: {self.spec_method}, K = {self.spec_k}, drafted = "
                 f"{self.draft_tokens}, accepted = {self.accepted_tokens} ({share:.1%}), "

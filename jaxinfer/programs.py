@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -195,7 +196,11 @@ def programs(
         rows = jnp.arange(B)
         at = jnp.arange(T)[None]  # [1, T]
         pools, draft_pools = kv, draft_kv
-        kv, draft_kv = take_states(kv, state.slot, T), take_states(draft_kv, state.slot, T, "draft")
+        # The draft keeps one more state: index T, its state before the pending input token.
+        kv, draft_kv = (
+            take_states(kv, state.slot, T),
+            take_states(draft_kv, state.slot, T + 1, "draft"),
+        )
         zero = jnp.int32(0)
 
         def propose(s: DecodeState, history, live, pick, draft_kv):
@@ -207,7 +212,7 @@ def programs(
             def one(t, carry):  # the draft's greedy step t: input x_t at pos + t
                 token, drafts, draft_kv = carry
                 view = KVView(
-                    table, s.pos + t, live.astype(I32), None, jnp.where(t == 0, pick, t - 1), t
+                    table, s.pos + t, live.astype(I32), None, jnp.where(t == 0, T, t - 1), t
                 )
                 h, draft_kv = draft.forward(draft_params, token[:, None], view, draft_kv)
                 new = jnp.argmax(draft.head(draft_params, h[:, 0]), axis=-1).astype(I32)
@@ -216,6 +221,15 @@ def programs(
                 return new, drafts, draft_kv
 
             drafts = jnp.zeros((B, K), I32)
+            draft_kv = [  # the accepted state becomes the base the draft starts from
+                tuple(
+                    jax.lax.dynamic_update_slice_in_dim(
+                        a, jnp.expand_dims(gdn.select(a, pick, axis), axis + 1), T, axis + 1
+                    )
+                    for a in c
+                ) if lin else c
+                for c, lin in zip(draft_kv, flags["draft"], strict=True)
+            ]  # fmt: skip
             with jax.named_scope("draft"):
                 _, drafts, draft_kv = jax.lax.fori_loop(0, T, one, (s.tokens, drafts, draft_kv))
             return drafts, jnp.full((B,), K, I32), draft_kv
@@ -243,16 +257,25 @@ def programs(
             )
             return made + made_now, out, s, n
 
-        def step(carry):
-            made, kv, draft_kv, s, out, pick, counts = carry
-            window = s.window.at[rows, s.pos % PENALTY_WINDOW].set(s.tokens)
+        def with_input(s: DecodeState):
+            """The history with the row's input token (n-gram lookup)."""
             H = s.history.shape[1]
-            history = s.history.at[rows, s.pos % H].set(s.tokens) if H else s.history
-            live = ~s.done
-            drafts, count, draft_kv = propose(s, history, live, pick, draft_kv)
-            count = jnp.where(live, jnp.minimum(count, s.budget - 1), 0)  # [B]
+            return s.history.at[rows, s.pos % H].set(s.tokens) if H else s.history
 
-            def speculate(kv, made, out):
+        def next_drafts(s: DecodeState, pick, draft_kv):
+            """The coming step's drafts [B, K] and count [B] (0 for done rows, and never past
+            a row's budget), and the draft's kv."""
+            live = ~s.done
+            drafts, count, draft_kv = propose(s, with_input(s), live, pick, draft_kv)
+            return drafts, jnp.where(live, jnp.minimum(count, s.budget - 1), 0), draft_kv
+
+        def step(carry, speculating: bool):
+            made, kv, draft_kv, s, out, pick, counts, drafts, count = carry
+            window = s.window.at[rows, s.pos % PENALTY_WINDOW].set(s.tokens)
+            history = with_input(s)
+            H = history.shape[1]
+            live = ~s.done
+            if speculating:
                 with jax.named_scope("verify"):
                     tokens = jnp.concatenate([s.tokens[:, None], drafts], axis=1)  # [B, T]
                     view = KVView(table, s.pos, jnp.where(live, 1 + count, 0), None, pick, zero)
@@ -266,40 +289,49 @@ def programs(
                     positions = s.pos[:, None] + 1 + at  # [B, T] of the tokens predicted
                     logits = runner.head(params, h)  # [B, T, V]
                     new, n = accept(logits, windows, sampling, positions, drafts, count)
-                kept = history
                 if H:  # accepted drafts join the history
                     follow = (s.pos[:, None] + 1 + at[:, :K]) % H  # [B, K]
                     old = jnp.take_along_axis(history, follow, axis=1)
-                    kept = history.at[rows[:, None], follow].set(
+                    history = history.at[rows[:, None], follow].set(
                         jnp.where(at[:, :K] < n[:, None], drafts, old)
                     )
-                made, out, s_new, n = advance(s, made, out, new, n, windows[rows, n], kept, live)
-                return kv, made, out, s_new, n
-
-            def single(kv, made, out):  # the plain decode step
+                made, out, s, n = advance(s, made, out, new, n, windows[rows, n], history, live)
+            else:  # the plain decode step
                 view = KVView(table, s.pos, live.astype(I32), None, pick, zero)
                 h, kv = runner.forward(params, s.tokens[:, None], view, kv)  # [B, 1, D]
                 new = sample(runner.head(params, h[:, 0]), window, sampling, s.pos + 1)
                 n = jnp.zeros((B,), I32)
-                made, out, s_new, n = advance(s, made, out, new[:, None], n, window, history, live)
-                return kv, made, out, s_new, n
-
-            kv, made, out, s, n = jax.lax.cond(
-                jnp.any(count > 0), speculate, single, kv, made, out
-            )
+                made, out, s, n = advance(s, made, out, new[:, None], n, window, history, live)
             counts = counts + jnp.stack([count.sum(), n.sum(), live.sum()])
-            return made, kv, draft_kv, s, out, n, counts
+            drafts, count, draft_kv = next_drafts(s, n, draft_kv)
+            return made, kv, draft_kv, s, out, n, counts, drafts, count
 
         def more(carry):
             made, _, _, s, *_ = carry
             return jnp.any(~s.done) & (jnp.max(jnp.where(s.done, 0, made)) < steps)
 
+        def drafted(carry):
+            return jnp.any(carry[-1] > 0)
+
+        def phases(carry):
+            """Plain steps while no row has a draft, then verify steps while some row has.
+            (Two loops, not a cond: XLA CPU copies every KV pool into a cond's branches.)"""
+            carry = jax.lax.while_loop(
+                lambda c: more(c) & ~drafted(c), partial(step, speculating=False), carry
+            )
+            return jax.lax.while_loop(
+                lambda c: more(c) & drafted(c), partial(step, speculating=True), carry
+            )
+
         out = jnp.full((B, tokens_per_call + K), -1, I32)
-        init = (jnp.zeros((B,), I32), kv, draft_kv, state, out, jnp.zeros((B,), I32),
-                jnp.zeros((3,), I32))  # fmt: skip
-        _, kv, draft_kv, state, out, pick, counts = jax.lax.while_loop(more, step, init)
+        pick = jnp.zeros((B,), I32)
+        drafts, count, draft_kv = next_drafts(state, pick, draft_kv)
+        init = (jnp.zeros((B,), I32), kv, draft_kv, state, out, pick, jnp.zeros((3,), I32),
+                drafts, count)  # fmt: skip
+        _, kv, draft_kv, state, out, pick, counts, *_ = jax.lax.while_loop(more, phases, init)
         kv = put_states(pools, kv, state.slot, pick)
-        draft_kv = put_states(draft_pools, draft_kv, state.slot, pick, "draft")
+        # The draft's state before the pending input token (index T): the next call feeds it.
+        draft_kv = put_states(draft_pools, draft_kv, state.slot, jnp.full_like(pick, T), "draft")
         return kv + draft_kv, state, out, counts
 
     def score(params, kv, chunk: Chunk):

@@ -236,7 +236,9 @@ def accept(logits, windows, rows: SamplingRows, positions, drafts, count):
         last = tempered[rows_, n]  # [B, V] the distribution at the first unkept position
         rejected = n < count
         d = jnp.take_along_axis(drafts, jnp.minimum(n, T - 2)[:, None], axis=1)[:, 0]
-        residual = jnp.where(rejected[:, None] & (jnp.arange(V)[None] == d[:, None]), -jnp.inf, last)
+        residual = jnp.where(
+            rejected[:, None] & (jnp.arange(V)[None] == d[:, None]), -jnp.inf, last
+        )
         pos, seed = positions[rows_, n], rows.ints[:, _C["seed"]]
         salted = jax.vmap(partial(_key, salt=2))(seed, pos)
         plain = jax.vmap(_key)(seed, pos)
@@ -250,5 +252,7 @@ def accept(logits, windows, rows: SamplingRows, positions, drafts, count):
 
     n, final = jax.lax.cond(jnp.any(temperature > 0), draw, argmax, None)
     padded = jnp.concatenate([drafts, jnp.zeros((B, 1), jnp.int32)], axis=1)  # [B, T]
-    tokens = jnp.where(steps < n[:, None], padded, jnp.where(steps == n[:, None], final[:, None], -1))
+    tokens = jnp.where(
+        steps < n[:, None], padded, jnp.where(steps == n[:, None], final[:, None], -1)
+    )
     return tokens, n

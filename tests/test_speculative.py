@@ -179,8 +179,7 @@ def _slots_keep_hf_greedy(draft, layout, devices):
         max_seq_len=512, prefill_buckets=(32, 128),
     )  # fmt: skip
     requests = [
-        engine.submit(p["ids"], max_new_tokens=32, temperature=0, ignore_eos=True)
-        for p in prompts
+        engine.submit(p["ids"], max_new_tokens=32, temperature=0, ignore_eos=True) for p in prompts
     ]
     for r, p in zip(requests, prompts, strict=True):
         assert r.result().token_ids == p["greedy_ids"], layout
