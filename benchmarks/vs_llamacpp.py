@@ -209,9 +209,10 @@ def jaxinfer_worker(path: Path, threads: int, n_ctx: int, **options) -> Worker:
 
 def write_random_gguf(
     path: Path, d_model, n_layers, n_heads, n_kv_heads, d_ff, vocab, arch="llama",
-    n_experts=0, n_experts_used=0, d_ff_expert=0, name="llama-86M (random)",
+    n_experts=0, n_experts_used=0, d_ff_expert=0, name="llama-86M (random)", vocab_from=None,
 ) -> Path:  # fmt: skip
-    """A float32 GGUF with random weights and a SentencePiece-style vocabulary: `llama`, or
+    """A float32 GGUF with random weights and a SentencePiece-style vocabulary (or the one of
+    the GGUF `vocab_from`, e.g. stories260K's, so that it can draft): `llama`, or
     `qwen3` / `qwen3moe` (q/k norms; with `n_experts`, stacked experts and a router)."""
     import gguf
 
@@ -236,10 +237,21 @@ def write_random_gguf(
         w.add_expert_feed_forward_length(d_ff_expert)
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
     tokens += [f"\u2581w{i}" for i in range(vocab - len(tokens))]
+    scores = [0.0] * 259 + [-float(i) for i in range(vocab - 259)]
+    types = [2, 3, 3] + [6] * 256 + [1] * (vocab - 259)
+    if vocab_from is not None:
+        fields = gguf.GGUFReader(str(vocab_from)).fields
+        tokens = [bytes(fields["tokenizer.ggml.tokens"].parts[i]).decode()
+                  for i in fields["tokenizer.ggml.tokens"].data]  # fmt: skip
+        scores = [float(fields["tokenizer.ggml.scores"].parts[i][0])
+                  for i in fields["tokenizer.ggml.scores"].data]  # fmt: skip
+        types = [int(fields["tokenizer.ggml.token_type"].parts[i][0])
+                 for i in fields["tokenizer.ggml.token_type"].data]  # fmt: skip
+        assert len(tokens) == vocab, (len(tokens), vocab)
     w.add_tokenizer_model("llama")
     w.add_token_list(tokens)
-    w.add_token_scores([0.0] * 259 + [-float(i) for i in range(vocab - 259)])
-    w.add_token_types([2, 3, 3] + [6] * 256 + [1] * (vocab - 259))
+    w.add_token_scores(scores)
+    w.add_token_types(types)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     rng = np.random.default_rng(0)

@@ -7,6 +7,7 @@ rotate-half RoPE rows), so the loader never holds more than one weight on the ho
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -77,8 +78,17 @@ LINEAR_TENSORS = {
     "norm": ("norm.weight", "ssm_norm.weight"),
     "wo": ("out_proj.weight", "ssm_out.weight"),
 }
+# The multi-token-prediction head (Qwen3.5 / Qwen3-Next) -> (HF name, GGUF name under
+# blk.{n_layers}.); its decoder layer is named like the others: HF mtp.layers.0., GGUF
+# blk.{n_layers}.
+MTP_TENSORS = {
+    "fc": ("mtp.fc.weight", "nextn.eh_proj.weight"),
+    "embed_norm": ("mtp.pre_fc_norm_embedding.weight", "nextn.enorm.weight"),
+    "hidden_norm": ("mtp.pre_fc_norm_hidden.weight", "nextn.hnorm.weight"),
+    "norm": ("mtp.norm.weight", "nextn.shared_head_norm.weight"),
+}
 # Zero-centred RMSNorms of the hybrid models: HF stores w, GGUF (and jaxinfer) 1 + w.
-CENTRED_NORMS = ("attn_norm", "mlp_norm", "q_norm", "k_norm")
+CENTRED_NORMS = ("attn_norm", "mlp_norm", "q_norm", "k_norm", "embed_norm", "hidden_norm")
 
 
 def tensor_names(path: ParamPath, arch: str = "llama") -> tuple[str, str]:
@@ -123,6 +133,13 @@ class Checkpoint:
 
     def tensor(self, path: ParamPath, shape: tuple[int, ...]) -> np.ndarray:
         """One parameter in jaxinfer layout, reshaped to `shape`."""
+        if path[0] == "mtp":  # the MTP layer reads as layer n_layers, its head on its own
+            if path[1] == "layer":
+                return self.tensor(("layers", self.config.n_layers, *path[2:]), shape)
+            hf, gg = MTP_TENSORS[path[1]]
+            name = f"blk.{self.config.n_layers}.{gg}" if self.gguf else hf
+            w = self._read(name)
+            return _shaped(name, w if self.gguf or path[1] == "fc" else w + 1.0, shape)
         arch = self.config.arch
         name = self._name(path)
         hybrid = arch in HYBRID_ARCHS
@@ -146,6 +163,9 @@ class Checkpoint:
 
     def _name(self, path: ParamPath) -> str:
         name = tensor_names(path, self.config.arch)[1 if self.gguf else 0]
+        mtp = f"model.layers.{self.config.n_layers}."
+        if not self.gguf and name.startswith(mtp):  # the MTP layer
+            return "mtp.layers.0." + name.removeprefix(mtp)
         if not self.gguf and name.startswith("model."):
             name = self.prefix + name.removeprefix("model.")
         return name
@@ -325,6 +345,9 @@ def _open_hf(folder: Path) -> Checkpoint:
             raise CheckpointError(f"cannot read tensor {name!r} ({e})") from None
         return np.asarray(w, dtype=np.float32)
 
+    if not config.mtp_layers and "mtp.fc.weight" in owner:  # Qwen3-Next configs omit the count
+        mtp = {k.split(".")[2] for k in owner if k.startswith("mtp.layers.")}
+        config = dataclasses.replace(config, mtp_layers=len(mtp))
     return Checkpoint(
         config=config,
         tokenizer=Tokenizer.from_hf_dir(folder),

@@ -87,6 +87,9 @@ class ModelConfig:
     conv_kernel: int = 0
     attn_gate: bool = False  # attention output * sigmoid(gate), the gate from q_proj
     rotary_dim: int = 0  # RoPE on the first rotary_dim dims of each head (0: all of them)
+    # Multi-token-prediction layers the checkpoint ships (Qwen3.5 / Qwen3-Next); the model
+    # builds them only when speculating with them (loader.py sets 0 otherwise)
+    mtp_layers: int = 0
     name: str = ""  # for display only
 
     def __post_init__(self):
@@ -278,6 +281,7 @@ def hf_linear_fields(cfg: dict[str, Any], n_layers: int) -> dict[str, Any]:
         conv_kernel=int(cfg["linear_conv_kernel_dim"]),
         attn_gate=bool(cfg.get("attn_output_gate", True)),
         rotary_dim=int(int(head_dim) * factor),
+        mtp_layers=int(cfg.get("mtp_num_hidden_layers") or cfg.get("num_nextn_predict_layers", 0)),
     )
 
 
@@ -469,6 +473,7 @@ def _gguf_linear_fields(meta: dict[str, Any], gguf_arch: str, n_layers: int) -> 
         conv_kernel=int(get("ssm.conv_kernel")),
         attn_gate=True,
         rotary_dim=int(meta.get(f"{gguf_arch}.rope.dimension_count") or head_dim),
+        mtp_layers=int(meta.get(f"{gguf_arch}.nextn_predict_layers") or 0),
     )
 
 

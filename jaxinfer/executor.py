@@ -20,7 +20,7 @@ from .kvcache import KVConfig, PagePool
 from .placement import Placement
 from .programs import Program, programs
 from .sharding import named
-from .speculative import SpecConfig
+from .speculative import HiddenState, SpecConfig
 
 
 class Executor:
@@ -62,7 +62,7 @@ class Executor:
         self.kv = None  # the page pools, allocated on first use
         self._replicated = named(self.mesh)
         self._kv_shardings = self.runner.kv_shardings() + (
-            draft_runner.kv_shardings() if draft else []
+            draft_runner.kv_shardings() if draft else self.runner.mtp_kv_shardings()
         )
         shapes = jax.eval_shape(self.programs["cache"].fn)
         self._kv_abstract = jax.tree.map(
@@ -75,7 +75,9 @@ class Executor:
         # Linear layers' state per slot (a pipeline slot holds one per stage); the rest is pages.
         caches = self.runner.caches + (draft_runner.caches if draft else ())
         linear = [c for c in caches if isinstance(c, RecurrentState)]
-        self.state_slot_bytes = sum(c.slot_bytes() for c in linear) * self.runner.stages
+        self.state_slot_bytes = sum(c.slot_bytes() for c in linear) * self.runner.stages + sum(
+            c.slot_bytes() for c in self.runner.mtp_caches if isinstance(c, HiddenState)
+        )
         state_bytes = self.state_slot_bytes * self.kv_config.state_slots
         self.pages = PagePool(self.kv_config, (total - state_bytes) // self.kv_config.n_pages)
         # What the programs close over besides their arguments: a change here is a recompile.

@@ -6,6 +6,7 @@ the way, so the host never holds more than one weight beyond the memory-mapped f
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from functools import partial
@@ -120,7 +121,9 @@ def load(
     bad = not isinstance(max_seq_len, int) or isinstance(max_seq_len, bool)
     if bad or max_seq_len < 2:
         raise JaxinferError(f"max_seq_len = {max_seq_len!r} is invalid; it must be >= 2")
-    spec, place_draft = _speculative(speculative, draft_tokens, cfg, tokenizer, compute, model)
+    spec, place_draft = _speculative(speculative, draft_tokens, cfg, tokenizer, compute, name)
+    if cfg.mtp_layers and (spec is None or spec.method != "mtp"):
+        cfg = dataclasses.replace(cfg, mtp_layers=0)  # the MTP head is built only to draft
     placer = partial(place, read, cfg, compute)
     placement = placer(layout, devices)
     draft = place_draft(layout, devices) if place_draft else None
@@ -142,7 +145,7 @@ def load(
     )
 
 
-def _speculative(how, k, cfg: ModelConfig, tokenizer: Tokenizer, compute, model):
+def _speculative(how, k, cfg: ModelConfig, tokenizer: Tokenizer, compute, model: str):
     """The speculative config and, for a draft model, its placer (layout, devices) ->
     Placement; a bad choice raises here, before anything is placed."""
     if how is None:
@@ -150,10 +153,13 @@ def _speculative(how, k, cfg: ModelConfig, tokenizer: Tokenizer, compute, model)
     if how == "ngram":
         return SpecConfig.make("ngram", k), None
     if how == "mtp":
-        raise UnsupportedModelError(
-            f"speculative='mtp' needs a checkpoint's MTP layer, which {model!s} does not "
-            "provide here; use speculative='ngram' or a draft model"
-        )
+        if not cfg.mtp_layers:
+            raise UnsupportedModelError(
+                f"speculative='mtp' needs multi-token-prediction weights (HF mtp.*, GGUF "
+                f"blk.N.nextn.*), which {model} does not have; use speculative='ngram' or a "
+                "draft model"
+            )
+        return SpecConfig.make("mtp", k), None
     spec = SpecConfig.make("draft", k)
     if isinstance(how, ModelConfig):
         draft_cfg, draft_read = how, random_reader(how, BUILTIN_SEED + 1)

@@ -283,6 +283,42 @@ def block(graphdef: nnx.GraphDef, params, x, rope_tab, kv, view: KVView):
     return nnx.merge(graphdef, params)(x, rope_tab, kv, view)
 
 
+class MTP(nnx.Module):
+    """A multi-token-prediction head (Qwen3.5, Qwen3-Next): row p joins the model's final-norm
+    hidden state h_p and the next token's embedding, fc(concat(norm(embed), norm(h))) (the
+    embedding first), runs one full-attention decoder layer over the rows (its own KV cache,
+    row p at cache position p, RoPE at p + 1), then a norm; the model's lm_head reads it as
+    the logits of token p + 2. Its output feeds the next draft step as h."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, split: ExpertSplit | None = None):
+        D = cfg.d_model
+        self.eps = cfg.norm_eps
+        self.embed_norm = _param(rngs, (D,), ("embed",), init_one=True)
+        self.hidden_norm = _param(rngs, (D,), ("embed",), init_one=True)
+        self.fc = _param(rngs, (D, 2 * D), ("embed", None))
+        # the same expert block as the model's last layer (MoE models' MTP layer is MoE)
+        self.layer = Block(cfg, rngs, (False, cfg.kind(cfg.n_layers - 1)[1]), split)
+        self.norm = _param(rngs, (D,), ("embed",), init_one=True)
+
+    def __call__(self, embedded, hidden, rope_tab, kv, view: KVView):
+        """embedded, hidden [B, T, D] -> [B, T, D] (normed), kv (this layer's pools)."""
+        x = jnp.concatenate(
+            [rms_norm(embedded, self.embed_norm[...], self.eps),
+             rms_norm(hidden, self.hidden_norm[...], self.eps)], axis=-1,
+        )  # fmt: skip
+        x = jnp.einsum("BTE,DE->BTD", x, self.fc[...])  # [B, T, D]
+        x, kv = self.layer(x, rope_tab, kv, view)
+        return rms_norm(x, self.norm[...], self.eps), kv
+
+
+def mtp_forward(mtp: MTP, embed, cfg, tokens, hidden, view: KVView, kv):
+    """The MTP head over rows at cache positions view.start + t: tokens [B, T] the next
+    tokens, hidden [B, T, D] -> [B, T, D], kv."""
+    x = jnp.take(embed, tokens, axis=0).astype(hidden.dtype)  # [B, T, D]
+    rope_tab = rope_table(view.positions(tokens.shape[1]) + 1, rope_inv_freq(cfg))
+    return mtp(x, hidden, rope_tab, kv, view)
+
+
 class Transformer(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, split: ExpertSplit | None = None):
         self.cfg = cfg
@@ -291,6 +327,8 @@ class Transformer(nnx.Module):
         self.norm = _param(rngs, (cfg.d_model,), ("embed",), init_one=True)
         if not cfg.tie_embeddings:
             self.lm_head = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"))
+        if cfg.mtp_layers:
+            self.mtp = MTP(cfg, rngs, split)
 
     def __call__(self, tokens, view: KVView, kv: list):
         """tokens [B, T] at the view's positions; kv per layer (K, V) pools ->
@@ -303,6 +341,9 @@ class Transformer(nnx.Module):
                 x, layer_kv = block(*nnx.split(layer), x, rope_tab, kv[i], view)
             new_kv.append(layer_kv)
         return self.final_norm(x), new_kv
+
+    def draft(self, tokens, hidden, view: KVView, kv):
+        return mtp_forward(self.mtp, self.embed[...], self.cfg, tokens, hidden, view, kv)
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
         return jnp.take(self.embed[...], tokens, axis=0)  # [B, T, D]

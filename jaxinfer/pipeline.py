@@ -29,9 +29,19 @@ from jax.sharding import PartitionSpec as P
 from .config import ModelConfig, rope_inv_freq
 from .gdn import RecurrentState
 from .kvcache import KVConfig, KVView
-from .model import Block, block, head_logits, layer_cache, param_dtype, rms_norm, rope_table
+from .model import (
+    MTP,
+    Block,
+    block,
+    head_logits,
+    layer_cache,
+    mtp_forward,
+    param_dtype,
+    rms_norm,
+    rope_table,
+)
 from .moe import ExpertSplit
-from .placement import Placement, Reader, Runner, cache_shardings
+from .placement import Placement, Reader, Runner, cache_shardings, mtp_caches
 from .sharding import named, spec
 
 AXIS = "pp"
@@ -118,6 +128,14 @@ def place_params(read: Reader, cfg: ModelConfig, mesh: Mesh, rules: dict, dtype)
         shape = (cfg.d_model,) if name == "norm" else (cfg.vocab_size, cfg.d_model)
         host = read((name,), shape).astype(np_dtype)
         params[name] = jax.device_put(host, named(mesh, spec(logical, rules)))
+    if cfg.mtp_layers:  # the MTP head runs after the stages, on every device
+        mtp = mtp_module(cfg)
+        leaves = {}
+        for path, v in nnx.to_flat_state(nnx.state(mtp)):
+            shape, axes = v.get_value().shape, v.get_metadata()["axes"]
+            host = read(("mtp", *path), shape).astype(param_dtype(path, dtype))
+            leaves[path] = jax.device_put(host, named(mesh, spec(axes, rules)))
+        params["mtp"] = nnx.to_pure_dict(nnx.from_flat_state(leaves))
     slots = []
     for j, kind in enumerate(plan.kinds):
         slot: dict = {}
@@ -236,6 +254,13 @@ def pipeline_runner(cfg: ModelConfig, mesh: Mesh, rules: dict, dtype) -> Runner:
     def head(params, h):
         return head_logits(h, params["embed"] if cfg.tie_embeddings else params["lm_head"])
 
+    mtp_def = nnx.graphdef(mtp_module(cfg, split)) if cfg.mtp_layers else None
+    mtp = mtp_caches(cfg, dtype)
+
+    def draft(params, tokens, hidden, view, kv):
+        head = nnx.merge(mtp_def, params["mtp"])
+        return mtp_forward(head, params["embed"], cfg, tokens, hidden, view, kv)
+
     return Runner(
         forward=forward,
         head=head,
@@ -245,7 +270,15 @@ def pipeline_runner(cfg: ModelConfig, mesh: Mesh, rules: dict, dtype) -> Runner:
         state_axis=1,  # [pp, slots, ...]
         stages=pp,
         description=describe(plan),
+        mtp=draft if mtp else None,
+        mtp_caches=mtp,
+        mtp_kv_shardings=lambda: [cache_shardings(c, mesh, rules) for c in mtp],
     )
+
+
+def mtp_module(cfg: ModelConfig, split: ExpertSplit | None = None) -> MTP:
+    """The abstract MTP head (shapes only)."""
+    return nnx.eval_shape(lambda: MTP(cfg, nnx.Rngs(0), split))
 
 
 def describe(plan: StagePlan) -> str:

@@ -16,10 +16,11 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .config import ModelConfig
-from .kvcache import KVConfig
+from .kvcache import AttentionKV, KVConfig
 from .model import Transformer, abstract_model, cache_layers, param_dtype
 from .moe import ExpertSplit
 from .sharding import named, spec
+from .speculative import HiddenState
 
 Reader = Callable[[tuple, tuple], np.ndarray]  # (parameter path, shape) -> host array
 
@@ -36,6 +37,11 @@ class Runner:
     state_axis: int = 0  # the slot axis of a linear layer's cache arrays
     stages: int = 1
     description: str = ""  # which layers live where, for `jaxinfer info`
+    # The MTP head, when built: (params, tokens [B,T], hidden [B,T,D], view, kv) -> (g, kv),
+    # with its caches (its attention layer's pools, the per-slot hidden state), unstaged.
+    mtp: Callable | None = None
+    mtp_caches: tuple = ()
+    mtp_kv_shardings: Callable[[], list] = lambda: []
 
 
 @dataclass(frozen=True)
@@ -83,13 +89,24 @@ def random_reader(cfg: ModelConfig, seed: int) -> Reader:
 def dense_runner(graphdef: nnx.GraphDef, cfg: ModelConfig, dtype, mesh, rules) -> Runner:
     """All layers on every device of the mesh (single or tensor split)."""
     layers = cache_layers(cfg, dtype)
+    mtp = mtp_caches(cfg, dtype)
     return Runner(
         forward=lambda p, tokens, view, kv: nnx.merge(graphdef, p)(tokens, view, kv),
         head=lambda p, h: nnx.merge(graphdef, p).logits(h),
         init_kv=lambda kv: [layer.init(kv) for layer in layers],
         kv_shardings=lambda: [cache_shardings(layer, mesh, rules) for layer in layers],
         caches=tuple(layers),
+        mtp=(lambda p, *a: nnx.merge(graphdef, p).draft(*a)) if mtp else None,
+        mtp_caches=mtp,
+        mtp_kv_shardings=lambda: [cache_shardings(c, mesh, rules) for c in mtp],
     )
+
+
+def mtp_caches(cfg: ModelConfig, dtype) -> tuple:
+    """The MTP head's caches: its attention layer's KV pools and the per-slot hidden state."""
+    if not cfg.mtp_layers:
+        return ()
+    return (AttentionKV(cfg.n_kv_heads, cfg.head_dim, dtype), HiddenState(cfg.d_model))
 
 
 def cache_shardings(layer, mesh, rules, lead: tuple = ()) -> tuple[NamedSharding, ...]:

@@ -44,10 +44,11 @@ class Chunk:
 
     tokens: jax.Array  # [B, T] int32, padding 0
     view: KVView
+    next: jax.Array  # [B] int32 the prompt token after the chunk (-1: the prompt ends in it)
 
     @staticmethod
     def abstract(B: int, T: int, NB: int) -> Chunk:
-        return Chunk(_spec(B, T), KVView(_spec(B, NB), _spec(B), _spec(B), _spec(B)))
+        return Chunk(_spec(B, T), KVView(_spec(B, NB), _spec(B), _spec(B), _spec(B)), _spec(B))
 
 
 @struct.dataclass
@@ -94,19 +95,28 @@ def programs(
     With a draft model, `params` is (the model's, the draft's) and `kv` lists the model's
     layers then the draft's (one page pool, one set of slots)."""
     n_model = len(runner.caches)
-    caches = runner.caches + (draft.caches if draft else ())
+    # What proposes drafts keeps its caches after the model's: a draft model's layers, or the
+    # MTP head's (its attention pools, then the per-slot hidden state).
+    caches = runner.caches + (draft.caches if draft else runner.mtp_caches)
     linear = [isinstance(c, RecurrentState) for c in caches]
     flags = {"model": linear[:n_model], "draft": linear[n_model:]}
     axis = runner.state_axis
 
     def split(params, kv):
-        """(model params, model kv, draft params, draft kv)."""
+        """(model params, model kv, draft params, the proposer's kv)."""
         if draft is None:
-            return params, kv, None, []
+            return params, kv[:n_model], None, kv[n_model:]
         return params[0], kv[:n_model], params[1], kv[n_model:]
 
     def cache():
-        return runner.init_kv(kv_config) + (draft.init_kv(kv_config) if draft else [])
+        extra = draft.init_kv(kv_config) if draft else [c.init(kv_config) for c in caches[n_model:]]
+        return runner.init_kv(kv_config) + extra
+
+    def mtp_rows(params, mtp_kv, hidden, tokens, view: KVView):
+        """The MTP head over rows view.start + t (hidden [B, T, D] the model's at those
+        positions, tokens [B, T] the tokens after them) -> its outputs [B, T, D], its kv."""
+        g, pools = runner.mtp(params, jnp.maximum(tokens, 0), hidden, view, mtp_kv[0])
+        return g, [pools, *mtp_kv[1:]]
 
     def prefill(params, kv, chunk: Chunk, window, sampling: SamplingRows):
         """window [B, W] of the whole prompt; samples after each row's last real token."""
@@ -116,6 +126,15 @@ def programs(
         if draft:
             _, draft_kv = draft.forward(draft_params, chunk.tokens, chunk.view, draft_kv)
         last = jnp.clip(chunk.view.length - 1, 0, T - 1)  # [B]
+        if runner.mtp:  # rows p pair h_p with token p + 1: the chunk's next, or the prompt's
+            following = jnp.concatenate([chunk.tokens[:, 1:], chunk.tokens[:, :1]], axis=1)
+            at_last = jnp.arange(T)[None] == last[:, None]
+            following = jnp.where(at_last, chunk.next[:, None], following)
+            rows = chunk.view.length - (chunk.next < 0)  # the prompt's last row waits
+            view = KVView(chunk.view.table, chunk.view.start, rows, None)
+            _, draft_kv = mtp_rows(params, draft_kv, h, following, view)
+            hidden = (h[jnp.arange(B), last],)  # the model's state of the last prompt token
+            draft_kv[1] = gdn.put(draft_kv[1], hidden, chunk.view.slot)
         logits = runner.head(params, h[jnp.arange(B), last])  # [B, V]
         return kv + draft_kv, sample(logits, window, sampling, chunk.view.start + chunk.view.length)
 
@@ -203,11 +222,15 @@ def programs(
         )
         zero = jnp.int32(0)
 
-        def propose(s: DecodeState, history, live, pick, draft_kv):
-            """drafts [B, K], count [B], the draft's kv."""
+        def propose(s: DecodeState, history, live, pick, draft_kv, catch):
+            """drafts [B, K], count [B], the proposer's kv. `catch`: the model's hidden
+            states [B, t, D] of the tokens kept since the last proposal and the tokens after
+            them [B, t] (the MTP head reads them), their first position and count."""
             if spec.method == "ngram":
                 drafts, count = speculative.ngram(history, s.pos, K)
                 return drafts, count, draft_kv
+            if spec.method == "mtp":
+                return mtp_drafts(live, draft_kv, *catch)
 
             def one(t, carry):  # the draft's greedy step t: input x_t at pos + t
                 token, drafts, draft_kv = carry
@@ -257,16 +280,41 @@ def programs(
             )
             return made + made_now, out, s, n
 
+        def mtp_drafts(live, mtp_kv, hidden, tokens, start, length):
+            """The MTP head reads the kept rows (their hidden states and next tokens), drafts
+            from the last one, then chains K - 1 steps on its own output."""
+            with jax.named_scope("draft"):
+                view = KVView(table, start, length, None)
+                g, mtp_kv = mtp_rows(params, mtp_kv, hidden, tokens, view)  # [B, t, D]
+                last = jnp.clip(length - 1, 0, tokens.shape[1] - 1)
+                # The model's state of the last kept token: the next call starts from it.
+                mtp_kv[1] = gdn.put(mtp_kv[1], (hidden[rows, last],), state.slot)
+                g = g[rows, last]  # [B, D]
+                first = jnp.argmax(runner.head(params, g), axis=-1).astype(I32)
+                drafts = jnp.where(jnp.arange(K)[None] == 0, first[:, None], 0)
+
+                def chain(k, carry):  # row start + length - 1 + k: (its own output, draft k)
+                    g, token, drafts, mtp_kv = carry
+                    view = KVView(table, start + length - 1 + k, live.astype(I32), None)
+                    g, mtp_kv = mtp_rows(params, mtp_kv, g[:, None], token[:, None], view)
+                    g = g[:, 0]
+                    token = jnp.argmax(runner.head(params, g), axis=-1).astype(I32)
+                    drafts = jnp.where(jnp.arange(K)[None] == k, token[:, None], drafts)
+                    return g, token, drafts, mtp_kv
+
+                _, _, drafts, mtp_kv = jax.lax.fori_loop(1, K, chain, (g, first, drafts, mtp_kv))
+            return drafts, jnp.full((B,), K, I32), mtp_kv
+
         def with_input(s: DecodeState):
             """The history with the row's input token (n-gram lookup)."""
             H = s.history.shape[1]
             return s.history.at[rows, s.pos % H].set(s.tokens) if H else s.history
 
-        def next_drafts(s: DecodeState, pick, draft_kv):
+        def next_drafts(s: DecodeState, pick, draft_kv, catch):
             """The coming step's drafts [B, K] and count [B] (0 for done rows, and never past
-            a row's budget), and the draft's kv."""
+            a row's budget), and the proposer's kv."""
             live = ~s.done
-            drafts, count, draft_kv = propose(s, with_input(s), live, pick, draft_kv)
+            drafts, count, draft_kv = propose(s, with_input(s), live, pick, draft_kv, catch)
             return drafts, jnp.where(live, jnp.minimum(count, s.budget - 1), 0), draft_kv
 
         def step(carry, speculating: bool):
@@ -295,15 +343,18 @@ def programs(
                     history = history.at[rows[:, None], follow].set(
                         jnp.where(at[:, :K] < n[:, None], drafts, old)
                     )
-                made, out, s, n = advance(s, made, out, new, n, windows[rows, n], history, live)
+                made, out, s_new, n = advance(s, made, out, new, n, windows[rows, n], history, live)
             else:  # the plain decode step
                 view = KVView(table, s.pos, live.astype(I32), None, pick, zero)
                 h, kv = runner.forward(params, s.tokens[:, None], view, kv)  # [B, 1, D]
                 new = sample(runner.head(params, h[:, 0]), window, sampling, s.pos + 1)
                 n = jnp.zeros((B,), I32)
-                made, out, s, n = advance(s, made, out, new[:, None], n, window, history, live)
+                new = new[:, None]
+                made, out, s_new, n = advance(s, made, out, new, n, window, history, live)
             counts = counts + jnp.stack([count.sum(), n.sum(), live.sum()])
-            drafts, count, draft_kv = next_drafts(s, n, draft_kv)
+            catch = (h, new, s.pos, jnp.where(live, n + 1, 0))  # the rows kept now
+            drafts, count, draft_kv = next_drafts(s_new, n, draft_kv, catch)
+            s = s_new
             return made, kv, draft_kv, s, out, n, counts, drafts, count
 
         def more(carry):
@@ -325,7 +376,12 @@ def programs(
 
         out = jnp.full((B, tokens_per_call + K), -1, I32)
         pick = jnp.zeros((B,), I32)
-        drafts, count, draft_kv = next_drafts(state, pick, draft_kv)
+        catch = None
+        if runner.mtp:  # the row of the input token's predecessor, from its slot
+            (hidden,) = gdn.take(draft_kv[1], state.slot)
+            live = (~state.done).astype(I32)
+            catch = (hidden[:, None], state.tokens[:, None], state.pos - 1, live)
+        drafts, count, draft_kv = next_drafts(state, pick, draft_kv, catch)
         init = (jnp.zeros((B,), I32), kv, draft_kv, state, out, pick, jnp.zeros((3,), I32),
                 drafts, count)  # fmt: skip
         _, kv, draft_kv, state, out, pick, counts, *_ = jax.lax.while_loop(more, phases, init)

@@ -148,16 +148,19 @@ class Scheduler:
         B = self.shapes.batch_for(len(rows))
         tokens = np.zeros((B, T), np.int32)
         start, length, slot = (np.zeros(B, np.int32) for _ in range(3))
+        following = np.full(B, -1, np.int32)  # the prompt token after each row's chunk
         window = np.full((B, PENALTY_WINDOW), -1, np.int32)
         for b, active in enumerate(rows):
             prompt = active.state.prompt
             seg = prompt[active.offset : active.offset + T]
             tokens[b, : len(seg)] = seg
             start[b], length[b], slot[b] = active.offset, len(seg), active.slot
+            if active.offset + len(seg) < len(prompt):
+                following[b] = prompt[active.offset + len(seg)]
             self._grow(active, active.offset + len(seg))
             if active.offset + len(seg) == len(prompt):  # the chunk that samples a token
                 window[b] = recent_window(prompt)
-        chunk = Chunk(tokens, KVView(self._table(rows, B), start, length, slot))
+        chunk = Chunk(tokens, KVView(self._table(rows, B), start, length, slot), following)
         sampling = SamplingRows.stack([a.state.sampling for a in rows], B)
         t0 = self.clock()
         (first,) = self.executor.run("prefill", chunk, window, sampling)
@@ -290,7 +293,8 @@ class Scheduler:
                     np.array([len(seg)], np.int32),
                     np.array([active.slot], np.int32),
                 )
-                (logits,) = self.executor.run("score", Chunk(tokens, view))
+                chunk = Chunk(tokens, view, np.full(1, -1, np.int32))
+                (logits,) = self.executor.run("score", chunk)
                 out.append(np.asarray(logits)[0, : len(seg)])
                 active.offset += len(seg)
         finally:

@@ -10,6 +10,10 @@ Proposers, all on the device inside the loop:
 - `ngram`: prompt lookup. The longest recent match (NGRAM_MIN .. NGRAM_MAX tokens) of the
   row's last tokens in its own history (prompt and output, the last NGRAM_HISTORY positions)
   proposes the tokens that followed it.
+- `mtp`: the checkpoint's multi-token-prediction head (model.MTP), one layer with its own KV
+  layer in the page pool: after each step it reads the model's hidden states of the kept
+  tokens (writing their rows of its cache), then chains K - 1 steps on its own output. The
+  model's hidden state of a row's last kept token waits in a per-slot `HiddenState`.
 - `draft`: a second, smaller model with the same vocabulary, on the same mesh, with its own
   KV layers and linear states in the same page pool and slots; it runs K + 1 greedy decode
   steps per loop step (the last one only feeds its cache the last draft).
@@ -21,6 +25,7 @@ linear-attention layers keep every token's state during the call ([B, K + 1, ...
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import jax
@@ -82,3 +87,19 @@ def ngram(history: jax.Array, pos: jax.Array, k: int) -> tuple[jax.Array, jax.Ar
     drafts = jnp.take_along_axis(history, follow, axis=1)
     drafts = jnp.where(jnp.arange(k)[None] < count[:, None], drafts, 0)
     return drafts.astype(jnp.int32), count.astype(jnp.int32)
+
+
+@dataclass(frozen=True)
+class HiddenState:
+    """Per state slot, the model's final-norm hidden state [D] (float32) of the last token a
+    request kept: the MTP head's input for its next row."""
+
+    d_model: int
+
+    AXES = ((None, None),)  # logical axes of the pool [S, D]
+
+    def init(self, kv) -> tuple[jax.Array]:
+        return (jnp.zeros((kv.state_slots, self.d_model), jnp.float32),)
+
+    def slot_bytes(self) -> int:
+        return 4 * math.prod((self.d_model,))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ import jaxinfer
 from jaxinfer import speculative
 from jaxinfer.cli import main
 from jaxinfer.errors import JaxinferError, RequestError, UnsupportedModelError
+from jaxinfer.kvcache import KVView
 
 STORIES = "stories260K-gguf/stories260K.gguf"
 FIXTURES = {
@@ -196,6 +198,61 @@ def test_slots_keep_hf_greedy(tmp_path, layout, devices):
     root, _ = _reference("qwen3_5")
     _slots_keep_hf_greedy(str(perturbed(root, tmp_path / "draft")), layout, devices)
     _slots_keep_hf_greedy("ngram", layout, devices)
+
+
+# ---- MTP: the head against transformers' layers, then decoding with it ---------------
+
+
+def _mtp_rows(engine, ctx):
+    """The MTP head's logits [len(ctx) - 1, V] on every row p of ctx (h_p with token p + 1),
+    after one forward of the model over ctx, on fresh caches."""
+    runner, kvc = engine.runner, engine.kv_config
+    T = len(ctx) - 1
+    table = jnp.arange(1, kvc.table_width + 1, dtype=jnp.int32)[None]
+    one = lambda v: jnp.array([v], jnp.int32)  # noqa: E731
+
+    @jax.jit
+    def rows(params, tokens, following):
+        kv = runner.init_kv(kvc)
+        h, _ = runner.forward(params, tokens, KVView(table, one(0), one(T), one(1)), kv)
+        pools = runner.mtp_caches[0].init(kvc)
+        g, _ = runner.mtp(params, following, h, KVView(table, one(0), one(T), None), pools)
+        return runner.head(params, g[0])
+
+    ctx = jnp.asarray(ctx, jnp.int32)[None]
+    return np.asarray(rows(engine.params, ctx[:, :-1], ctx[:, 1:]))
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next", "qwen3_5_moe"])
+@pytest.mark.parametrize("fmt", ["hf", "gguf"])
+def test_mtp_head_matches_the_reference(kind, fmt):
+    """Row p's logits (for token p + 2) at the last prompt position against the float64
+    reference, and every row's argmax against its drafts (fixtures/README.md: the reference
+    runs transformers' decoder-layer classes and matches llama.cpp's MTP graph)."""
+    root, prompts = _reference(kind)
+    path = root / "model-f32.gguf" if fmt == "gguf" else root
+    engine = jaxinfer.load(path, speculative="mtp", **SMALL)
+    for p in prompts:
+        ctx = p["ids"] + p["greedy_ids"]
+        logits = _mtp_rows(engine, ctx)
+        last = len(p["ids"]) - 1
+        want = np.array(p["mtp"]["logits_row_last_prompt_pos_f64"])
+        assert np.abs(logits[last] - want).max() < 5e-4
+        assert logits.argmax(-1).tolist() == p["mtp"]["draft_ids_f64"]
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
+def test_mtp_greedy_equals_hf(kind):
+    root, prompts = _reference(kind)
+    engine = jaxinfer.load(root, speculative="mtp", draft_tokens=3, **SMALL)
+    for p in prompts:
+        assert _greedy(engine, p["ids"]) == p["greedy_ids"]
+    stats = engine.perf_stats()
+    assert stats.draft_tokens > 0 and "speculative: mtp, K = 3" in str(stats)
+
+
+def test_mtp_with_slots_under_the_layer_split_keeps_hf_greedy():
+    _slots_keep_hf_greedy("mtp", "layer", 2)
 
 
 # ---- sampling keeps the distribution --------------------------------------------------

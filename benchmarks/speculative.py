@@ -1,0 +1,104 @@
+"""Speculative decoding: decode tok/s with and without it, side by side in one process.
+
+Engines are loaded once and warmed up; every round runs each (model, workload, method) once,
+interleaved, and the table reports medians over the rounds (the first round is dropped).
+Decode tok/s is the eval phase of `perf_stats()` (the prompt is left out), greedy, one row.
+
+Workloads:
+- copy: a passage (the model's own 96 greedy tokens from BOS), then BOS and its first 12
+  tokens again, so that the continuation can be looked up (if the model copies);
+- plain: "Once upon a time" prompts for stories260K, random ids for the random 86M;
+- draft (86M only): stories260K drafting for the 86M random model (same vocabulary): the
+  drafts are hardly ever accepted, so this is the mechanism's overhead;
+- self: the model as its own draft: acceptance must be ~100% (a check of the accept logic).
+
+    python benchmarks/speculative.py [--rounds 5] [--out benchmarks/results/speculative.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+import jaxinfer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vs_llamacpp import LLAMA_86M, STORIES, write_random_gguf  # noqa: E402
+
+N_NEW = 64
+
+
+def _run(engine, prompt) -> tuple[float, float, float]:
+    """(decode tok/s, acceptance, tokens per step) of one greedy request."""
+    engine.reset_perf()
+    engine.generate(prompt, max_new_tokens=N_NEW, temperature=0, ignore_eos=True)
+    s = engine.perf_stats()
+    rate = 1e3 * s.eval_tokens / s.eval_ms
+    accept = s.accepted_tokens / s.draft_tokens if s.draft_tokens else 0.0
+    per = (s.spec_steps + s.accepted_tokens) / s.spec_steps if s.spec_steps else 1.0
+    return rate, accept, per
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    tmp = Path(tempfile.mkdtemp())
+    big = write_random_gguf(tmp / "86m.gguf", **LLAMA_86M, vocab_from=STORIES)
+    opts = dict(max_seq_len=512, batch_buckets=(1,), prefill_buckets=(32, 128, 512))
+    rng = np.random.default_rng(0)
+    cases = []  # (model, workload, method, engine, prompt)
+    for label, path in (("stories260K", STORIES), ("llama-86M (random)", big)):
+        base = jaxinfer.load(path, **opts)
+        ngram = jaxinfer.load(path, speculative="ngram", draft_tokens=4, **opts)
+        self_draft = jaxinfer.load(path, speculative=str(path), draft_tokens=4, **opts)
+        passage = base.generate([1], max_new_tokens=96, temperature=0, ignore_eos=True).token_ids
+        copy = [1, *passage, 1, *passage[:12]]
+        if label == "stories260K":
+            plain = base.tokenize("Once upon a time, there was a little girl who")
+        else:
+            plain = [1, *(int(t) for t in rng.integers(3, 512, 40))]
+        cases += [
+            (label, "copy", "none", base, copy),
+            (label, "copy", "ngram K=4", ngram, copy),
+            (label, "plain", "none", base, plain),
+            (label, "plain", "ngram K=4", ngram, plain),
+            (label, "plain", "self draft K=4", self_draft, plain),
+        ]
+        if label != "stories260K":
+            draft = jaxinfer.load(path, speculative=str(STORIES), draft_tokens=4, **opts)
+            cases.append((label, "plain", "stories260K draft K=4", draft, plain))
+    for *_, engine, _prompt in cases:
+        engine.warmup(progress=False)
+    runs: dict[tuple, list] = {}
+    for round_ in range(args.rounds + 1):
+        for label, work, method, engine, prompt in cases:
+            value = _run(engine, prompt)
+            if round_:
+                runs.setdefault((label, work, method), []).append(value)
+        print(f"round {round_} done", flush=True)
+    med = {k: tuple(statistics.median(x[i] for x in v) for i in range(3)) for k, v in runs.items()}
+    lines = [
+        "| model | workload | method | decode tok/s | vs none | accepted | tokens per step |",
+        "|---|---|---|---:|---:|---:|---:|",
+    ]
+    for (label, work, method), (rate, accept, per) in med.items():
+        none = med[label, work, "none"][0]
+        lines.append(
+            f"| {label} | {work} | {method} | {rate:.1f} | {rate / none:.2f}x | "
+            f"{accept:.0%} | {per:.2f} |"
+        )
+    table = "\n".join(lines)
+    print(table)
+    if args.out:
+        Path(args.out).write_text(table + "\n")
+
+
+if __name__ == "__main__":
+    main()
