@@ -32,6 +32,7 @@ from .sampling import PENALTY_WINDOW, SamplingRows, accept, sample
 from .speculative import SpecConfig
 
 I32 = np.int32
+BACKOFF_LOG2 = 4  # a row that keeps missing drafts tries again every 2**4 = 16 steps
 
 
 def _spec(*shape, dtype=I32) -> jax.ShapeDtypeStruct:
@@ -62,6 +63,9 @@ class DecodeState:
     window: jax.Array  # [B, W] int32, recent tokens by position mod W (-1 = empty)
     slot: jax.Array  # [B] int32, the row's state slot (linear layers; 0 = padding)
     history: jax.Array  # [B, H] int32, tokens by position mod H for n-gram lookup (H may be 0)
+    # [B, 2] int32 speculation back-off: verify steps in a row that kept no draft, and steps
+    # left without drafting (each miss doubles the wait, up to 2 ** BACKOFF_LOG2 - 1)
+    backoff: jax.Array
 
     @staticmethod
     def abstract(B: int, history: int = 0) -> DecodeState:
@@ -73,6 +77,7 @@ class DecodeState:
             _spec(B, PENALTY_WINDOW),
             _spec(B),
             _spec(B, history),
+            _spec(B, 2),
         )
 
 
@@ -253,8 +258,10 @@ def programs(
                 ) if lin else c
                 for c, lin in zip(draft_kv, flags["draft"], strict=True)
             ]  # fmt: skip
+            # While every row backs off, the draft only reads the input token.
+            steps = jnp.where(jnp.any(live & (s.backoff[:, 1] == 0)), T, 1)
             with jax.named_scope("draft"):
-                _, drafts, draft_kv = jax.lax.fori_loop(0, T, one, (s.tokens, drafts, draft_kv))
+                _, drafts, draft_kv = jax.lax.fori_loop(0, steps, one, (s.tokens, drafts, draft_kv))
             return drafts, jnp.full((B,), K, I32), draft_kv
 
         def advance(s: DecodeState, made, out, new, n, window, history, live):
@@ -305,6 +312,17 @@ def programs(
                 _, _, drafts, mtp_kv = jax.lax.fori_loop(1, K, chain, (g, first, drafts, mtp_kv))
             return drafts, jnp.full((B,), K, I32), mtp_kv
 
+        def backoff(state, count, n):
+            """A row whose verified drafts were all refused waits 1, 3, 7, 15 ... steps before
+            drafting again (speculation that never pays costs little); a kept draft resets."""
+            miss, wait = state[:, 0], state[:, 1]
+            verified = count > 0
+            miss = jnp.where(verified, jnp.where(n > 0, 0, miss + 1), miss)
+            wait = jnp.where(
+                verified, (1 << jnp.minimum(miss, BACKOFF_LOG2)) - 1, jnp.maximum(wait - 1, 0)
+            )
+            return jnp.stack([miss, wait], axis=1)
+
         def with_input(s: DecodeState):
             """The history with the row's input token (n-gram lookup)."""
             H = s.history.shape[1]
@@ -315,6 +333,7 @@ def programs(
             a row's budget), and the proposer's kv."""
             live = ~s.done
             drafts, count, draft_kv = propose(s, with_input(s), live, pick, draft_kv, catch)
+            count = jnp.where(s.backoff[:, 1] > 0, 0, count)
             return drafts, jnp.where(live, jnp.minimum(count, s.budget - 1), 0), draft_kv
 
         def step(carry, speculating: bool):
@@ -352,6 +371,7 @@ def programs(
                 new = new[:, None]
                 made, out, s_new, n = advance(s, made, out, new, n, window, history, live)
             counts = counts + jnp.stack([count.sum(), n.sum(), live.sum()])
+            s_new = s_new.replace(backoff=backoff(s.backoff, count, n))
             catch = (h, new, s.pos, jnp.where(live, n + 1, 0))  # the rows kept now
             drafts, count, draft_kv = next_drafts(s_new, n, draft_kv, catch)
             s = s_new

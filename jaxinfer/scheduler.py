@@ -261,7 +261,8 @@ class Scheduler:
                 history[b] = recent_window(context, width)
             tokens[b], pos[b], left[b], done[b] = active.token, active.pos, active.left, False
             slot[b] = active.slot
-        return DecodeState(tokens, pos, left, done, window, slot, history)
+        backoff = np.zeros((batch, 2), np.int32)
+        return DecodeState(tokens, pos, left, done, window, slot, history, backoff)
 
     def _retire(self, active: _Active) -> None:
         self.executor.pages.release(active.pages, active.reserved)
