@@ -30,6 +30,10 @@ NULL_SLOT = 0  # the state slot padding rows read and write (gdn.py)
 AXES = ("cache_seq", "kv_heads", "head_dim", None)  # logical axes of a pool [P, K, H, page]
 PAGE_SIZES = (16, 32, 64, 128, 256)
 QUERY_TILE = 128  # queries per causal tile inside a prompt chunk (tiles skip keys above them)
+# Chunks up to this many tokens (a speculative verify: the input token and its drafts) read
+# every key from the pages with a causal mask per query, as one decode step does: fewer ops
+# than a dense block over the chunk plus the pages before it.
+PAGED_CHUNK = 16
 _MASKED = -1e30  # finite, so that a fully masked block gives exp(0) * 0 and never NaN
 
 
@@ -138,6 +142,9 @@ def attend(q, k, v, pools, view: KVView, window: int | None = None) -> jax.Array
     q_pos = jnp.repeat(view.positions(T), G, axis=1)  # [B, Q]
     if T == 1:
         carry = _pages(qh, pools, view.table, q_pos, view.start + 1, _empty(B, K, G, H), window)
+    elif T <= PAGED_CHUNK:
+        n_keys = view.start + jnp.maximum(view.length, 1)
+        carry = _pages(qh, pools, view.table, q_pos, n_keys, _empty(B, K, T * G, H), window, True)
     else:
         carry = _chunk(qh, k, v, G, window)
         carry = _pages(qh, pools, view.table, q_pos, view.start, carry, window)
@@ -195,10 +202,11 @@ def _chunk(qh, k, v, G, window):
     return tuple(jnp.concatenate(p, axis=2) for p in zip(*parts, strict=True))
 
 
-def _pages(qh, pools, table, q_pos, n_keys, carry, window):
+def _pages(qh, pools, table, q_pos, n_keys, carry, window, causal=False):
     """Fold the keys at positions [0, n_keys[b]) of each row, read through its block table, into
-    the softmax state, one page per row and loop step. (Measured on XLA CPU: gathering several
-    pages per step, or pages smaller than 128, is slower per key than this.)"""
+    the softmax state, one page per row and loop step; `causal`: each query only up to its own
+    position. (Measured on XLA CPU: gathering several pages per step, or pages smaller than
+    128, is slower per key than this.)"""
     pool_k, pool_v = pools
     B, K, Q, H = qh.shape
     page = pool_k.shape[-1]
@@ -215,6 +223,8 @@ def _pages(qh, pools, table, q_pos, n_keys, carry, window):
         s = jnp.einsum("BKQH,BKHS->BKQS", qh, kb, preferred_element_type=jnp.float32)
         key_pos = j * page + jnp.arange(page)  # [S]
         visible = (key_pos[None] < n_keys[:, None])[:, None, None, :]  # [B, 1, 1, S]
+        if causal:
+            visible = visible & (key_pos <= q_pos[:, None, :, None])  # [B, 1, Q, S]
         if window:
             visible = visible & (q_pos[:, None, :, None] - key_pos < window)
         # Without a window, page 0 holds position 0, which every query sees (a decode step's

@@ -223,8 +223,17 @@ def _mtp_rows(engine, ctx):
     return np.asarray(rows(engine.params, ctx[:, :-1], ctx[:, 1:]))
 
 
-@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next", "qwen3_5_moe"])
-@pytest.mark.parametrize("fmt", ["hf", "gguf"])
+@pytest.mark.parametrize(
+    "kind, fmt",
+    [
+        ("qwen3_5", "hf"),
+        ("qwen3_next", "gguf"),
+        pytest.param("qwen3_5", "gguf", marks=pytest.mark.slow),
+        pytest.param("qwen3_next", "hf", marks=pytest.mark.slow),
+        pytest.param("qwen3_5_moe", "hf", marks=pytest.mark.slow),
+        pytest.param("qwen3_5_moe", "gguf", marks=pytest.mark.slow),
+    ],
+)
 def test_mtp_head_matches_the_reference(kind, fmt):
     """Row p's logits (for token p + 2) at the last prompt position against the float64
     reference, and every row's argmax against its drafts (fixtures/README.md: the reference
