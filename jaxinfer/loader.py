@@ -171,13 +171,18 @@ def _speculative(how, k, cfg: ModelConfig, tokenizer: Tokenizer, compute, model:
         raise JaxinferError(
             f"speculative = {how!r} is invalid; use 'ngram', 'mtp' or a draft model's path"
         )
+    # The tokenizers must agree; embedding tables may be padded differently (Qwen2.5 0.5B and
+    # 7B share a tokenizer but not a table size): drafts stay below the model's vocab_size.
     probe = "Once upon a time, 12 friends met at the café."
-    if draft_cfg.vocab_size != cfg.vocab_size or draft_tok.encode(probe) != tokenizer.encode(probe):
+    same = draft_tok.vocab_size == tokenizer.vocab_size
+    if not same or draft_tok.encode(probe) != tokenizer.encode(probe):
         raise JaxinferError(
-            f"the draft model's vocabulary ({draft_cfg.vocab_size} tokens) is not the model's "
-            f"({cfg.vocab_size}); a draft must share the model's tokenizer"
+            f"the draft model's vocabulary ({draft_tok.vocab_size} tokens) is not the model's "
+            f"({tokenizer.vocab_size}); a draft must share the model's tokenizer"
         )
-    return spec, partial(place, draft_read, draft_cfg, compute)
+    return dataclasses.replace(spec, vocab=cfg.vocab_size), partial(
+        place, draft_read, draft_cfg, compute
+    )
 
 
 def generate(model_or_engine=None, prompt="", **kwargs):

@@ -243,7 +243,8 @@ def programs(
                     table, s.pos + t, live.astype(I32), None, jnp.where(t == 0, T, t - 1), t
                 )
                 h, draft_kv = draft.forward(draft_params, token[:, None], view, draft_kv)
-                new = jnp.argmax(draft.head(draft_params, h[:, 0]), axis=-1).astype(I32)
+                logits = draft.head(draft_params, h[:, 0])[:, : spec.vocab or None]
+                new = jnp.argmax(logits, axis=-1).astype(I32)
                 # (step K only feeds the draft's cache its last draft: nothing is written)
                 drafts = jnp.where(jnp.arange(K)[None] == t, new[:, None], drafts)
                 return new, drafts, draft_kv

@@ -43,6 +43,7 @@ NGRAM_MIN, NGRAM_MAX = 2, 8  # match lengths (llama.cpp's ngram-simple and vLLM'
 class SpecConfig:
     method: str  # one of METHODS
     k: int  # draft tokens per step (K)
+    vocab: int = 0  # a draft model proposes ids below this (the model's vocab_size); 0: any
 
     @staticmethod
     def make(method: str, k) -> SpecConfig:

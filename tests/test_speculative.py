@@ -187,6 +187,18 @@ def _slots_keep_hf_greedy(draft, layout, devices):
         assert r.result().token_ids == p["greedy_ids"], layout
 
 
+def test_a_draft_with_a_padded_embedding_table_drafts_within_the_vocabulary():
+    """Same tokenizer, a larger (padded) table, as Qwen2.5 0.5B drafting for 7B: accepted, and
+    its drafts stay below the model's vocab_size."""
+    padded = jaxinfer.ModelConfig(
+        arch="llama", d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, head_dim=16, d_ff=128,
+        vocab_size=600, max_position=512,
+    )  # fmt: skip
+    engine = jaxinfer.load(model_path(STORIES), speculative=padded, **SMALL)
+    assert _greedy(engine, [1], len(GOLDEN)) == GOLDEN
+    assert engine.perf_stats().draft_tokens > 0
+
+
 def test_slots_under_the_layer_split_keep_hf_greedy(tmp_path):
     root, _ = _reference("qwen3_5")
     _slots_keep_hf_greedy(str(perturbed(root, tmp_path / "draft")), "layer", 2)
