@@ -25,7 +25,6 @@ linear-attention layers keep every token's state during the call ([B, K + 1, ...
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import jax
@@ -103,4 +102,4 @@ class HiddenState:
         return (jnp.zeros((kv.state_slots, self.d_model), jnp.float32),)
 
     def slot_bytes(self) -> int:
-        return 4 * math.prod((self.d_model,))
+        return 4 * self.d_model

@@ -22,6 +22,7 @@ from jaxinfer import speculative
 from jaxinfer.cli import main
 from jaxinfer.errors import JaxinferError, RequestError, UnsupportedModelError
 from jaxinfer.kvcache import KVView
+from jaxinfer.sampling import recent_window
 
 STORIES = "stories260K-gguf/stories260K.gguf"
 FIXTURES = {
@@ -87,19 +88,13 @@ def test_ngram_lookup_matches_brute_force(seed):
             at = int(rng.integers(0, n))
             context += context[at : at + int(rng.integers(1, 12))]
         rows.append(context)
-    history = np.stack([speculative_history(c, H) for c in rows])
+    history = np.stack([recent_window(c, H) for c in rows])
     pos = np.array([len(c) - 1 for c in rows], np.int32)
     drafts, count = speculative.ngram(jnp.asarray(history), jnp.asarray(pos), K)
     for b, context in enumerate(rows):
         want = _ngram_reference(context, K)
         assert int(count[b]) == len(want), (b, context)
         assert [int(t) for t in drafts[b, : len(want)]] == want
-
-
-def speculative_history(context, width):
-    from jaxinfer.sampling import recent_window
-
-    return recent_window(context, width)
 
 
 # ---- greedy output equals the references ----------------------------------------------
