@@ -1,4 +1,4 @@
-"""The `jaxinfer` command: llama.cpp-style `generate` and `info`.
+"""The `jaxinfer` command: llama.cpp-style `generate`, `serve`, `bench` and `info`.
 
 User errors print one line to stderr and exit 1 (`-v` adds the traceback). Generated text goes
 to stdout as it is produced; perf stats go to stderr.
@@ -45,7 +45,11 @@ def _devices(text: str):
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-m", "--model", help="HF folder or .gguf file (default: built-in random model)")
+    p.add_argument(
+        "-m", "--model",
+        help="HF folder or .gguf file (default: the built-in stories260K; builtin-random: "
+        "the random model)",
+    )  # fmt: skip
     p.add_argument("-c", "--ctx-size", type=int, default=None, help="context length (max_seq_len)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument(
@@ -63,6 +67,22 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-compile-cache", action="store_true", help="disable the persistent compile cache"
     )
+
+
+def _serving(p: argparse.ArgumentParser) -> None:
+    """Options of the commands that serve requests: prompt chunks and speculative decoding."""
+    p.add_argument(
+        "-ub", "--ubatch-size", type=_int_list, default=None,
+        help="prompt chunk sizes, comma-separated (default 32,128,512)",
+    )  # fmt: skip
+    p.add_argument(
+        "--spec-type", choices=["ngram", "draft", "mtp"], default=None,
+        help="speculative decoding: prompt lookup, a draft model (-md) or the MTP layer",
+    )  # fmt: skip
+    p.add_argument(
+        "--spec-draft-n-max", type=int, default=4, metavar="K", help="drafts per step (4)"
+    )
+    p.add_argument("-md", "--model-draft", default=None, help="draft model: HF folder or .gguf")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -85,24 +105,27 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("-s", "--seed", type=int, default=-1, help="random seed (-1 = random)")
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
-    g.add_argument(
-        "-ub", "--ubatch-size", type=_int_list, default=None,
-        help="prompt chunk sizes, comma-separated (default 32,128,512)",
-    )  # fmt: skip
-
     g.add_argument("--profile", default=None, metavar="DIR", help="write a jax profiler trace")
     g.add_argument(
         "-np", "--parallel", type=int, default=None,
         help="slots: requests decoded together with continuous batching",
     )  # fmt: skip
-    g.add_argument(
-        "--spec-type", choices=["ngram", "draft", "mtp"], default=None,
-        help="speculative decoding: prompt lookup, a draft model (-md) or the MTP layer",
-    )  # fmt: skip
-    g.add_argument(
-        "--spec-draft-n-max", type=int, default=4, metavar="K", help="drafts per step (4)"
+    _serving(g)
+
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over the slots")
+    _common(s)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
+    s.add_argument("--port", type=int, default=8080, help="port (8080; 0 = any free port)")
+    s.add_argument(
+        "-np", "--parallel", type=int, default=4, help="slots: requests decoded together (4)"
     )
-    g.add_argument("-md", "--model-draft", default=None, help="draft model: HF folder or .gguf")
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    s.add_argument("--alias", default=None, help="the model name the API reports")
+    s.add_argument(
+        "--chat-template-file", default=None, metavar="FILE",
+        help="a jinja chat template in place of the model's",
+    )  # fmt: skip
+    _serving(s)
 
     b = sub.add_parser("bench", help="llama-bench style throughput")
     _common(b)
@@ -127,7 +150,7 @@ def _load(args):
     if getattr(args, "ubatch_size", None):
         options["prefill_buckets"] = args.ubatch_size
     options.update(_cache_options(args))
-    if getattr(args, "parallel", None) and args.command == "generate":
+    if getattr(args, "parallel", None) and args.command in ("generate", "serve"):
         options["slots"] = args.parallel
     if args.kv_cache_tokens is not None:
         options["kv_cache_tokens"] = args.kv_cache_tokens
@@ -258,6 +281,37 @@ def _generate_run(args) -> None:
     print(engine.perf_stats(), file=sys.stderr)
 
 
+def _serve(args) -> None:
+    from .server import Server
+
+    template = None
+    if args.chat_template_file:
+        try:
+            with open(args.chat_template_file, encoding="utf-8") as f:
+                template = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise JaxinferError(f"cannot read --chat-template-file: {e}") from None
+    _positive_flag("--parallel", args.parallel)
+
+    def ready(server):
+        e = server.worker.engine
+        print(f"jaxinfer serve: ready on {server.url}/v1: {e.name} [{e.source}], "
+              f"{e.slots} slots, context {e.max_seq_len}", file=sys.stderr, flush=True)  # fmt: skip
+
+    server = Server(
+        lambda: _load(args), host=args.host, port=args.port, api_key=args.api_key,
+        alias=args.alias, chat_template=template, progress=True, on_ready=ready,
+    )  # fmt: skip
+    print(f"jaxinfer serve: listening on {server.url}; loading {args.model or 'stories260K'} "
+          "(/health answers 503 until it is ready)", file=sys.stderr, flush=True)  # fmt: skip
+    server.run()
+
+
+def _positive_flag(flag: str, value: int) -> None:
+    if value < 1:
+        raise JaxinferError(f"{flag} {value} is invalid; it must be >= 1")
+
+
 def _pct(values: list[float], q: float) -> float:
     if not values:
         return 0.0
@@ -377,7 +431,8 @@ def main(argv: list[str] | None = None) -> int:
     for noisy in ("jax", "absl"):  # -v is for jaxinfer's own debug lines (recompiles...)
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
-        {"generate": _generate, "info": _info, "bench": _bench}[args.command](args)
+        commands = {"generate": _generate, "serve": _serve, "info": _info, "bench": _bench}
+        commands[args.command](args)
     except JaxinferError as e:
         if args.verbose:
             traceback.print_exc()

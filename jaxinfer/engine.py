@@ -386,6 +386,12 @@ class Engine:
         state_bytes_allocated."""
         return {**self.executor.pages.stats(), **self.executor.state_stats()}
 
+    def activity(self) -> dict:
+        """Requests now: running (holding a slot) and queued (waiting for one or for pages)."""
+        sched = self._scheduler
+        running = sum(a.state is not None for a in sched.running)  # a scoring pass is not one
+        return {"running": running, "queued": len(sched.queue)}
+
     def reset_perf(self) -> None:
         """Zero the timings and graph-reuse counts (compile history is kept)."""
         self._perf = PerfStats(load_ms=self._perf.load_ms)

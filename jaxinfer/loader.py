@@ -1,4 +1,4 @@
-"""load(): a checkpoint path (or nothing, for the built-in model) -> a ready Engine.
+"""load(): a checkpoint path (or nothing, for the built-in stories260K) -> a ready Engine.
 
 Weights travel one tensor at a time from the file to the device, cast to the compute dtype on
 the way, so the host never holds more than one weight beyond the memory-mapped file.
@@ -41,8 +41,12 @@ ENGINE_OPTIONS = (
 )
 _DEFAULT = object()
 
-# The built-in default: random weights from a fixed seed over a byte-level vocabulary, so the
-# main job runs with no download. It produces noise, never language.
+# The built-in default model ships in the package: Karpathy's stories260K (MIT; models/LICENSE),
+# a 1.2 MB GGUF trained on TinyStories, so the main job writes a little story with no download.
+BUILTIN_MODEL = Path(__file__).parent / "models" / "stories260K.gguf"
+# The built-in random model, by name (benchmarks): random weights from a fixed seed over a
+# byte-level vocabulary. It produces noise, never language.
+BUILTIN_RANDOM = "builtin-random"
 BUILTIN_NAME = "builtin-random (random weights, byte-level tokenizer; not a trained model)"
 BUILTIN_SEED = 0
 
@@ -83,8 +87,9 @@ def load(
 ) -> Engine:
     """Load a Hugging Face folder or a .gguf file.
 
-    None gives the built-in random model; a ModelConfig gives random weights of that shape
-    (for benchmarks) with the byte-level tokenizer when its vocabulary is large enough.
+    None gives the built-in model (stories260K, shipped in the package); "builtin-random" the
+    built-in random model; a ModelConfig random weights of that shape (for benchmarks) with the
+    byte-level tokenizer when its vocabulary is large enough.
     `compile_cache_dir` sets the persistent compilation cache (default: a per-user cache
     directory or $JAXINFER_COMPILE_CACHE_DIR; None disables). `strict=True` (or
     JAXINFER_STRICT=1) makes any compile after `warmup()` raise RecompileError.
@@ -103,9 +108,11 @@ def load(
     )
     options.setdefault("strict", os.environ.get("JAXINFER_STRICT", "") not in ("", "0"))
     t0 = time.perf_counter()
-    if model is None or isinstance(model, ModelConfig):
+    if model is None:
+        model = BUILTIN_MODEL
+    if model == BUILTIN_RANDOM or isinstance(model, ModelConfig):
         tokenizer = Tokenizer.byte_level()
-        cfg = model or builtin_config(tokenizer.vocab_size)
+        cfg = model if isinstance(model, ModelConfig) else builtin_config(tokenizer.vocab_size)
         if cfg.vocab_size < tokenizer.vocab_size:
             raise JaxinferError(
                 f"a random model needs vocab_size >= {tokenizer.vocab_size} (byte tokenizer)"
@@ -115,7 +122,8 @@ def load(
     else:
         ckpt = open_checkpoint(model)
         cfg, tokenizer, read = ckpt.config, ckpt.tokenizer, ckpt.tensor
-        source, name = ckpt.format, str(model)
+        source = ckpt.format
+        name = "stories260K (built in)" if model == BUILTIN_MODEL else str(model)
     if max_seq_len is None:
         max_seq_len = cfg.max_position
     bad = not isinstance(max_seq_len, int) or isinstance(max_seq_len, bool)
@@ -186,7 +194,7 @@ def _speculative(how, k, cfg: ModelConfig, tokenizer: Tokenizer, compute, model:
 
 
 def generate(model_or_engine=None, prompt="", **kwargs):
-    """One call: load the model (a path, or None for the built-in) or reuse an Engine."""
+    """One call: load the model (a path, or None for the built-in one) or reuse an Engine."""
     if isinstance(model_or_engine, Engine):
         return model_or_engine.generate(prompt, **kwargs)
     names = ("dtype", "max_seq_len", "speculative", "draft_tokens", *ENGINE_OPTIONS)

@@ -58,6 +58,7 @@ class Tokenizer:
         bos_id: int | None,
         eos_ids: tuple[int, ...],
         add_bos: bool,
+        chat_template: str | None = None,
     ) -> None:
         self.backend = backend
         self.kind = kind
@@ -66,6 +67,11 @@ class Tokenizer:
         self.eos_ids = eos_ids
         # Without a BOS id there is nothing to prepend, whatever the metadata asks for.
         self.add_bos = add_bos and bos_id is not None
+        self.chat_template = chat_template  # jinja source (tokenizer_config.json / GGUF)
+
+    def token_text(self, token_id: int | None) -> str:
+        """The text of one token (e.g. "<s>"), "" for None."""
+        return "" if token_id is None else self.backend.id_to_token(token_id) or ""
 
     def __repr__(self) -> str:
         return (
@@ -135,6 +141,7 @@ class Tokenizer:
             bos_id=bos_id,
             eos_ids=eos_ids,
             add_bos=add_bos,
+            chat_template=_hf_chat_template(folder, tok_cfg),
         )
 
     @classmethod
@@ -203,9 +210,11 @@ class Tokenizer:
         user_ids = [i for i, t in enumerate(types) if t == _TYPE_USER_DEFINED]
         backend.add_special_tokens([_added(tokens[i], special=True) for i in sorted(special_ids)])
         backend.add_tokens([_added(tokens[i], special=False) for i in user_ids])
+        template = meta.get("tokenizer.chat_template")
         return cls(
-            backend, kind=kind, vocab_size=n, bos_id=bos_id, eos_ids=eos_ids, add_bos=add_bos
-        )
+            backend, kind=kind, vocab_size=n, bos_id=bos_id, eos_ids=eos_ids, add_bos=add_bos,
+            chat_template=template if isinstance(template, str) and template else None,
+        )  # fmt: skip
 
     @classmethod
     def byte_level(cls) -> Tokenizer:
@@ -453,6 +462,24 @@ def _split_merge(merge: str, where: str) -> tuple[str, str]:
             "corrupt, re-convert it"
         )
     return merge[:cut], merge[cut + 1 :]
+
+
+def _hf_chat_template(folder: Path, tok_cfg: dict) -> str | None:
+    """The default chat template of a HF folder: chat_template.jinja (newer transformers),
+    chat_template.json, or tokenizer_config.json's chat_template (a string, or a list of named
+    templates of which "default" is used)."""
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        try:
+            return jinja.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"cannot read {jinja}: {_one_line(e)}") from e
+    template = _read_json(folder / "chat_template.json").get("chat_template")
+    template = template or tok_cfg.get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": "..."}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) and template else None
 
 
 def _read_json(path: Path) -> dict:
