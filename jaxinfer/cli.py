@@ -304,7 +304,10 @@ def _serve(args) -> None:
     )  # fmt: skip
     print(f"jaxinfer serve: listening on {server.url}; loading {args.model or 'stories260K'} "
           "(/health answers 503 until it is ready)", file=sys.stderr, flush=True)  # fmt: skip
-    server.run()
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn shut down gracefully, then re-raised Ctrl-C
+        print("jaxinfer serve: stopped", file=sys.stderr)
 
 
 def _positive_flag(flag: str, value: int) -> None:

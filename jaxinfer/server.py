@@ -64,7 +64,10 @@ class Server:
         self.metrics = Metrics()
         self._on_ready = on_ready
         self.app = _App(self, api_key=api_key, alias=alias, chat_template=chat_template).build()
-        config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off")
+        # log_config=None: uvicorn's dictConfig would replace the host program's logging.
+        config = uvicorn.Config(
+            self.app, log_config=None, log_level="warning", access_log=False, lifespan="off"
+        )
         self._uvicorn = uvicorn.Server(config)
         self._thread: threading.Thread | None = None
 

@@ -674,6 +674,7 @@ def write_gguf(
     arch: str | None = None,
     qtype: str = "F32",
     tokenizer: bool = True,
+    chat_template: str | None = None,
 ) -> Path:
     """Write a llama.cpp-style GGUF; returns its path.
 
@@ -749,6 +750,8 @@ def write_gguf(
         if config.get("eos_token_id") is not None:
             w.add_eos_token_id(int(config["eos_token_id"]))
         w.add_add_bos_token(_adds_bos(config))
+        if chat_template is not None:
+            w.add_chat_template(chat_template)
 
     def add(name: str, arr: np.ndarray, quantizable: bool) -> None:
         arr = np.ascontiguousarray(np.asarray(arr, dtype=np.float32))

@@ -119,9 +119,18 @@ def test_generate_function_loads_or_reuses(stories_hf):
     assert r.token_ids == GOLDEN[:8]
 
 
-def test_builtin_default_model_runs():
-    r = jaxinfer.generate(None, "Hello", max_new_tokens=8, temperature=0, ignore_eos=True)
-    assert len(r.token_ids) == 8
+def test_builtin_default_model_is_stories260k(stories_gguf):
+    """No model: the stories260K GGUF shipped in the package (it writes a story); the random
+    model stays available by name."""
     engine = jaxinfer.load()
-    assert "random" in engine.name
-    assert engine.detokenize(engine.tokenize("héllo 世界")) == "héllo 世界"
+    assert "stories260K" in engine.name and engine.source.startswith("GGUF")
+    r = engine.generate("Once upon a time", max_new_tokens=24, temperature=0)
+    assert (
+        r.text == stories_gguf.generate("Once upon a time", max_new_tokens=24, temperature=0).text
+    )
+    assert r.text.startswith(", there was a little")
+    r = jaxinfer.generate(None, [1], max_new_tokens=8, temperature=0)
+    assert r.token_ids == GOLDEN[:8]
+    random = jaxinfer.load("builtin-random")
+    assert "random" in random.name
+    assert random.detokenize(random.tokenize("héllo 世界")) == "héllo 世界"

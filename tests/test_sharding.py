@@ -173,7 +173,7 @@ def test_cli_prints_the_plan(capsys):
     assert "slots.0.attn.wq: [2, 64, 64] P('pp', None, None)" in out
 
 
-def test_wheel_ships_the_builtin_layouts(tmp_path):
+def test_wheel_ships_the_builtin_layouts_and_model(tmp_path):
     repo = __import__("pathlib").Path(__file__).resolve().parents[1]
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(repo)],
@@ -183,6 +183,8 @@ def test_wheel_ships_the_builtin_layouts(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     for layout in ("single", "layer", "tensor", "layer-tensor"):
         assert f"jaxinfer/shardings/{layout}.toml" in names
+    # the built-in model and its license notice
+    assert {"jaxinfer/models/stories260K.gguf", "jaxinfer/models/LICENSE"} <= set(names)
 
 
 def test_devices_list_and_count_select_devices():
