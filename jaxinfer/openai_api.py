@@ -80,8 +80,9 @@ class Job:
         for ids in self.prompts:
             for i in range(self.n):
                 opts = dict(self.options)
-                if opts.get("seed") is not None and isinstance(opts["seed"], int):
-                    opts["seed"] += i
+                seed = opts.get("seed")
+                if _is_int(seed) and seed >= 0:  # a negative seed means random anyway
+                    opts["seed"] = seed + i
                 out.append((ids, opts))
         return out
 

@@ -263,7 +263,10 @@ class _App:
         def sink(index: int, item) -> None:  # on the engine thread
             if isinstance(item, Result):
                 metrics.finished(item)
-            loop.call_soon_threadsafe(inbox.put_nowait, (index, item))
+            try:
+                loop.call_soon_threadsafe(inbox.put_nowait, (index, item))
+            except RuntimeError:  # the loop is closed: the server is shutting down
+                pass
 
         def submit(engine: Engine):  # on the engine thread: every choice, or none
             made = []

@@ -265,12 +265,41 @@ def test_dropped_clients_free_their_slots(server):
             assert response.status == 200 and response.readline().startswith(b"data: ")
         else:
             assert wait_for(lambda: metrics(server)[("jaxinfer:slots_busy",)] == 1)
-        conn.sock.shutdown(socket.SHUT_RDWR)  # the client goes away mid-generation
-        conn.close()
+        _drop(conn)  # the client goes away mid-generation
         assert wait_for(lambda c=cancelled: _cancelled(server) == c + 1)
         m = metrics(server)
         assert m[("jaxinfer:slots_busy",)] == 0 and m[("jaxinfer:kv_cache_pages_used",)] == 0
         assert m[("jaxinfer:tokens_predicted_total",)] - predicted < 1000  # stopped early
+
+
+def _open_stream(server, body) -> http.client.HTTPConnection:
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}))
+    return conn
+
+
+def _drop(conn: http.client.HTTPConnection) -> None:
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+
+
+def test_dropped_queued_client_leaves_the_queue(server):
+    """Four long streams hold the slots; a fifth waits in the queue; dropping it removes it
+    from the queue (it never runs), then dropping the four frees every slot."""
+    body = {"prompt": PROMPTS[4], "max_tokens": 2000, "temperature": 0, "ignore_eos": True}
+    cancelled = _cancelled(server)
+    running = [_open_stream(server, body) for _ in range(4)]
+    for conn in running:
+        assert conn.getresponse().readline().startswith(b"data: ")
+    queued = _open_stream(server, body)
+    assert wait_for(lambda: metrics(server)[("jaxinfer:requests_deferred",)] == 1)
+    _drop(queued)
+    assert wait_for(lambda: metrics(server)[("jaxinfer:requests_deferred",)] == 0)
+    assert wait_for(lambda: _cancelled(server) >= cancelled + 1)
+    for conn in running:
+        _drop(conn)
+    assert wait_for(lambda: metrics(server)[("jaxinfer:slots_busy",)] == 0)
+    assert metrics(server)[("jaxinfer:kv_cache_pages_used",)] == 0
 
 
 def test_bad_requests_get_400s_while_others_complete(server, client, stories_hf):
