@@ -329,12 +329,21 @@ class Engine:
         self._scheduler.submit(state)
         return Request(state, self.step, self._scheduler.cancel)
 
-    def step(self) -> None:
-        """One scheduler step: admit, one prompt chunk, one decode call, deliveries."""
-        with self._watched():
-            for state, piece in self._scheduler.step():
+    def step(self, on_pieces: Callable[[], None] | None = None) -> None:
+        """One scheduler step: admit, one prompt chunk, one decode call, deliveries.
+
+        Each call's pieces are queued on their requests as soon as it returns; `on_pieces()`
+        then runs (a server's engine thread sends them on at once)."""
+
+        def deliver(out) -> None:
+            for state, piece in out:
                 if piece.text or piece.token_ids or piece.finish_reason:
                     state.pieces.append(piece)
+            if on_pieces is not None:
+                on_pieces()
+
+        with self._watched():
+            self._scheduler.step(deliver)
 
     def _stream(self, request: Request, profile_dir=None) -> Iterator[StreamPiece]:
         t0 = time.perf_counter()

@@ -109,13 +109,15 @@ class Scheduler:
 
     # ---- one step -----------------------------------------------------------------------
 
-    def step(self) -> list[Delivery]:
-        """Admit, one prompt chunk, one decode call; the pieces each request produced."""
-        out: list[Delivery] = []
+    def step(self, deliver: Callable[[list[Delivery]], None]) -> None:
+        """Admit, one prompt chunk, one decode call. `deliver` gets the pieces each call
+        produced as soon as it returns: a first token is out before the decode call runs."""
         self._admit()
-        self._prefill(out)
-        self._decode(out)
-        return out
+        for phase in (self._prefill, self._decode):
+            out: list[Delivery] = []
+            phase(out)
+            if out:
+                deliver(out)
 
     def _admit(self) -> None:
         pages = self.executor.pages

@@ -129,7 +129,7 @@ class Worker:
 
     def _step(self) -> None:
         try:
-            self.engine.step()
+            self.engine.step(on_pieces=self._deliver)  # first tokens before the decode call
         except Exception as e:  # e.g. strict mode refused a compile: end what was running
             log.exception("engine step failed; the requests it was serving end with an error")
             for request, sink in list(self._live.items()):

@@ -241,9 +241,9 @@ def test_untracked_compiles_are_counted_and_refused_in_strict_mode(strict):
     # An eager op inside an engine call (a user hook run by the scheduler's step) raises.
     original = strict._scheduler.step
 
-    def step_with_an_eager_op():
+    def step_with_an_eager_op(deliver):
         jax.block_until_ready(jnp.arange(19) * 7)
-        return original()
+        return original(deliver)
 
     strict._scheduler.step = step_with_an_eager_op
     try:
