@@ -349,6 +349,7 @@ def _info(args) -> None:
         ("context", f"{engine.max_seq_len} (model declares {cfg.max_position})"),
         ("tokenizer", f"{tok.kind}; bos {tok.bos_id}, eos {list(tok.eos_ids)}"),
         ("adds BOS", tok.add_bos),
+        ("chat template", f"{len(tok.chat_template)} characters" if tok.chat_template else "-"),
     ]  # fmt: skip
     mesh = ", ".join(f"{a}={n}" for a, n in engine.mesh.shape.items())
     devices = engine.mesh.devices.size
