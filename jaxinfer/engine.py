@@ -204,7 +204,7 @@ class Engine:
                 raise RequestError("the prompt is empty; pass some text or token ids")
             ids = self.tokenizer.encode(prompt)
         else:
-            ids = _token_ids("prompt token ids", prompt, self.cfg.vocab_size)
+            ids = token_ids("prompt token ids", prompt, self.cfg.vocab_size)
         if not ids:
             raise RequestError("the prompt is empty; pass some text or token ids")
         if len(ids) > limit:
@@ -223,7 +223,7 @@ class Engine:
         stop_strings = [stop] if isinstance(stop, str) else list(stop or [])
         if any(not isinstance(s, str) or not s for s in stop_strings):
             raise RequestError("stop strings must be non-empty strings")
-        stop_ids = _token_ids("stop_tokens", list(stop_tokens or []), self.cfg.vocab_size)
+        stop_ids = token_ids("stop_tokens", list(stop_tokens or []), self.cfg.vocab_size)
         if not ignore_eos:
             stop_ids += [t for t in self.tokenizer.eos_ids if t not in stop_ids]
         seed = self._seed(params, ids)
@@ -473,7 +473,7 @@ class Engine:
             )
 
 
-def _token_ids(what: str, ids, vocab: int) -> list[int]:
+def token_ids(what: str, ids, vocab: int) -> list[int]:
     """Integer token ids in [0, vocab), or a RequestError naming `what`."""
     out = []
     for t in ids:

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .chat import ChatTemplate, check_messages
+from .engine import token_ids as engine_token_ids
 from .errors import RequestError
 from .request import Result
 from .tokenizer import Tokenizer
@@ -237,13 +238,10 @@ def _fits(n_prompt: int, n_ctx: int) -> None:
 
 
 def token_ids(ids, vocab: int, where: str) -> list[int]:
-    """A list of integer token ids in [0, vocab), or a one-line RequestError naming `where`."""
+    """A JSON list of integer token ids in [0, vocab), or a one-line RequestError."""
     if not isinstance(ids, list) or not all(_is_int(t) for t in ids):
         raise RequestError(f"{where} must be a list of integer token ids")
-    if ids and (min(ids) < 0 or max(ids) >= vocab):
-        span = f"{min(ids)}..{max(ids)}"
-        raise RequestError(f"{where}: token ids must lie in [0, {vocab}); got {span}")
-    return list(ids)
+    return engine_token_ids(f"{where} token ids", ids, vocab)  # the range check
 
 
 def _object(body) -> dict:

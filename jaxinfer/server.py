@@ -60,9 +60,11 @@ class Server:
     ):
         self.socket = _listen(host, port)
         self.host, self.port = self.socket.getsockname()[:2]
-        self.worker = Worker(load, progress=progress, on_failure=lambda e: self._shut())
+        self.worker = Worker(
+            load, progress=progress, on_failure=lambda e: self._shut(),
+            on_ready=(lambda: on_ready(self)) if on_ready else None,
+        )  # fmt: skip
         self.metrics = Metrics()
-        self._on_ready = on_ready
         self.app = _App(self, api_key=api_key, alias=alias, chat_template=chat_template).build()
         # log_config=None: uvicorn's dictConfig would replace the host program's logging.
         config = uvicorn.Config(
@@ -78,7 +80,6 @@ class Server:
     def run(self) -> None:
         """Serve until interrupted; a model that fails to load raises its error here."""
         self.worker.start()
-        threading.Thread(target=self._announce, daemon=True).start()
         try:
             self._uvicorn.run(sockets=[self.socket])
         finally:
@@ -99,10 +100,6 @@ class Server:
 
     def _shut(self) -> None:
         self._uvicorn.should_exit = True
-
-    def _announce(self) -> None:
-        if self.worker.wait_ready() and self._on_ready:
-            self._on_ready(self)
 
 
 class _App:

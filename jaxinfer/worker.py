@@ -32,11 +32,12 @@ class Worker:
         load: Callable[[], Engine],
         *,
         progress: bool = False,
+        on_ready: Callable[[], None] | None = None,
         on_failure: Callable[[BaseException], None] | None = None,
     ):
         self._load = load
         self._progress = progress  # warmup progress on stderr
-        self._on_failure = on_failure
+        self._on_ready, self._on_failure = on_ready, on_failure
         self.status = "loading"  # -> "warming up" -> "ready"; or "failed", "stopped"
         self.error: BaseException | None = None
         self.engine: Engine | None = None
@@ -99,6 +100,8 @@ class Worker:
                 self._on_failure(e)
             return
         self._ready.set()
+        if self._on_ready:
+            self._on_ready()
         while self._drain(block=not self._live):
             if self._live:
                 self._step()
