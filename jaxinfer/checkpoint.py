@@ -9,16 +9,23 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import math
+import mmap
+import struct
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from . import quant
 from .config import HYBRID_ARCHS, ModelConfig, from_gguf, from_hf, hf_text_config
 from .errors import CheckpointError, UnsupportedModelError
+from .quant import HostQuant, NotRowOp
 from .tokenizer import Tokenizer
 
+log = logging.getLogger("jaxinfer")
 ParamPath = tuple  # e.g. ("layers", 3, "attn", "wq")
 
 # Per-layer parameter -> (HF name under model.layers.{i}., GGUF name under blk.{i}.)
@@ -130,12 +137,30 @@ class Checkpoint:
     names: set[str]  # tensor names the file holds
     gguf: bool
     prefix: str = "model."  # where a HF checkpoint keeps the language model
+    # format-specific tensor name -> its block form (GGUF quantized types), or None
+    blocks: Callable[[str], HostQuant | None] | None = None
+    _keep: bool = field(default=False, repr=False)  # tensor(blocks=True) in progress
 
-    def tensor(self, path: ParamPath, shape: tuple[int, ...]) -> np.ndarray:
-        """One parameter in jaxinfer layout, reshaped to `shape`."""
+    def tensor(
+        self, path: ParamPath, shape: tuple[int, ...], blocks: bool = False
+    ) -> np.ndarray | HostQuant:
+        """One parameter in jaxinfer layout, reshaped to `shape`. With `blocks`, a quantized
+        tensor stays in block form (a HostQuant) when converting it only moves rows (RoPE
+        row order, head splits); otherwise it is dequantized to float32."""
+        if blocks and self.blocks is not None:
+            self._keep = True
+            try:
+                return self._tensor(path, shape)
+            except NotRowOp:
+                pass
+            finally:
+                self._keep = False
+        return self._tensor(path, shape)
+
+    def _tensor(self, path: ParamPath, shape: tuple[int, ...]) -> np.ndarray | HostQuant:
         if path[0] == "mtp":  # the MTP layer reads as layer n_layers, its head on its own
             if path[1] == "layer":
-                return self.tensor(("layers", self.config.n_layers, *path[2:]), shape)
+                return self._tensor(("layers", self.config.n_layers, *path[2:]), shape)
             hf, gg = MTP_TENSORS[path[1]]
             name = f"blk.{self.config.n_layers}.{gg}" if self.gguf else hf
             w = self._read(name)
@@ -158,7 +183,8 @@ class Checkpoint:
             w = w + 1.0
         if self.gguf and arch in ("llama", "mixtral") and path[-1] in ("wq", "wk", "bq", "bk"):
             heads = self.config.n_heads if path[-1] in ("wq", "bq") else self.config.n_kv_heads
-            w = interleaved_to_half(w, heads)
+            # shaped first: rows of the wrong count cannot be regrouped into heads
+            w = interleaved_to_half(_shaped(name, w, shape), heads)
         return _shaped(name, w, shape)
 
     def _name(self, path: ParamPath) -> str:
@@ -229,10 +255,11 @@ class Checkpoint:
             return (-np.exp(self._read(f"{base}A_log").astype(np.float64))).astype(np.float32)
         return self._read(name + (".weight" if not self.gguf and key in ("wz", "wb", "wa") else ""))
 
-    def _read(self, name: str) -> np.ndarray:
+    def _read(self, name: str) -> np.ndarray | HostQuant:
         if name not in self.names:
             raise CheckpointError(f"checkpoint lacks tensor {name!r}; is the file complete?")
-        return self.read(name)
+        kept = self.blocks(name) if self._keep and self.blocks else None
+        return self.read(name) if kept is None else kept
 
     def _gguf_experts(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         w = self._read(name)  # [E, ...] already stacked
@@ -272,7 +299,7 @@ class Checkpoint:
 
 
 def _shaped(name: str, w: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    if w.size != int(np.prod(shape)):
+    if w.size != math.prod(shape):  # exact: np.prod wraps around on a corrupt, huge shape
         raise CheckpointError(
             f"tensor {name!r} has shape {list(w.shape)}, the config implies {list(shape)}"
         )
@@ -297,6 +324,134 @@ def _has_gguf_magic(p: Path) -> bool:
         return f.read(4) == b"GGUF"
 
 
+# GGUF metadata value types: the byte size of each scalar type; 8 is a string, 9 an array.
+_GGUF_SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_GGUF_STRING, _GGUF_ARRAY, _GGUF_UINT32 = 8, 9, 4
+
+
+def _check_gguf(file: Path) -> None:
+    """Walk a GGUF header with `struct` before gguf-py's reader does: the reader trusts every
+    count it reads (an array of 2**60 numbers loops it for ever) and maps tensors larger than
+    the file without a word. Raises a one-line CheckpointError naming the first bad field
+    (UnsupportedModelError for a tensor type id unknown to gguf-py)."""
+    import gguf
+
+    size = file.stat().st_size
+    where = f"GGUF file {str(file)!r}"
+
+    def corrupt(what: str) -> CheckpointError:
+        return CheckpointError(f"{where}: {what}; the file is corrupt or truncated")
+
+    if size < 24:
+        raise corrupt(f"{size} bytes is shorter than a GGUF header")
+    with open(file, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        if data[:4] != b"GGUF":
+            raise CheckpointError(f"{where} does not start with 'GGUF'; is it a GGUF file?")
+        # a version whose low half is zero: a big-endian file, which gguf-py reads too
+        order = "<" if int.from_bytes(data[4:8], "little") & 0xFFFF else ">"
+        (version,) = struct.unpack_from(order + "I", data, 4)
+        if version not in (2, 3):
+            raise corrupt(f"GGUF version {version} (jaxinfer reads versions 2 and 3)")
+        pos = 24
+
+        def take(fmt: str, what: str) -> tuple:
+            nonlocal pos
+            n = struct.calcsize(order + fmt)
+            if pos + n > size:
+                raise corrupt(f"the file ends inside {what}")
+            pos += n
+            return struct.unpack_from(order + fmt, data, pos - n)
+
+        def skip(n: int, what: str) -> None:
+            nonlocal pos
+            if n > size - pos:
+                raise corrupt(f"{what} declares {_human(n)} but {_human(size - pos)} remain")
+            pos += n
+
+        def string(what: str) -> bytes:
+            (n,) = take("Q", what)
+            skip(n, what)
+            return data[pos - n : pos]
+
+        def shown(text: bytes) -> str:  # quoted, escaped and cut: it may be garbage
+            return repr(text[:80].decode("utf-8", "replace"))
+
+        def value(vtype: int, what: str) -> None:
+            if vtype in _GGUF_SCALARS:
+                skip(_GGUF_SCALARS[vtype], what)
+            elif vtype == _GGUF_STRING:
+                string(what)
+            elif vtype != _GGUF_ARRAY:
+                raise corrupt(f"{what} has unknown value type {vtype}")
+            else:
+                itype, count = take("IQ", what)
+                if itype in _GGUF_SCALARS:
+                    skip(count * _GGUF_SCALARS[itype], f"{what} ({count} values)")
+                elif itype == _GGUF_STRING:
+                    if count * 8 > size - pos:  # their lengths alone would not fit
+                        raise corrupt(f"{what} declares {count} strings")
+                    for _ in range(count):
+                        string(what)
+                else:  # llama.cpp refuses arrays of arrays too
+                    raise corrupt(f"{what} is an array of value type {itype}")
+
+        n_tensors, n_kv = struct.unpack_from(order + "QQ", data, 8)
+        # each metadata entry takes at least 13 bytes, each tensor's entry 28
+        if 13 * n_kv + 28 * n_tensors > size:
+            raise corrupt(
+                f"the header declares {n_kv} metadata entries and {n_tensors} tensors, more "
+                f"than its {_human(size)} can hold"
+            )
+        alignment = gguf.GGUF_DEFAULT_ALIGNMENT
+        for i in range(n_kv):
+            key = string(f"the key of metadata entry {i}")
+            (vtype,) = take("I", f"metadata {shown(key)}")
+            start = pos
+            value(vtype, f"metadata {shown(key)}")
+            if key == b"general.alignment":
+                alignment = int.from_bytes(data[start:pos], "little" if order == "<" else "big")
+                if vtype != _GGUF_UINT32 or alignment & (alignment - 1) or not alignment:
+                    raise corrupt("general.alignment is not a power of two (uint32)")
+        table = []
+        for i in range(n_tensors):
+            name = shown(string(f"the name of tensor {i}"))
+            (n_dims,) = take("I", f"tensor {name}")
+            if not 1 <= n_dims <= 4:
+                raise corrupt(f"tensor {name} has {n_dims} dims; GGUF tensors have 1 to 4")
+            dims = take(f"{n_dims}Q", f"tensor {name}")
+            table.append((name, dims, *take("IQ", f"tensor {name}")))
+    start = -(-pos // alignment) * alignment  # the tensor data follows the table, aligned
+    known = {t.value for t in gguf.GGMLQuantizationType}
+    for name, dims, type_id, offset in table:
+        if type_id not in known:
+            raise UnsupportedModelError(
+                f"{where}: tensor {name} has unknown GGUF type id {type_id}; the file is "
+                "corrupt or newer than jaxinfer's gguf library"
+            )
+        qtype = gguf.GGMLQuantizationType(type_id)
+        block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+        if min(dims) == 0 or dims[0] % block:
+            raise corrupt(
+                f"tensor {name} has dims {list(dims)}: empty, or rows that are not whole "
+                f"{qtype.name} blocks of {block}"
+            )
+        if offset % alignment:
+            raise corrupt(f"tensor {name} starts at data offset {offset}, not {alignment}-aligned")
+        n_bytes = math.prod(dims) // block * block_bytes
+        if start + offset + n_bytes > size:
+            raise corrupt(
+                f"tensor {name} declares {math.prod(dims)} elements ({_human(n_bytes)} of "
+                f"{qtype.name}) at data offset {offset}, past the end of the file "
+                f"({_human(size)})"
+            )
+
+
+def _human(n: int) -> str:
+    """A size in bytes for messages: 840 bytes, 1.131 MiB, 4 TiB."""
+    k = min(max(n.bit_length() - 1, 0) // 10, 6)  # 1024**k <= n
+    return f"{n} bytes" if not k else f"{n / 1024**k:.4g} {'KMGTPE'[k - 1]}iB"
+
+
 def _open_hf(folder: Path) -> Checkpoint:
     from safetensors import SafetensorError, safe_open
 
@@ -307,6 +462,8 @@ def _open_hf(folder: Path) -> Checkpoint:
         raw = json.loads(cfg_file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{cfg_file} is not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{cfg_file} is not a JSON object; fix or re-download it")
     text, multimodal = hf_text_config(raw)
     config = from_hf(text)
 
@@ -335,10 +492,24 @@ def _open_hf(folder: Path) -> Checkpoint:
             owner[key] = name
     dtypes = sorted({str(handles[owner[k]].get_slice(k).get_dtype()) for k in owner})
     prefix = "model.language_model." if multimodal else "model."
+    # Checked now: a corrupt count would build a model of billions of layers before any
+    # tensor is found missing.
+    ids = {k[len(prefix) :].split(".")[1] for k in owner if k.startswith(prefix + "layers.")}
+    if sum(i.isascii() and i.isdigit() and int(i) < config.n_layers for i in ids) < config.n_layers:
+        raise CheckpointError(
+            f"config.json declares {config.n_layers} layers but the weights hold {len(ids)} "
+            f"({prefix}layers.N); fix config.json or the weights"
+        )
     skipped = sorted(k for k in owner if not k.startswith((prefix, "lm_head.", "mtp.")))
     note = f"; {len(skipped)} vision tower tensors skipped" if multimodal and skipped else ""
 
     def read(name: str) -> np.ndarray:
+        dtype = handles[owner[name]].get_slice(name).get_dtype()
+        if dtype not in ("F32", "F16", "BF16", "F64"):  # FP8, int8/4-bit (quantized), complex
+            raise UnsupportedModelError(
+                f"tensor {name!r} is stored as {dtype}; jaxinfer reads F32, F16, BF16 and F64 "
+                "safetensors weights, not quantized ones"
+            )
         try:
             w = handles[owner[name]].get_tensor(name)
         except (SafetensorError, OSError, ValueError) as e:
@@ -363,11 +534,13 @@ def _open_gguf(file: Path) -> Checkpoint:
     import gguf
     from gguf.quants import dequantize
 
+    _check_gguf(file)
     try:
         reader = gguf.GGUFReader(str(file))
-    except Exception as e:  # the reader raises ValueError, IndexError, struct errors...
+    except Exception as e:  # what the walk leaves to it: duplicate names, invalid UTF-8...
+        why = " ".join(f"{type(e).__name__}: {e}".split())
         raise CheckpointError(
-            f"{str(file)!r} is not a readable GGUF file ({type(e).__name__}: {e}); is it truncated?"
+            f"{str(file)!r} is not a readable GGUF file ({why}); is it truncated?"
         ) from None
     meta = {}
     for key, field in reader.fields.items():
@@ -392,16 +565,45 @@ def _open_gguf(file: Path) -> Checkpoint:
                 "dequantize; re-quantize to Q8_0, Q4_K or F16"
             )
 
+    def release(t) -> None:
+        """Drop the mapped file pages of a tensor that has been copied out: they would
+        otherwise stay in the process's memory (RSS) for the whole load."""
+        mapped = getattr(reader.data, "_mmap", None)
+        if mapped is not None and hasattr(mapped, "madvise"):
+            start = int(t.data_offset) // mmap.PAGESIZE * mmap.PAGESIZE
+            mapped.madvise(mmap.MADV_DONTNEED, start, int(t.data_offset) + int(t.n_bytes) - start)
+
     def read(name: str) -> np.ndarray:
         t = tensors[name]
         try:
-            return np.asarray(dequantize(t.data, t.tensor_type), np.float32)
+            w = np.array(dequantize(t.data, t.tensor_type), np.float32)  # a copy
         except (NotImplementedError, ValueError) as e:
             raise UnsupportedModelError(
                 f"cannot dequantize {name!r} ({t.tensor_type.name}): {e}"
             ) from None
+        release(t)
+        return w
+
+    def blocks(name: str) -> HostQuant | None:
+        t = tensors[name]
+        fmt = quant.GGML_FORMATS.get(t.tensor_type.name)
+        if fmt is None or len(t.shape) < 2 or int(t.shape[0]) % fmt.block:
+            return None
+        shape = tuple(int(n) for n in reversed(t.shape))  # GGUF ne [in, out, ...]
+        try:
+            kept = quant.from_gguf(fmt.ggml, np.array(t.data), shape)  # a copy
+        except ValueError as e:
+            raise CheckpointError(f"tensor {name!r} has malformed {fmt.ggml} data ({e})") from None
+        release(t)
+        return kept
 
     types = sorted({t.tensor_type.name for t in reader.tensors})
+    unkept = sorted(set(types) - set(quant.GGML_FORMATS) - {"F32"})
+    if unkept:
+        log.warning(
+            "%s: %s tensors are dequantized to float at load (kept compressed: %s)",
+            file.name, ", ".join(unkept), ", ".join(sorted(quant.GGML_FORMATS)),
+        )  # fmt: skip
     return Checkpoint(
         config=config,
         tokenizer=Tokenizer.from_gguf(reader),
@@ -409,4 +611,5 @@ def _open_gguf(file: Path) -> Checkpoint:
         read=read,
         names=set(tensors),
         gguf=True,
+        blocks=blocks,
     )

@@ -53,6 +53,11 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("-c", "--ctx-size", type=int, default=None, help="context length (max_seq_len)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument(
+        "--quantize", default="keep", choices=["keep", "int8", "none"],
+        help="keep: GGUF quantized tensors stay in their blocks (default); int8: float weights "
+        "too, per-channel int8; none: dequantize everything at load",
+    )  # fmt: skip
+    p.add_argument(
         "--layout", default="single",
         help=f"{', '.join(BUILTIN)}, or a layout .toml file",
     )  # fmt: skip
@@ -159,7 +164,7 @@ def _load(args):
     options.update(_spec_options(args))
     return jaxinfer.load(
         args.model, dtype=args.dtype, max_seq_len=args.ctx_size, layout=args.layout,
-        devices=args.devices, **options,
+        devices=args.devices, quantize=args.quantize, **options,
     )  # fmt: skip
 
 
@@ -218,7 +223,7 @@ def _bench(args) -> None:
         return jaxinfer.load(
             args.model, dtype=args.dtype, max_seq_len=ctx, layout=layout, devices=dev,
             batch_buckets=(slots,), graph_reuse=graph_reuse, kv_cache_tokens=ctx * slots,
-            **_cache_options(args),
+            quantize=args.quantize, **_cache_options(args),
         )  # fmt: skip
 
     def progress(row):
@@ -365,6 +370,7 @@ def _info(args) -> None:
         f"({kv['pages_total'] * kv['page_size']} tokens, {kv['bytes_allocated'] / 2**20:.2f} MiB); "
         f"{len(engine.compile_plan())} programs in the compile plan",
     ))  # fmt: skip
+    rows.append(("weights", _weight_rows(engine)))
     if kv.get("state_bytes_per_slot"):
         rows.append((
             "linear state",
@@ -377,8 +383,28 @@ def _info(args) -> None:
         print(f"{key:>{width}} : {value}")
     print("sharding plan (parameter: shape, partition spec):")
     for path, leaf in jax.tree_util.tree_flatten_with_path(engine.params)[0]:
-        name = ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+        name = ".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
         print(f"  {name}: {list(leaf.shape)} {leaf.sharding.spec}")
+
+
+def _weight_rows(engine) -> str:
+    """Device bytes of the weights, by type (quantized formats and float dtypes)."""
+    import jax
+
+    from .quant import QArray
+
+    by_type: dict[str, list[int]] = {}
+    leaves = jax.tree.leaves(engine.params, is_leaf=lambda x: isinstance(x, QArray))
+    for leaf in leaves:
+        kind = leaf.fmt.upper() if isinstance(leaf, QArray) else str(leaf.dtype)
+        arrays = leaf.parts.values() if isinstance(leaf, QArray) else [leaf]
+        held = sum(s.data.nbytes for a in arrays for s in a.addressable_shards)
+        count, nbytes = by_type.get(kind, [0, 0])
+        by_type[kind] = [count + 1, nbytes + held]
+    parts = ", ".join(
+        f"{kind} {n / 2**20:.2f} MiB in {c} tensors" for kind, (c, n) in sorted(by_type.items())
+    )
+    return f"{engine.weight_bytes() / 2**20:.2f} MiB on the devices ({parts})"
 
 
 def _linear_rows(cfg) -> list[tuple[str, str]]:
@@ -409,10 +435,12 @@ def _experts_rows(cfg) -> list[tuple[str, str]]:
 
 def _expert_placement(engine) -> str:
     """Which experts each device holds, read from the placed weights' shardings."""
+    import jax
 
     layers = engine.params.get("layers") or engine.params["slots"]  # dense / pipeline
     layers = layers.values() if isinstance(layers, dict) else layers
-    leaf = next(layer["moe"]["w_gate"] for layer in layers if "moe" in layer)
+    # a plain weight, or a quantized one's first part: both lead with [..., E, F]
+    leaf = jax.tree.leaves(next(layer["moe"]["w_gate"] for layer in layers if "moe" in layer))[0]
     axis = leaf.ndim - 3  # [..., E, F, D] (pipeline slots lead with [pp])
     held: dict[tuple[int, int], list[int]] = {}
     for device, index in leaf.sharding.devices_indices_map(leaf.shape).items():

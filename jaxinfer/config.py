@@ -193,6 +193,14 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
+def _hf_object(cfg: dict[str, Any], key: str) -> dict[str, Any]:
+    """A nested object of config.json ({} when absent or null)."""
+    value = cfg.get(key) or {}
+    if not isinstance(value, dict):
+        raise CheckpointError(f"config.json {key} is {value!r:.40}, not an object; fix the file")
+    return value
+
+
 def _hf_rope_scaling(rs: dict | None) -> RopeScaling | None:
     if not rs:
         return None
@@ -269,9 +277,10 @@ def hf_linear_fields(cfg: dict[str, Any], n_layers: int) -> dict[str, Any]:
         raise CheckpointError(
             f"config.json layer_types lists {len(types)} layers but num_hidden_layers is {n_layers}"
         )
-    rope = cfg.get("rope_parameters") or {}
+    rope = _hf_object(cfg, "rope_parameters")
     factor = float(cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0)
-    head_dim = cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"])
+    heads = max(int(cfg["num_attention_heads"]), 1)  # 0 is refused by ModelConfig
+    head_dim = cfg.get("head_dim") or int(cfg["hidden_size"]) // heads
     return dict(
         linear_layers=tuple(i for i, t in enumerate(types) if t == "linear_attention"),
         linear_k_heads=int(cfg["linear_num_key_heads"]),
@@ -289,7 +298,7 @@ def from_hf(cfg: dict[str, Any]) -> ModelConfig:
     """Build a ModelConfig from a Hugging Face config.json dict (for a multimodal checkpoint,
     pass `hf_text_config(cfg)[0]`)."""
     model_type = cfg.get("model_type")
-    arch = HF_ARCHS.get(model_type)
+    arch = HF_ARCHS.get(model_type) if isinstance(model_type, str) else None
     if arch is None:
         known = sorted(set(HF_ARCHS) | set(MULTIMODAL))
         raise UnsupportedModelError(
@@ -310,20 +319,20 @@ def from_hf(cfg: dict[str, Any]) -> ModelConfig:
         if arch == "qwen3_5_moe":  # its router always renormalizes the top-k weights
             cfg = {"norm_topk_prob": True, **cfg}
         moe = hf_moe_fields(cfg, n_layers)
-        rope = cfg.get("rope_parameters") or {}
+        rope = _hf_object(cfg, "rope_parameters")
         return ModelConfig(
             arch=arch,
             d_model=d_model,
             n_layers=n_layers,
             n_heads=n_heads,
             n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
-            head_dim=int(cfg.get("head_dim") or d_model // n_heads),
+            head_dim=int(cfg.get("head_dim") or d_model // max(n_heads, 1)),
             d_ff=int(cfg.get("intermediate_size") or moe.get("d_ff_expert") or 0)
             if moe
             else int(cfg["intermediate_size"]),
             vocab_size=int(cfg["vocab_size"]),
             rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0),
-            rope_scaling=_hf_rope_scaling(cfg.get("rope_scaling") or rope),
+            rope_scaling=_hf_rope_scaling(_hf_object(cfg, "rope_scaling") or rope),
             norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             qk_norm=arch in ("qwen3", "qwen3_moe", *HYBRID_ARCHS),
             qkv_bias=bool(cfg.get("qkv_bias", arch in ("qwen2", "qwen2_moe")))
@@ -337,11 +346,47 @@ def from_hf(cfg: dict[str, Any]) -> ModelConfig:
         )
     except KeyError as e:
         raise CheckpointError(f"config.json lacks the field {e.args[0]!r}") from None
+    except (TypeError, ValueError, OverflowError) as e:  # int("x"), float(None), int(inf)
+        raise CheckpointError(
+            f"config.json has a value of the wrong type ({' '.join(str(e).split())}); fix the "
+            "file or download it again"
+        ) from None
+
+
+def _gguf_number(meta: dict[str, Any], key: str, default: Any = None, kind: type = int):
+    """Metadata `key` as an int (or float): the first entry of a per-layer list (uniform models
+    only); a one-line CheckpointError when it is missing without a default, or not a number."""
+    value = meta.get(key, default)
+    if value is None:
+        raise CheckpointError(f"GGUF metadata lacks {key}")
+    if isinstance(value, list) and value:
+        value = value[0]
+    ok = isinstance(value, int) if kind is int else isinstance(value, int | float)
+    if not ok or isinstance(value, bool) or (isinstance(value, float) and not math.isfinite(value)):
+        expected = "an integer" if kind is int else "a finite number"
+        raise CheckpointError(
+            f"GGUF metadata {key} is {value!r:.40}, not {expected}; the file is corrupt, "
+            "re-convert it"
+        )
+    return kind(value)
+
+
+def _check_gguf_layers(gguf_arch: str, n_blocks: int, n_layers: int, tensors: set[str]) -> None:
+    """The declared layer count matches the blk.N tensors: a corrupt count would build a model
+    of billions of layers, or silently drop some."""
+    ids = {name.split(".")[1] for name in tensors if name.startswith("blk.")}
+    layers = {int(i) for i in ids if i.isascii() and i.isdigit()}
+    if sum(i < n_layers for i in layers) < n_layers or max(layers, default=-1) >= n_blocks:
+        span = f"blk.0 to blk.{max(layers)}" if layers else "none"
+        raise CheckpointError(
+            f"GGUF metadata declares {gguf_arch}.block_count = {n_blocks} but the file holds "
+            f"tensors of {len(layers)} layers ({span}); the file is corrupt, re-convert it"
+        )
 
 
 def _gguf_moe_fields(meta: dict[str, Any], gguf_arch: str, n_layers: int, tensors: set[str]):
     """Expert fields from GGUF metadata; a layer without a router keeps the dense MLP."""
-    n_experts = int(meta.get(f"{gguf_arch}.expert_count") or 0)
+    n_experts = _gguf_number(meta, f"{gguf_arch}.expert_count", 0)
     if not n_experts:
         return {}
     dense = []
@@ -366,10 +411,10 @@ def _gguf_moe_fields(meta: dict[str, Any], gguf_arch: str, n_layers: int, tensor
             f"GGUF metadata declares {gguf_arch}.expert_count = {n_experts} but no layer has "
             "a router (blk.N.ffn_gate_inp.weight)"
         )
-    width = meta.get(f"{gguf_arch}.expert_feed_forward_length")
-    if width is None:  # Mixtral-style llama GGUFs: the experts have the model's ffn width
-        width = meta.get(f"{gguf_arch}.feed_forward_length")
-    shared = int(meta.get(f"{gguf_arch}.expert_shared_feed_forward_length") or 0)
+    width = f"{gguf_arch}.expert_feed_forward_length"
+    if width not in meta:  # Mixtral-style llama GGUFs: the experts have the model's ffn width
+        width = f"{gguf_arch}.feed_forward_length"
+    shared = _gguf_number(meta, f"{gguf_arch}.expert_shared_feed_forward_length", 0)
     if not shared and "blk.0.ffn_up_shexp.weight" in tensors:
         raise CheckpointError(
             f"GGUF has shared experts but no {gguf_arch}.expert_shared_feed_forward_length"
@@ -378,8 +423,8 @@ def _gguf_moe_fields(meta: dict[str, Any], gguf_arch: str, n_layers: int, tensor
     norm = meta.get(f"{gguf_arch}.expert_weights_norm", gguf_arch != "qwen2moe")
     return dict(
         n_experts=n_experts,
-        n_experts_used=int(meta.get(f"{gguf_arch}.expert_used_count") or 0),
-        d_ff_expert=int(width[0] if isinstance(width, list | tuple) else width),
+        n_experts_used=_gguf_number(meta, f"{gguf_arch}.expert_used_count", 0),
+        d_ff_expert=_gguf_number(meta, width),
         norm_topk_prob=bool(norm),
         d_ff_shared=shared,
         shared_gate=any(f"blk.{i}.ffn_gate_inp_shexp.weight" in tensors for i in range(n_layers)),
@@ -390,32 +435,28 @@ def _gguf_moe_fields(meta: dict[str, Any], gguf_arch: str, n_layers: int, tensor
 def from_gguf(meta: dict[str, Any], tensors: set[str]) -> ModelConfig:
     """Build a ModelConfig from decoded GGUF metadata and the set of tensor names."""
     gguf_arch = meta.get("general.architecture")
-    if gguf_arch not in GGUF_ARCHS:
+    if not isinstance(gguf_arch, str) or gguf_arch not in GGUF_ARCHS:
         raise UnsupportedModelError(
             f"GGUF architecture {gguf_arch!r} is not supported; supported: {', '.join(GGUF_ARCHS)}"
         )
 
-    def get(key, default=None):
-        value = meta.get(f"{gguf_arch}.{key}", default)
-        if value is None:
-            raise CheckpointError(f"GGUF metadata lacks {gguf_arch}.{key}")
-        return value
+    def get(key, default=None, kind=int):  # per-layer lists (some converters): the first entry
+        return _gguf_number(meta, f"{gguf_arch}.{key}", default, kind)
 
-    d_model = int(get("embedding_length"))
-    n_heads = int(get("attention.head_count"))
+    d_model = get("embedding_length")
+    n_heads = get("attention.head_count")
     # Multi-token prediction blocks (Qwen3.5, Qwen3-Next) follow the trunk's layers.
-    n_layers = int(get("block_count")) - int(meta.get(f"{gguf_arch}.nextn_predict_layers") or 0)
+    n_blocks = get("block_count")
+    n_layers = n_blocks - get("nextn_predict_layers", 0)
+    _check_gguf_layers(gguf_arch, n_blocks, n_layers, tensors)
     n_kv = get("attention.head_count_kv", n_heads)
-    if isinstance(n_kv, list | tuple):  # per-layer lists (some converters); uniform models only
-        n_kv = n_kv[0]
     moe = _gguf_moe_fields(meta, gguf_arch, n_layers, tensors)
     n_ff = get("feed_forward_length", moe.get("d_ff_expert"))
-    if isinstance(n_ff, list | tuple):
-        n_ff = n_ff[0]
-    vocab = meta.get(f"{gguf_arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens") or [])
+    tokens = meta.get("tokenizer.ggml.tokens")
+    vocab = get("vocab_size", 0) or (len(tokens) if isinstance(tokens, list) else 0)
     if not vocab:
         raise CheckpointError("GGUF has neither a vocab_size nor a tokenizer vocabulary")
-    window = meta.get(f"{gguf_arch}.attention.sliding_window")
+    window = get("attention.sliding_window", 0)
     arch = GGUF_ARCHS[gguf_arch]
     hybrid = _gguf_linear_fields(meta, gguf_arch, n_layers) if arch in HYBRID_ARCHS else {}
     if arch == "llama" and moe:
@@ -425,17 +466,17 @@ def from_gguf(meta: dict[str, Any], tensors: set[str]) -> ModelConfig:
         d_model=d_model,
         n_layers=n_layers,
         n_heads=n_heads,
-        n_kv_heads=int(n_kv),
-        head_dim=int(meta.get(f"{gguf_arch}.attention.key_length") or d_model // n_heads),
-        d_ff=int(n_ff),
-        vocab_size=int(vocab),
-        rope_theta=float(meta.get(f"{gguf_arch}.rope.freq_base", 10000.0)),
-        norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        n_kv_heads=n_kv,
+        head_dim=get("attention.key_length", 0) or d_model // max(n_heads, 1),
+        d_ff=n_ff,
+        vocab_size=vocab,
+        rope_theta=get("rope.freq_base", 10000.0, float),
+        norm_eps=get("attention.layer_norm_rms_epsilon", 1e-5, float),
         qk_norm=arch in HYBRID_ARCHS or "blk.0.attn_q_norm.weight" in tensors,
         qkv_bias="blk.0.attn_q.bias" in tensors,
         tie_embeddings="output.weight" not in tensors,
-        sliding_window=int(window) if window else None,
-        max_position=int(get("context_length", 2048)),
+        sliding_window=window or None,
+        max_position=get("context_length", 2048),
         name=str(meta.get("general.name") or gguf_arch),
         **moe,
         **hybrid,
@@ -446,34 +487,37 @@ def _gguf_linear_fields(meta: dict[str, Any], gguf_arch: str, n_layers: int) -> 
     """The layer pattern and Gated DeltaNet dimensions from llama.cpp's `ssm.*` keys:
     `attention.recurrent_layers`, else every `full_attention_interval`-th layer attends."""
 
-    def get(key):
-        value = meta.get(f"{gguf_arch}.{key}")
-        if value is None:
-            raise CheckpointError(f"GGUF metadata lacks {gguf_arch}.{key}")
-        return value
+    def get(key, default=None):
+        return _gguf_number(meta, f"{gguf_arch}.{key}", default)
 
     recurrent = meta.get(f"{gguf_arch}.attention.recurrent_layers")
     if recurrent is None:
-        interval = int(get("full_attention_interval"))
+        interval = get("full_attention_interval")
+        if interval <= 0:
+            raise CheckpointError(f"GGUF {gguf_arch}.full_attention_interval is {interval}")
         recurrent = [(i + 1) % interval != 0 for i in range(n_layers)]
-    v_heads = int(get("ssm.time_step_rank"))
-    inner = int(get("ssm.inner_size"))
-    if inner % v_heads:
+    if not isinstance(recurrent, list) or len(recurrent) < n_layers:
+        raise CheckpointError(
+            f"GGUF {gguf_arch}.attention.recurrent_layers is not a list of {n_layers} flags"
+        )
+    v_heads = get("ssm.time_step_rank")
+    inner = get("ssm.inner_size")
+    if v_heads <= 0 or inner % v_heads:
         raise CheckpointError(
             f"GGUF {gguf_arch}.ssm.inner_size ({inner}) is not a multiple of its "
             f"{v_heads} value heads (ssm.time_step_rank)"
         )
-    head_dim = int(meta.get(f"{gguf_arch}.attention.key_length") or 0)
+    head_dim = get("attention.key_length", 0)
     return dict(
         linear_layers=tuple(i for i in range(n_layers) if recurrent[i]),
-        linear_k_heads=int(get("ssm.group_count")),
+        linear_k_heads=get("ssm.group_count"),
         linear_v_heads=v_heads,
-        linear_k_dim=int(get("ssm.state_size")),
+        linear_k_dim=get("ssm.state_size"),
         linear_v_dim=inner // v_heads,
-        conv_kernel=int(get("ssm.conv_kernel")),
+        conv_kernel=get("ssm.conv_kernel"),
         attn_gate=True,
-        rotary_dim=int(meta.get(f"{gguf_arch}.rope.dimension_count") or head_dim),
-        mtp_layers=int(meta.get(f"{gguf_arch}.nextn_predict_layers") or 0),
+        rotary_dim=get("rope.dimension_count", 0) or head_dim,
+        mtp_layers=get("nextn_predict_layers", 0),
     )
 
 

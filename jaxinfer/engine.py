@@ -395,6 +395,12 @@ class Engine:
         state_bytes_allocated."""
         return {**self.executor.pages.stats(), **self.executor.state_stats()}
 
+    def weight_bytes(self) -> int:
+        """Bytes the weights occupy on this process's devices together: a replicated weight
+        counts once per device holding it; quantized weights count their blocks."""
+        leaves = jax.tree.leaves(self.params)
+        return sum(shard.data.nbytes for leaf in leaves for shard in leaf.addressable_shards)
+
     def activity(self) -> dict:
         """Requests now: running (holding a slot) and queued (waiting for one or for pages)."""
         sched = self._scheduler

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .checkpoint import open_checkpoint
 from .compile import default_cache_dir, use_persistent_cache
@@ -22,11 +23,15 @@ from .engine import Engine
 from .errors import JaxinferError, UnsupportedModelError
 from .pipeline import place_pipeline
 from .placement import Placement, Reader, place_dense, random_reader
+from .quant import HostQuant, quantize_int8
 from .sharding import effective_rules, load_layout, make_mesh, select_devices
 from .speculative import SpecConfig
 from .tokenizer import Tokenizer
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+# keep: quantized GGUF tensors stay in block form; int8: float weights too become per-channel
+# int8; none: every weight dequantized to the compute dtype at load (the reference)
+QUANTIZE = ("keep", "int8", "none")
 ENGINE_OPTIONS = (
     "prefill_buckets",
     "batch_buckets",
@@ -64,6 +69,27 @@ def _dtype(name: str):
     return DTYPES[name]
 
 
+def quantizing(read: Reader, how: str, compute) -> Reader:
+    """The reader under a `quantize` choice (QUANTIZE) and the compute dtype: 16-bit float
+    tensors stay 16-bit (as QArrays) only under float32 compute; else they are plain weights
+    of the compute dtype."""
+    if how not in QUANTIZE:
+        raise JaxinferError(f"quantize = {how!r} is not supported; use one of {', '.join(QUANTIZE)}")
+    if how == "none":
+        return lambda path, shape, blocks=False: read(path, shape)
+    wide = np.dtype(compute).itemsize > 2
+
+    def reader(path, shape, blocks=False):
+        w = read(path, shape, blocks=blocks)
+        if isinstance(w, HostQuant) and w.fmt in ("f16", "bf16") and not wide:
+            return read(path, shape)
+        if how == "int8" and blocks and not isinstance(w, HostQuant):
+            return quantize_int8(w)
+        return w
+
+    return reader
+
+
 def place(read: Reader, cfg: ModelConfig, dtype, layout, devices) -> Placement:
     """The model on a layout's mesh: pipeline stages when the layout splits the layers."""
     plan = load_layout(layout)
@@ -83,6 +109,7 @@ def load(
     compile_cache_dir: str | Path | None = _DEFAULT,  # type: ignore[assignment]
     speculative: str | Path | ModelConfig | None = None,
     draft_tokens: int = 4,
+    quantize: str = "keep",
     **options,
 ) -> Engine:
     """Load a Hugging Face folder or a .gguf file.
@@ -96,6 +123,9 @@ def load(
     `speculative` turns on speculative decoding with `draft_tokens` (K) drafts per step:
     "ngram" (prompt lookup), "mtp" (the checkpoint's multi-token-prediction layer), or a draft
     model with the same vocabulary (a path, or a ModelConfig for random weights).
+    `quantize`: "keep" (GGUF quantized tensors stay in their blocks on the device and are
+    dequantized inside the compiled matmuls), "int8" (the float matrices too, as weight-only
+    per-channel int8), "none" (everything dequantized at load).
     """
     unknown = sorted(set(options) - set(ENGINE_OPTIONS))
     if unknown:
@@ -124,6 +154,7 @@ def load(
         cfg, tokenizer, read = ckpt.config, ckpt.tokenizer, ckpt.tensor
         source = ckpt.format
         name = "stories260K (built in)" if model == BUILTIN_MODEL else str(model)
+    read = quantizing(read, quantize, compute)
     if max_seq_len is None:
         max_seq_len = cfg.max_position
     bad = not isinstance(max_seq_len, int) or isinstance(max_seq_len, bool)
@@ -197,6 +228,6 @@ def generate(model_or_engine=None, prompt="", **kwargs):
     """One call: load the model (a path, or None for the built-in one) or reuse an Engine."""
     if isinstance(model_or_engine, Engine):
         return model_or_engine.generate(prompt, **kwargs)
-    names = ("dtype", "max_seq_len", "speculative", "draft_tokens", *ENGINE_OPTIONS)
+    names = ("dtype", "max_seq_len", "speculative", "draft_tokens", "quantize", *ENGINE_OPTIONS)
     load_kw = {k: kwargs.pop(k) for k in names if k in kwargs}
     return load(model_or_engine, **load_kw).generate(prompt, **kwargs)

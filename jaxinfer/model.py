@@ -19,11 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from . import gdn, kvcache, moe
+from . import gdn, kvcache, moe, quant
 from .config import ModelConfig, rope_inv_freq
 from .gdn import RecurrentState
 from .kvcache import AttentionKV, KVView
 from .moe import ExpertSplit
+from .quant import linear
 
 
 def _param(rngs: nnx.Rngs, shape, axes, scale=0.02, init_one=False) -> nnx.Param:
@@ -86,9 +87,9 @@ class Attention(nnx.Module):
         cfg = self.cfg
         B, T, _ = x.shape
         K, G, H = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
-        q = jnp.einsum("BTD,ED->BTE", x, self.wq[...])  # [B, T, N*H]
-        k = jnp.einsum("BTD,ED->BTE", x, self.wk[...])  # [B, T, K*H]
-        v = jnp.einsum("BTD,ED->BTE", x, self.wv[...])  # [B, T, K*H]
+        q = linear(x, self.wq[...])  # [B, T, N*H]
+        k = linear(x, self.wk[...])  # [B, T, K*H]
+        v = linear(x, self.wv[...])  # [B, T, K*H]
         if cfg.qkv_bias:
             q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
         q = q.reshape(B, T, K * G, H)  # [B, T, N, H]
@@ -104,14 +105,25 @@ class Attention(nnx.Module):
         out = kvcache.attend(q, k, v, kv, view, cfg.sliding_window)  # [B, T, K, G, H]
         out = out.reshape(B, T, K * G * H).astype(x.dtype)  # [B, T, N*H]
         if cfg.attn_gate:
-            gate = jnp.einsum("BTD,ED->BTE", x, self.wgate[...])  # [B, T, N*H]
+            gate = linear(x, self.wgate[...])  # [B, T, N*H]
             out = out * jax.nn.sigmoid(gate)
-        return jnp.einsum("BTE,DE->BTD", out, self.wo[...]), kv
+        return linear(out, self.wo[...]), kv  # [B, T, D]
 
 
 # Parameters that stay float32 whatever the compute dtype: the decay rate and its bias, whose
 # bf16 rounding the recurrence would compound (a known accuracy bug elsewhere).
 FLOAT32_PARAMS = frozenset({"a", "dt_bias"})
+
+
+# Weights read only through `linear` / `quant.embed`: these may stay quantized on the device.
+QUANTIZABLE = frozenset(
+    {"wq", "wk", "wv", "wo", "wgate", "wz", "wb", "wa", "w_gate", "w_up", "w_down", "fc",
+     "embed", "lm_head"}
+)  # fmt: skip
+
+
+def quantizable(path: tuple) -> bool:
+    return path[-1] in QUANTIZABLE
 
 
 def param_dtype(path: tuple, dtype) -> np.dtype:
@@ -156,7 +168,7 @@ class GatedDeltaNet(nnx.Module):
         B, T, _ = x.shape
         HK, HV, DK, DV = cfg.linear_k_heads, cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim
         real = view.real(T)  # [B, T]: padding never reaches the state
-        proj = [jnp.einsum("BTD,ED->BTE", x, w[...]) for w in (self.wq, self.wk, self.wv)]
+        proj = [linear(x, w[...]) for w in (self.wq, self.wk, self.wv)]  # [B, T, E] each
         keep = view.pick is not None  # speculative: every token's state is kept
         conv_q, conv_k, conv_v, S = gdn.read(state, view.slot, view.start == 0, view.pick)
         weights = (self.conv_q, self.conv_k, self.conv_v)
@@ -168,8 +180,8 @@ class GatedDeltaNet(nnx.Module):
         k = gdn.l2norm(k.reshape(B, T, HK, DK))
         q, k = jnp.repeat(q, HV // HK, axis=2), jnp.repeat(k, HV // HK, axis=2)  # [B, T, HV, DK]
         v = v.reshape(B, T, HV, DV).astype(jnp.float32)
-        b = jnp.einsum("BTD,HD->BTH", x, self.wb[...]).astype(jnp.float32)
-        a = jnp.einsum("BTD,HD->BTH", x, self.wa[...]).astype(jnp.float32)
+        b = linear(x, self.wb[...]).astype(jnp.float32)  # [B, T, HV]
+        a = linear(x, self.wa[...]).astype(jnp.float32)  # [B, T, HV]
         beta = jax.nn.sigmoid(b) * real[..., None]  # [B, T, HV]
         g = self.a[...] * jax.nn.softplus(a + self.dt_bias[...]) * real[..., None]  # log decay
         if keep:
@@ -179,9 +191,9 @@ class GatedDeltaNet(nnx.Module):
             o = o[:, None]  # [B, 1, HV, DV]
         else:
             o, S = gdn.chunked(q, k, v, g, beta, S)
-        z = jnp.einsum("BTD,ED->BTE", x, self.wz[...]).reshape(B, T, HV, DV)
+        z = linear(x, self.wz[...]).reshape(B, T, HV, DV)
         o = rms_norm(o, self.norm[...], cfg.norm_eps) * jax.nn.silu(z.astype(jnp.float32))
-        out = jnp.einsum("BTE,DE->BTD", o.reshape(B, T, HV * DV).astype(x.dtype), self.wo[...])
+        out = linear(o.reshape(B, T, HV * DV).astype(x.dtype), self.wo[...])  # [B, T, D]
         return out, gdn.write(state, (conv_q, conv_k, conv_v, S), view.slot, view.keep_at)
 
 
@@ -195,9 +207,9 @@ class MLP(nnx.Module):
         self.w_down = _param(rngs, (D, F), ("embed", "mlp"))
 
     def __call__(self, x):
-        gate = jnp.einsum("BTD,FD->BTF", x, self.w_gate[...])  # [B, T, F]
-        up = jnp.einsum("BTD,FD->BTF", x, self.w_up[...])  # [B, T, F]
-        return jnp.einsum("BTF,DF->BTD", jax.nn.silu(gate) * up, self.w_down[...])  # [B, T, D]
+        gate = linear(x, self.w_gate[...])  # [B, T, F]
+        up = linear(x, self.w_up[...])  # [B, T, F]
+        return linear(jax.nn.silu(gate) * up, self.w_down[...])  # [B, T, D]
 
 
 class MoE(nnx.Module):
@@ -306,7 +318,7 @@ class MTP(nnx.Module):
             [rms_norm(embedded, self.embed_norm[...], self.eps),
              rms_norm(hidden, self.hidden_norm[...], self.eps)], axis=-1,
         )  # fmt: skip
-        x = jnp.einsum("BTE,DE->BTD", x, self.fc[...])  # [B, T, D]
+        x = linear(x, self.fc[...])  # [B, T, D]
         x, kv = self.layer(x, rope_tab, kv, view)
         return rms_norm(x, self.norm[...], self.eps), kv
 
@@ -314,7 +326,7 @@ class MTP(nnx.Module):
 def mtp_forward(mtp: MTP, embed, cfg, tokens, hidden, view: KVView, kv):
     """The MTP head over rows at cache positions view.start + t: tokens [B, T] the next
     tokens, hidden [B, T, D] -> [B, T, D], kv."""
-    x = jnp.take(embed, tokens, axis=0).astype(hidden.dtype)  # [B, T, D]
+    x = quant.embed(embed, tokens, hidden.dtype).astype(hidden.dtype)  # [B, T, D]
     rope_tab = rope_table(view.positions(tokens.shape[1]) + 1, rope_inv_freq(cfg))
     return mtp(x, hidden, rope_tab, kv, view)
 
@@ -346,7 +358,8 @@ class Transformer(nnx.Module):
         return mtp_forward(self.mtp, self.embed[...], self.cfg, tokens, hidden, view, kv)
 
     def embed_tokens(self, tokens: jax.Array) -> jax.Array:
-        return jnp.take(self.embed[...], tokens, axis=0)  # [B, T, D]
+        # a quantized table dequantizes to the compute dtype, which the norms are stored in
+        return quant.embed(self.embed[...], tokens, self.norm[...].dtype)  # [B, T, D]
 
     def final_norm(self, x: jax.Array) -> jax.Array:
         return rms_norm(x, self.norm[...], self.cfg.norm_eps)
@@ -356,9 +369,10 @@ class Transformer(nnx.Module):
         return head_logits(h, head[...])
 
 
-def head_logits(h: jax.Array, head: jax.Array) -> jax.Array:
-    """Final hidden states h [..., D] and head [V, D] -> float32 logits [..., V]."""
-    return jnp.einsum("...D,VD->...V", h, head, preferred_element_type=jnp.float32)
+def head_logits(h: jax.Array, head) -> jax.Array:
+    """Final hidden states h [..., D] and head [V, D] (plain or quantized) -> float32 logits
+    [..., V]."""
+    return linear(h, head, jnp.float32)
 
 
 def layer_cache(cfg: ModelConfig, kind: tuple[bool, bool], dtype) -> AttentionKV | RecurrentState:

@@ -30,6 +30,7 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from .quant import QArray, linear
 from .sharding import varying_like
 
 MAX_TILE = 256  # rows per tile at most
@@ -106,17 +107,30 @@ def expert_ffn(x, ids, weights, valid, w_gate, w_up, w_down, first=0) -> jax.Arr
     def tile(i, ys):
         e, r = tile_e[i], tile_row[i]
         rows = lax.dynamic_slice_in_dim(xs, r, C)  # [C, D]
-        gate = rows @ lax.dynamic_index_in_dim(w_gate, e, keepdims=False).T  # [C, F]
-        up = rows @ lax.dynamic_index_in_dim(w_up, e, keepdims=False).T  # [C, F]
-        y = (jax.nn.silu(gate) * up) @ lax.dynamic_index_in_dim(w_down, e, keepdims=False).T
+        gate = times(rows, expert(w_gate, e))  # [C, F]
+        up = times(rows, expert(w_up, e))  # [C, F]
+        y = times(jax.nn.silu(gate) * up, expert(w_down, e))  # [C, D]
         return lax.dynamic_update_slice_in_dim(ys, y.astype(ys.dtype), r, 0)  # [C, D] at r
 
-    ys = varying_like(jnp.zeros((A + C, D), x.dtype), w_gate)
+    ys = varying_like(jnp.zeros((A + C, D), x.dtype), jax.tree.leaves(w_gate)[0])
     ys = lax.fori_loop(0, n_tiles, tile, ys)
     at = jnp.zeros(A, jnp.int32).at[order].set(jnp.arange(A, dtype=jnp.int32))  # sorted row
     w = jnp.where(mine, weights.reshape(A), 0.0)[:, None]  # [A, 1]
     out = jnp.where(w > 0, ys[at].astype(jnp.float32) * w, 0.0)  # [A, D]
     return out.reshape(N, k, D).sum(axis=1)
+
+
+def expert(w, e: jax.Array):
+    """Expert e's weight [F, D] of stacked weights [E, F, D] (plain or quantized), read in
+    place: a dynamic index, not a gather (gathering copies on XLA CPU)."""
+    pick = lambda a: lax.dynamic_index_in_dim(a, e, keepdims=False)  # noqa: E731
+    return w.rows(pick) if isinstance(w, QArray) else pick(w)
+
+
+def times(x: jax.Array, w) -> jax.Array:
+    """x [C, D] times one expert's weight [F, D]: `@` for a plain weight (on a dynamically
+    indexed slice XLA CPU runs it 2.5x faster than the einsum form), else the seam."""
+    return linear(x, w) if isinstance(w, QArray) else x @ w.T
 
 
 def experts(x, ids, weights, valid, w_gate, w_up, w_down, split: ExpertSplit | None):

@@ -26,6 +26,7 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from . import quant
 from .config import ModelConfig, rope_inv_freq
 from .gdn import RecurrentState
 from .kvcache import KVConfig, KVView
@@ -37,11 +38,21 @@ from .model import (
     layer_cache,
     mtp_forward,
     param_dtype,
+    quantizable,
     rms_norm,
     rope_table,
 )
 from .moe import ExpertSplit
-from .placement import Placement, Reader, Runner, cache_shardings, mtp_caches
+from .placement import (
+    Placement,
+    Reader,
+    Runner,
+    cache_shardings,
+    kernel_fits,
+    mtp_caches,
+    put_quant,
+)
+from .quant import HostQuant
 from .sharding import named, spec
 
 AXIS = "pp"
@@ -118,23 +129,29 @@ def place_params(read: Reader, cfg: ModelConfig, mesh: Mesh, rules: dict, dtype)
     layers of its own stage.
     """
     plan = stage_plan(cfg, mesh.shape[AXIS])
-    np_dtype = np.dtype(dtype)
+    kernel = kernel_fits(mesh)
     params: dict = {}
+
+    def put(path, shape, axes):  # one parameter replicated over the stages
+        host = read(path, shape, blocks=quantizable(path))
+        sharding = named(mesh, spec(axes, rules))
+        if isinstance(host, HostQuant):
+            return put_quant(path, host.take(), host, sharding, kernel)
+        return jax.device_put(host.astype(param_dtype(path, dtype)), sharding)
+
     table = ("vocab", "embed")
     outer = [("embed", table), ("norm", ("embed",))]
     if not cfg.tie_embeddings:
         outer.append(("lm_head", table))
-    for name, logical in outer:  # replicated over the stages
+    for name, logical in outer:
         shape = (cfg.d_model,) if name == "norm" else (cfg.vocab_size, cfg.d_model)
-        host = read((name,), shape).astype(np_dtype)
-        params[name] = jax.device_put(host, named(mesh, spec(logical, rules)))
+        params[name] = put((name,), shape, logical)
     if cfg.mtp_layers:  # the MTP head runs after the stages, on every device
         mtp = mtp_module(cfg)
         leaves = {}
         for path, v in nnx.to_flat_state(nnx.state(mtp)):
             shape, axes = v.get_value().shape, v.get_metadata()["axes"]
-            host = read(("mtp", *path), shape).astype(param_dtype(path, dtype))
-            leaves[path] = jax.device_put(host, named(mesh, spec(axes, rules)))
+            leaves[path] = put(("mtp", *path), shape, axes)
         params["mtp"] = nnx.to_pure_dict(nnx.from_flat_state(leaves))
     slots = []
     for j, kind in enumerate(plan.kinds):
@@ -143,25 +160,44 @@ def place_params(read: Reader, cfg: ModelConfig, mesh: Mesh, rules: dict, dtype)
         shapes = {path: v.get_value().shape for path, v in nnx.to_flat_state(nnx.state(block))}
         axes = block_axes(cfg, kind)
         for path, shape in shapes.items():
-
-            def stage_slice(index, path=path, shape=shape, j=j):
-                stage = index[0].start or 0  # one stage per device along pp
-                layer = plan.layer_of[stage][j]
-                if layer < 0:  # no layer of this stage here: the slot is skipped
-                    host = np.zeros(shape, param_dtype(path, dtype))
-                else:
-                    host = read(("layers", layer, *path), shape).astype(param_dtype(path, dtype))
-                return host[None][(slice(0, 1), *index[1:])]
-
             sharding = named(mesh, P(AXIS, *spec(axes[path], rules)))
-            leaf = jax.make_array_from_callback((plan.stages, *shape), sharding, stage_slice)
             node = slot
             for key in path[:-1]:
                 node = node.setdefault(key, {})
-            node[path[-1]] = leaf
+            node[path[-1]] = stack_slot(read, plan, j, path, shape, sharding, dtype, kernel)
         slots.append(slot)
     params["slots"] = slots
     return params
+
+
+def stack_slot(read: Reader, plan: StagePlan, j: int, path, shape, sharding, dtype, kernel):
+    """Slot j's parameter `path` of every stage, stacked [pp, ...]; each device's callback
+    takes its own stage's layer. Quantized when every stage's layer holds it in the same
+    format (a Q4_K_M file mixes Q4_K and Q6_K layers), else in float."""
+    layers = [plan.layer_of[s][j] for s in range(plan.stages)]
+    dt = param_dtype(path, dtype)
+    hosts = [read(("layers", n, *path), shape, blocks=quantizable(path)) if n >= 0 else None
+             for n in layers]  # fmt: skip
+    real = [h for h in hosts if h is not None]
+    fmts = {h.fmt if isinstance(h, HostQuant) else None for h in real}
+    if len(fmts) == 1 and None not in fmts:
+        taken = [h.take() if h is not None else None for h in hosts]
+        ref = next(t for t in taken if t is not None)
+        parts = {  # [pp, ...]: the stages' parts, zeros (dequantizing to 0) where no layer
+            k: np.stack([t[k] if t is not None else np.zeros_like(v) for t in taken])
+            for k, v in ref.items()
+        }
+        return put_quant(("layers", *path), parts, real[0], sharding, kernel, lead=1)
+    if fmts != {None}:  # mixed formats: this slot is read in float
+        hosts = [read(("layers", n, *path), shape) if n >= 0 else None for n in layers]
+
+    def stage_slice(index):
+        stage = index[0].start or 0  # one stage per device along pp
+        host = hosts[stage]
+        host = np.zeros(shape, dt) if host is None else host.astype(dt)
+        return host[None][(slice(0, 1), *index[1:])]
+
+    return jax.make_array_from_callback((plan.stages, *shape), sharding, stage_slice)
 
 
 def pipeline_runner(cfg: ModelConfig, mesh: Mesh, rules: dict, dtype) -> Runner:
@@ -245,7 +281,7 @@ def pipeline_runner(cfg: ModelConfig, mesh: Mesh, rules: dict, dtype) -> Runner:
     )
 
     def forward(params, tokens, view: KVView, kv):
-        x = jnp.take(params["embed"], tokens, axis=0)  # [B, T, D]
+        x = quant.embed(params["embed"], tokens, params["norm"].dtype)  # [B, T, D]
         rope_tab = rope_table(view.positions(tokens.shape[1]), rope_inv_freq(cfg))
         with jax.named_scope("stages"):
             x, kv = staged(params["slots"], x, rope_tab, view, kv)

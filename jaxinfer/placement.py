@@ -16,13 +16,17 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .config import ModelConfig
+from .errors import LayoutError
 from .kvcache import AttentionKV, KVConfig
-from .model import Transformer, abstract_model, cache_layers, param_dtype
+from .model import Transformer, abstract_model, cache_layers, param_dtype, quantizable
 from .moe import ExpertSplit
+from .quant import FORMATS, HostQuant, QArray
 from .sharding import named, spec
 from .speculative import HiddenState
 
-Reader = Callable[[tuple, tuple], np.ndarray]  # (parameter path, shape) -> host array
+# (parameter path, shape, blocks) -> host array, or with `blocks` a HostQuant when the
+# checkpoint holds the parameter quantized
+Reader = Callable[..., np.ndarray | HostQuant]
 
 
 @dataclass(frozen=True)
@@ -59,10 +63,14 @@ def place_dense(read: Reader, cfg: ModelConfig, dtype, name: str, mesh: Mesh, ru
     """Every layer on every device of the mesh, weights placed straight into their shardings."""
     graphdef, state = nnx.split(abstract_model(cfg, ExpertSplit.of(mesh, rules)))
     shardings = param_shardings(cfg, mesh, rules)
+    kernel = kernel_fits(mesh)
 
     def put(path, leaf):
         key = tuple(k.key for k in path)
-        host = read(key, leaf.shape).astype(param_dtype(key, dtype))
+        host = read(key, leaf.shape, blocks=quantizable(key))
+        if isinstance(host, HostQuant):
+            return put_quant(key, host.take(), host, shardings[key], kernel)
+        host = host.astype(param_dtype(key, dtype))
         # Each device receives only its slice (on several hosts, only local devices ask).
         return jax.make_array_from_callback(leaf.shape, shardings[key], lambda i: host[i])
 
@@ -83,7 +91,42 @@ def random_reader(cfg: ModelConfig, seed: int) -> Reader:
     """Random weights from a fixed seed, read like a checkpoint: (path, shape) -> array."""
     state = nnx.state(Transformer(cfg, nnx.Rngs(seed)))
     host = {path: np.asarray(var[...]) for path, var in nnx.to_flat_state(state)}
-    return lambda path, shape: host[path].reshape(shape)
+    return lambda path, shape, blocks=False: host[path].reshape(shape)
+
+
+def kernel_fits(mesh: Mesh) -> bool:
+    """Whether quantized products may use the CPU kernel (qkernel.py): on CPU devices, when
+    the only split axes are the ones the program runs by hand (pipeline stages, expert
+    shards), so that the kernel always sees whole weights."""
+    auto = [n for name, n in mesh.shape.items() if name not in ("pp", "ep")]
+    return mesh.devices.flat[0].platform == "cpu" and all(n == 1 for n in auto)
+
+
+def put_quant(path: tuple, parts: dict, host: HostQuant, sharding: NamedSharding, kernel: bool,
+              lead: int = 0) -> QArray:  # fmt: skip
+    """A quantized weight's parts (host arrays [*lead, ..., O, X]) placed with the weight's
+    sharding: each part split like the weight's rows and, for the columns, by whole blocks
+    (a split that would cut a block is refused); per-row parts keep their one column."""
+    fmt = FORMATS[host.fmt]
+    mesh, pspec = sharding.mesh, tuple(sharding.spec)
+    pspec = pspec + (None,) * (len(host.shape) + lead - len(pspec))
+    axis = pspec[-1]
+    blocks = host.width // fmt.block
+    if axis is not None and blocks % mesh.shape[axis]:
+        name = "/".join(str(k) for k in path)
+        raise LayoutError(
+            f"{name}: its {host.width} columns are {blocks} {fmt.ggml or fmt.name} blocks of "
+            f"{fmt.block}, which {axis} = {mesh.shape[axis]} would cut; use a device count "
+            f"that divides {blocks}, or the 'layer' layout"
+        )
+    out = {}
+    for k, part in parts.items():
+        whole = part.shape[-1] == 1 and host.width > 1  # a per-row scale
+        ps = P(*pspec[:-1], None if whole else axis)
+        out[k] = jax.make_array_from_callback(
+            part.shape, NamedSharding(mesh, ps), lambda i, part=part: part[i]
+        )
+    return QArray(out, host.fmt, host.width, kernel)
 
 
 def dense_runner(graphdef: nnx.GraphDef, cfg: ModelConfig, dtype, mesh, rules) -> Runner:

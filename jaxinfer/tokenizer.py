@@ -184,7 +184,7 @@ class Tokenizer:
             vocab.setdefault(piece, i)
 
         if tok_model == "llama":
-            scores = meta.require("tokenizer.ggml.scores")
+            scores = meta.require("tokenizer.ggml.scores", float)
             meta.check_length("tokenizer.ggml.scores", scores, n)
             add_prefix = meta.get("tokenizer.ggml.add_space_prefix")
             backend = _build_spm(
@@ -424,12 +424,18 @@ class _GGUFMeta:
                 "corrupt, re-download or re-convert it"
             ) from e
 
-    def require(self, key: str) -> list:
+    def require(self, key: str, kind: type = str) -> list:
+        """A non-empty array of `kind` values."""
         value = self.get(key)
         if not isinstance(value, list) or not value:
             raise CheckpointError(
                 f"{self.name} has no {key} (needed to build its tokenizer); re-convert the "
                 "model with llama.cpp's convert_hf_to_gguf.py"
+            )
+        if not all(isinstance(v, kind) for v in value):
+            raise CheckpointError(
+                f"{self.name}: {key} holds values other than {kind.__name__}s; the file is "
+                "corrupt, re-convert it"
             )
         return value
 

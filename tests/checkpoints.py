@@ -684,7 +684,9 @@ def write_gguf(
     * llama3 rope scaling -> an F32 ``rope_freqs.weight`` tensor of per-frequency divisors.
     * ``qtype`` ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", ...): applied to
       2-D weight matrices whose row length is divisible by the type's block size; everything
-      else (norms, biases, rope_freqs, non-divisible matrices) stays F32.
+      else (norms, biases, rope_freqs, non-divisible matrices) stays F32. K-quants ("Q4_K",
+      "Q5_K", "Q6_K"), which gguf-py cannot quantize, get random valid blocks of about the
+      weights' scale instead: the file's weights are then unrelated to ``weights``.
     * Mistral's sliding window is recorded as ``{arch}.attention.sliding_window``.
     """
     import gguf
@@ -761,7 +763,10 @@ def write_gguf(
             and qt != GGMLQuantizationType.F32
             and arr.shape[-1] % block_size == 0
         ):
-            data = gguf.quants.quantize(arr, qt)
+            if qt.name.endswith("_K"):
+                data = random_k_blocks(arr.shape, qt.name, float(np.abs(arr).mean()))
+            else:
+                data = gguf.quants.quantize(arr, qt)
             if qt == GGMLQuantizationType.F16:
                 w.add_tensor(name, data)
             else:
@@ -798,3 +803,21 @@ def write_gguf(
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def random_k_blocks(shape: tuple[int, int], qtype: str, scale: float, seed: int = 0) -> np.ndarray:
+    """Random K-quant blocks (uint8 [rows, bytes per row]) whose values are about `scale`:
+    random bytes, with the f16 super-block scales (d, and dmin where the type has one) set so
+    that sub-block scale 63 (Q6_K: 127) times the largest value gives ~4 * scale."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
+    rows, width = shape
+    rng = np.random.default_rng(seed + rows * 7919 + width)
+    raw = rng.integers(0, 256, (rows, width // block, size), dtype=np.uint8)
+    top = {"Q4_K": 63 * 15, "Q5_K": 63 * 31, "Q6_K": 127 * 32}[qtype]
+    d = (rng.uniform(1.0, 4.0, raw.shape[:2]) * scale / top).astype(np.float16)
+    at = (208,) if qtype == "Q6_K" else (0, 2)  # d (and dmin) offsets in the block
+    for offset in at:
+        raw[..., offset : offset + 2] = d[..., None].view(np.uint8)
+    return raw.reshape(rows, -1)

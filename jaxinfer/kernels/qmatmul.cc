@@ -1,0 +1,885 @@
+// XLA FFI CPU kernels for quantized matmuls: y[m, o] = sum_i x[m, i] * W[o, i], with W held
+// in one of quant.py's FORMATS (parts in FORMATS order, each [O, I / per]) and dequantized in
+// registers, so decode reads the compressed blocks once instead of a materialized float weight.
+//
+// Numerics: float32 activations and float32 (fused multiply-add) accumulation. Each weight is
+// dequantized bit-exactly as quant.dequantize / gguf-py compute it: scale products first, then
+// one multiply (and add / subtract) per value. That needs -ffp-contract=off (qkernel.py
+// builds with it) so that gcc does not fuse `scale * q - low` into one rounding.
+//
+// Work split: output rows in contiguous chunks over XLA's intra-op thread pool (plus the
+// calling thread). Up to 8 activation rows: each weight block is read once, dequantized in
+// registers and applied to all rows, whose accumulators stay in registers. More rows (prompt
+// chunks): each weight row is dequantized once into a small buffer, then multiplied as floats.
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <utility>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+#define INLINE inline __attribute__((always_inline))
+
+#ifndef __AVX512F__
+#error "qmatmul.cc needs AVX-512 (F, BW, VL)"
+#endif
+
+template <class F, int... G>
+INLINE void static_for_impl(F&& f, std::integer_sequence<int, G...>) {
+  (f(std::integral_constant<int, G>{}), ...);
+}
+
+// f(std::integral_constant<int, g>) for g in [0, N): block bodies unrolled with constant g.
+template <int N, class F>
+INLINE void static_for(F&& f) {
+  static_for_impl(f, std::make_integer_sequence<int, N>{});
+}
+
+INLINE float h2f(uint16_t h) { return _cvtsh_ss(h); }  // f16 -> f32 is exact
+
+// Hint to load the line holding p[i]. Rows are read as several streams (one per part, two
+// rows at a time), which the hardware prefetcher follows poorly: q8_0 decode went from ~10 to
+// ~15 GB/s per core with these, 1 KiB ahead. Past the end is harmless (prefetches never fault).
+template <class T>
+INLINE void pf(const T* p, int64_t i) {
+  _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T0);
+}
+
+// 16 consecutive bytes widened to 16 int32 lanes.
+INLINE __m512i u8x16(const uint8_t* p) {
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+INLINE __m512i s8x16(const int8_t* p) {
+  return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// 8 bytes widened to 8 floats (exact).
+INLINE __m256 u8x8f(const uint8_t* p) {
+  __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
+}
+
+// *p broadcast to 16 lanes by a load, not a shuffle: written as asm because gcc forwards a
+// just-stored float through shuffles (extract, then broadcast from a register), and shuffles
+// (vpermps, vpmovzxbd) are what the 4-bit formats are short of.
+INLINE __m512 bcast(const float* p) {
+  __m512 r;
+  asm("vbroadcastss %1, %0" : "=v"(r) : "m"(*p));
+  return r;
+}
+
+INLINE __m512 iota(float base) {
+  return _mm512_add_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                       _mm512_set1_ps(base));
+}
+
+// 4- and 5-bit formats dequantize through a table of the 16 (or 32) values a block's (or
+// sub-block's) scale can produce: one vpermps per 16 weights instead of convert, multiply
+// and subtract. The table entries are computed with the same operations as the reference, so
+// the values are the same bits. vpermps reads only the low 4 bits of each index lane, so a
+// low nibble needs no mask.
+INLINE __m512 lookup(__m512i idx, __m512 table) { return _mm512_permutexvar_ps(idx, table); }
+INLINE __m512 lookup32(__m512i idx, __mmask16 high, __m512 lo, __m512 hi) {
+  return _mm512_mask_permutexvar_ps(_mm512_permutexvar_ps(idx, lo), high, idx, hi);
+}
+
+// Each format: kBlock values per block; row(o) -> Row (pointers to row o of every part);
+// block(row, b) -> Blk; value<g>(blk) -> the block's dequantized values [16 g, 16 g + 16).
+
+// Q8_0 (32 values): q int8 [O, I], d f16 [O, I / 32]; w = d * q.
+struct Q8_0 {
+  static constexpr int kBlock = 32;
+  static constexpr bool kTail = false;
+  static constexpr int kAhead = 32;  // blocks to prefetch ahead: 1 KiB of the main stream
+  const int8_t* q;
+  const uint16_t* d;
+  int64_t I;
+  struct Row {
+    const int8_t* q;
+    const uint16_t* d;
+  };
+  struct Blk {
+    const int8_t* q;
+    __m512 d;
+  };
+  INLINE Row row(int64_t o) const { return {q + o * I, d + o * (I / 32)}; }
+  INLINE void prefetch(const Row& r, int64_t b) const { pf(r.q, 32 * b), pf(r.d, b); }
+  INLINE Blk block(const Row& r, int64_t b) const {
+    return {r.q + 32 * b, _mm512_set1_ps(h2f(r.d[b]))};
+  }
+  template <int G>
+  INLINE __m512 value(const Blk& k) const {
+    return _mm512_mul_ps(k.d, _mm512_cvtepi32_ps(s8x16(k.q + 16 * G)));
+  }
+};
+
+// Per-channel int8 (any I: the last I % 32 values masked): q int8 [O, I], s f32 [O, 1];
+// w = q * s.
+struct Int8 {
+  static constexpr int kBlock = 32;
+  static constexpr bool kTail = true;
+  static constexpr int kAhead = 32;  // blocks to prefetch ahead: 1 KiB of the main stream
+  const int8_t* q;
+  const float* s;
+  int64_t I;
+  struct Row {
+    const int8_t* q;
+    __m512 s;
+  };
+  using Blk = Row;
+  INLINE Row row(int64_t o) const { return {q + o * I, _mm512_set1_ps(s[o])}; }
+  INLINE void prefetch(const Row& r, int64_t b) const { pf(r.q, 32 * b); }
+  INLINE Blk block(const Row& r, int64_t b) const { return {r.q + 32 * b, r.s}; }
+  template <int G>
+  INLINE __m512 value(const Blk& k) const {
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(s8x16(k.q + 16 * G)), k.s);
+  }
+  // Up to 16 of the last I % 32 values, from column col (lanes past them are zero).
+  INLINE __m512 tail(const Row& r, int64_t col, __mmask16 valid) const {
+    __m128i q8 = _mm_maskz_loadu_epi8(valid, r.q + col);
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q8)), r.s);
+  }
+};
+
+// 16-bit float weights (f16, bf16; any I: the last I % 32 values masked): w [O, I];
+// w = float(w), exact.
+template <bool kBf16>
+struct Half {
+  static constexpr int kBlock = 32;
+  static constexpr bool kTail = true;
+  static constexpr int kAhead = 16;  // blocks to prefetch ahead: 1 KiB of the main stream
+  const uint16_t* w;
+  int64_t I;
+  using Row = const uint16_t*;
+  using Blk = const uint16_t*;
+  INLINE Row row(int64_t o) const { return w + o * I; }
+  INLINE void prefetch(const Row& r, int64_t b) const { pf(r, 32 * b); }
+  INLINE Blk block(const Row& r, int64_t b) const { return r + 32 * b; }
+  static INLINE __m512 widen(__m256i h) {
+    if constexpr (kBf16)  // bf16 is the top half of an f32
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    else
+      return _mm512_cvtph_ps(h);
+  }
+  template <int G>
+  INLINE __m512 value(const Blk& k) const {
+    return widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(k + 16 * G)));
+  }
+  INLINE __m512 tail(const Row& r, int64_t col, __mmask16 valid) const {
+    return widen(_mm256_maskz_loadu_epi16(valid, r + col));
+  }
+};
+
+// Q4_0 (32 values): qs [O, I / 2] (byte j: value j low nibble, j + 16 high), d f16;
+// w = d * (q - 8).
+struct Q4_0 {
+  static constexpr int kBlock = 32;
+  static constexpr bool kTail = false;
+  static constexpr int kAhead = 64;  // blocks to prefetch ahead: 1 KiB of the main stream
+  const uint8_t* qs;
+  const uint16_t* d;
+  int64_t I;
+  struct Row {
+    const uint8_t* qs;
+    const uint16_t* d;
+  };
+  struct Blk {
+    const uint8_t* qs;
+    __m512 table;
+  };
+  INLINE Row row(int64_t o) const { return {qs + o * (I / 2), d + o * (I / 32)}; }
+  INLINE void prefetch(const Row& r, int64_t b) const { pf(r.qs, 16 * b), pf(r.d, b); }
+  INLINE Blk block(const Row& r, int64_t b) const {
+    return {r.qs + 16 * b, _mm512_mul_ps(_mm512_set1_ps(h2f(r.d[b])), iota(-8))};
+  }
+  template <int G>
+  INLINE __m512 value(const Blk& k) const {
+    __m512i z = u8x16(k.qs);
+    return lookup(G ? _mm512_srli_epi32(z, 4) : z, k.table);
+  }
+};
+
+// Q4_1: as Q4_0 plus a min m (f16); w = d * q + m.
+struct Q4_1 {
+  static constexpr int kBlock = 32;
+  static constexpr bool kTail = false;
+  static constexpr int kAhead = 64;  // blocks to prefetch ahead: 1 KiB of the main stream
+  const uint8_t* qs;
+  const uint16_t* d;
+  const uint16_t* m;
+  int64_t I;
+  struct Row {
+    const uint8_t* qs;
+    const uint16_t* d;
+    const uint16_t* m;
+  };
+  struct Blk {
+    const uint8_t* qs;
+    __m512 table;
+  };
+  INLINE Row row(int64_t o) const {
+    return {qs + o * (I / 2), d + o * (I / 32), m + o * (I / 32)};
+  }
+  INLINE void prefetch(const Row& r, int64_t b) const { pf(r.qs, 16 * b), pf(r.d, b), pf(r.m, b); }
+  INLINE Blk block(const Row& r, int64_t b) const {
+    __m512 dq = _mm512_mul_ps(_mm512_set1_ps(h2f(r.d[b])), iota(0));
+    return {r.qs + 16 * b, _mm512_add_ps(dq, _mm512_set1_ps(h2f(r.m[b])))};
+  }
+  template <int G>
+  INLINE __m512 value(const Blk& k) const {
+    __m512i z = u8x16(k.qs);
+    return lookup(G ? _mm512_srli_epi32(z, 4) : z, k.table);
+  }
+};
+
+// Q5_0 (32 values): qs as Q4_0, qh [O, I / 8] (4 bytes per block: bit j of their
+// little-endian u32 is value j's fifth bit), d f16; w = d * (q - 16).
+struct Q5_0 {
+  static constexpr int kBlock = 32;
+  static constexpr bool kTail = false;
+  static constexpr int kAhead = 64;  // blocks to prefetch ahead: 1 KiB of the main stream
+  const uint8_t* qs;
+  const uint8_t* qh;
+  const uint16_t* d;
+  int64_t I;
+  struct Row {
+    const uint8_t* qs;
+    const uint8_t* qh;
+    const uint16_t* d;
+  };
+  struct Blk {
+    const uint8_t* qs;
+    uint32_t high;
+    __m512 lo, hi;  // values of q in [0, 16) and [16, 32)
+  };
+  INLINE Row row(int64_t o) const {
+    return {qs + o * (I / 2), qh + o * (I / 8), d + o * (I / 32)};
+  }
+  INLINE void prefetch(const Row& r, int64_t b) const {
+    pf(r.qs, 16 * b), pf(r.qh, 4 * b), pf(r.d, b);
+  }
+  INLINE Blk block(const Row& r, int64_t b) const {
+    uint32_t high;
+    std::memcpy(&high, r.qh + 4 * b, 4);
+    __m512 d = _mm512_set1_ps(h2f(r.d[b]));
+    return {r.qs + 16 * b, high, _mm512_mul_ps(d, iota(-16)), _mm512_mul_ps(d, iota(0))};
+  }
+  template <int G>
+  INLINE __m512 value(const Blk& k) const {
+    __m512i z = u8x16(k.qs);
+    return lookup32(G ? _mm512_srli_epi32(z, 4) : z, __mmask16(k.high >> (16 * G)), k.lo, k.hi);
+  }
+};
+
+// Q5_1: as Q5_0 plus a min m; w = d * q + m.
+struct Q5_1 {
+  static constexpr int kBlock = 32;
+  static constexpr bool kTail = false;
+  static constexpr int kAhead = 64;  // blocks to prefetch ahead: 1 KiB of the main stream
+  const uint8_t* qs;
+  const uint8_t* qh;
+  const uint16_t* d;
+  const uint16_t* m;
+  int64_t I;
+  struct Row {
+    const uint8_t* qs;
+    const uint8_t* qh;
+    const uint16_t* d;
+    const uint16_t* m;
+  };
+  struct Blk {
+    const uint8_t* qs;
+    uint32_t high;
+    __m512 lo, hi;
+  };
+  INLINE Row row(int64_t o) const {
+    return {qs + o * (I / 2), qh + o * (I / 8), d + o * (I / 32), m + o * (I / 32)};
+  }
+  INLINE void prefetch(const Row& r, int64_t b) const {
+    pf(r.qs, 16 * b), pf(r.qh, 4 * b), pf(r.d, b), pf(r.m, b);
+  }
+  INLINE Blk block(const Row& r, int64_t b) const {
+    uint32_t high;
+    std::memcpy(&high, r.qh + 4 * b, 4);
+    __m512 d = _mm512_set1_ps(h2f(r.d[b])), m = _mm512_set1_ps(h2f(r.m[b]));
+    return {r.qs + 16 * b, high, _mm512_add_ps(_mm512_mul_ps(d, iota(0)), m),
+            _mm512_add_ps(_mm512_mul_ps(d, iota(16)), m)};
+  }
+  template <int G>
+  INLINE __m512 value(const Blk& k) const {
+    __m512i z = u8x16(k.qs);
+    return lookup32(G ? _mm512_srli_epi32(z, 4) : z, __mmask16(k.high >> (16 * G)), k.lo, k.hi);
+  }
+};
+
+// K-quant sub-block scales and mins of one block: scale[j] = d * sc[j], low[j] = dmin * mn[j]
+// (8 at once, the reference's products), kept in memory for broadcast loads.
+INLINE void k_scales(float* scale, float* low, const uint8_t* sc, const uint8_t* mn, uint16_t d,
+                     uint16_t dmin) {
+  _mm256_store_ps(scale, _mm256_mul_ps(_mm256_set1_ps(h2f(d)), u8x8f(sc)));
+  _mm256_store_ps(low, _mm256_mul_ps(_mm256_set1_ps(h2f(dmin)), u8x8f(mn)));
+}
+
+// Q4_K (256 values, 8 sub-blocks of 32): qs [O, I / 2] (per 64 values, byte l: value l low
+// nibble, 32 + l high), sc and mn uint8 [O, I / 32] (6-bit, unpacked at load), d and dmin f16
+// [O, I / 256]; w = (d * sc[j]) * q - (dmin * mn[j]) in sub-block j.
+struct Q4_K {
+  static constexpr int kBlock = 256;
+  static constexpr bool kTail = false;
+  static constexpr int kAhead = 8;  // blocks to prefetch ahead: 1 KiB of the main stream
+  const uint8_t* qs;
+  const uint8_t* sc;
+  const uint8_t* mn;
+  const uint16_t* d;
+  const uint16_t* dmin;
+  int64_t I;
+  struct Row {
+    const uint8_t *qs, *sc, *mn;
+    const uint16_t *d, *dmin;
+  };
+  struct Blk {
+    const uint8_t* qs;
+    alignas(32) float scale[8], low[8];  // d * sc[j], dmin * mn[j]
+  };
+  INLINE Row row(int64_t o) const {
+    return {qs + o * (I / 2), sc + o * (I / 32), mn + o * (I / 32), d + o * (I / 256),
+            dmin + o * (I / 256)};
+  }
+  INLINE void prefetch(const Row& r, int64_t b) const {
+    pf(r.qs, 128 * b), pf(r.qs, 128 * b + 64), pf(r.sc, 8 * b), pf(r.mn, 8 * b), pf(r.d, b),
+        pf(r.dmin, b);
+  }
+  INLINE Blk block(const Row& r, int64_t b) const {
+    Blk k;
+    k.qs = r.qs + 128 * b;
+    k_scales(k.scale, k.low, r.sc + 8 * b, r.mn + 8 * b, r.d[b], r.dmin[b]);
+    return k;
+  }
+  // Group g: sub-block j = g / 2, its half g % 2; sub-blocks 2c and 2c + 1 share the 32
+  // bytes of chunk c (low and high nibbles). The table of sub-block j is computed for both
+  // of its groups; the compiler keeps one copy.
+  template <int G>
+  INLINE __m512 value(const Blk& k) const {
+    constexpr int j = G / 2, h = G % 2, c = j / 2, p = j % 2;
+    __m512i z = u8x16(k.qs + 32 * c + 16 * h);
+    __m512 table = _mm512_sub_ps(_mm512_mul_ps(bcast(&k.scale[j]), iota(0)), bcast(&k.low[j]));
+    return lookup(p ? _mm512_srli_epi32(z, 4) : z, table);
+  }
+};
+
+// Q5_K: Q4_K plus qh [O, I / 8] (32 bytes per block: bit j of byte l is value 32 j + l's
+// fifth bit).
+struct Q5_K {
+  static constexpr int kBlock = 256;
+  static constexpr bool kTail = false;
+  static constexpr int kAhead = 8;  // blocks to prefetch ahead: 1 KiB of the main stream
+  const uint8_t* qs;
+  const uint8_t* qh;
+  const uint8_t* sc;
+  const uint8_t* mn;
+  const uint16_t* d;
+  const uint16_t* dmin;
+  int64_t I;
+  struct Row {
+    const uint8_t *qs, *qh, *sc, *mn;
+    const uint16_t *d, *dmin;
+  };
+  struct Blk {
+    const uint8_t *qs, *qh;
+    alignas(32) float scale[8], low[8];
+  };
+  INLINE Row row(int64_t o) const {
+    return {qs + o * (I / 2), qh + o * (I / 8), sc + o * (I / 32), mn + o * (I / 32),
+            d + o * (I / 256), dmin + o * (I / 256)};
+  }
+  INLINE void prefetch(const Row& r, int64_t b) const {
+    pf(r.qs, 128 * b), pf(r.qs, 128 * b + 64), pf(r.qh, 32 * b), pf(r.sc, 8 * b),
+        pf(r.mn, 8 * b), pf(r.d, b), pf(r.dmin, b);
+  }
+  INLINE Blk block(const Row& r, int64_t b) const {
+    Blk k;
+    k.qs = r.qs + 128 * b;
+    k.qh = r.qh + 32 * b;
+    k_scales(k.scale, k.low, r.sc + 8 * b, r.mn + 8 * b, r.d[b], r.dmin[b]);
+    return k;
+  }
+  template <int G>
+  INLINE __m512 value(const Blk& k) const {
+    constexpr int j = G / 2, h = G % 2, c = j / 2, p = j % 2;
+    __m512i z = u8x16(k.qs + 32 * c + 16 * h);
+    // fifth bits of values 32 j + 16 h + [0, 16): bit j of qh bytes 16 h + [0, 16)
+    __m128i qh = _mm_loadu_si128(reinterpret_cast<const __m128i*>(k.qh + 16 * h));
+    __mmask16 high = _mm_test_epi8_mask(qh, _mm_set1_epi8(char(1 << j)));
+    __m512 s = bcast(&k.scale[j]), l = bcast(&k.low[j]);
+    __m512 lo = _mm512_sub_ps(_mm512_mul_ps(s, iota(0)), l);
+    __m512 hi = _mm512_sub_ps(_mm512_mul_ps(s, iota(16)), l);
+    return lookup32(p ? _mm512_srli_epi32(z, 4) : z, high, lo, hi);
+  }
+};
+
+// Q6_K (256 values, 16 scale groups of 16): ql [O, I / 2] (per 128 values, byte b: value b
+// low nibble, 64 + b high), qh [O, I / 4] (per 128 values, bits 2s..2s+1 of byte l are value
+// 32 s + l's top two bits), sc int8 [O, I / 16], d f16 [O, I / 256];
+// w = (d * sc[g]) * (q - 32) in group g.
+struct Q6_K {
+  static constexpr int kBlock = 256;
+  static constexpr bool kTail = false;
+  static constexpr int kAhead = 8;  // blocks to prefetch ahead: 1 KiB of the main stream
+  const uint8_t* ql;
+  const uint8_t* qh;
+  const int8_t* sc;
+  const uint16_t* d;
+  int64_t I;
+  struct Row {
+    const uint8_t *ql, *qh;
+    const int8_t* sc;
+    const uint16_t* d;
+  };
+  struct Blk {
+    alignas(64) int8_t q[256];    // q - 32
+    alignas(64) float scale[16];  // d * sc[g]
+  };
+  INLINE Row row(int64_t o) const {
+    return {ql + o * (I / 2), qh + o * (I / 4), sc + o * (I / 16), d + o * (I / 256)};
+  }
+  INLINE void prefetch(const Row& r, int64_t b) const {
+    pf(r.ql, 128 * b), pf(r.ql, 128 * b + 64), pf(r.qh, 64 * b), pf(r.sc, 16 * b), pf(r.d, b);
+  }
+  // The block's 6-bit values assembled 64 at a time with byte operations, then widened 16 at
+  // a time: a third fewer vector operations than assembling each 16 in 32-bit lanes (a
+  // cache-resident q6_k matvec ran 25% faster).
+  INLINE Blk block(const Row& r, int64_t b) const {
+    Blk k;
+    const uint8_t *ql = r.ql + 128 * b, *qh = r.qh + 64 * b;
+    const __m512i low4 = _mm512_set1_epi8(0x0F), bits45 = _mm512_set1_epi8(0x30);
+    for (int H = 0; H < 2; ++H) {  // values [128 H, 128 H + 128)
+      __m512i l = _mm512_loadu_si512(ql + 64 * H);
+      __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 32 * H));
+      // low nibbles: values 0..63 from the low halves of bytes, 64..127 from the high halves
+      __m512i lo = _mm512_and_si512(l, low4), hi = _mm512_and_si512(_mm512_srli_epi16(l, 4), low4);
+      // top bits of values 32 s + l at shift 2 s of byte l, moved to bits 4..5 (16-bit shifts
+      // spill bits into the neighbouring byte, outside the 0x30 kept)
+      __m512i top_lo = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_slli_epi16(h, 4)),
+                                          _mm256_slli_epi16(h, 2), 1);
+      __m512i top_hi =
+          _mm512_inserti64x4(_mm512_castsi256_si512(h), _mm256_srli_epi16(h, 2), 1);
+      __m512i q_lo = _mm512_ternarylogic_epi32(lo, top_lo, bits45, 0xF8);  // lo | (top & 0x30)
+      __m512i q_hi = _mm512_ternarylogic_epi32(hi, top_hi, bits45, 0xF8);
+      _mm512_store_si512(k.q + 128 * H, _mm512_sub_epi8(q_lo, _mm512_set1_epi8(32)));
+      _mm512_store_si512(k.q + 128 * H + 64, _mm512_sub_epi8(q_hi, _mm512_set1_epi8(32)));
+    }
+    __m512 sc = _mm512_cvtepi32_ps(s8x16(r.sc + 16 * b));
+    _mm512_store_ps(k.scale, _mm512_mul_ps(_mm512_set1_ps(h2f(r.d[b])), sc));
+    return k;
+  }
+  template <int G>
+  INLINE __m512 value(const Blk& k) const {
+    return _mm512_mul_ps(bcast(&k.scale[G]), _mm512_cvtepi32_ps(s8x16(k.q + 16 * G)));
+  }
+};
+
+// y[m, o0 + r step] for r < R, m < MT: R weight rows against MT activation rows (x, y already
+// offset to the tile's first activation row). step 0 computes and stores one row R times.
+template <class F, int R, int MT>
+__attribute__((noinline)) void tile(const F& f, const float* x, int64_t I, int64_t O, int64_t o0,
+                                    int64_t step, float* y) {
+  // With few accumulators the FMA latency (4 cycles) could set the pace: then two sets, for
+  // even and odd groups, summed at the end.
+  constexpr int S = R * MT < 8 ? 2 : 1;
+  __m512 acc[S][R][MT];
+#pragma GCC unroll 8
+  for (int s = 0; s < S; ++s)
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int m = 0; m < MT; ++m) acc[s][r][m] = _mm512_setzero_ps();
+  int64_t o[R];
+  typename F::Row row[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) row[r] = f.row(o[r] = o0 + r * step);
+  const int64_t nb = I / F::kBlock;
+  for (int64_t b = 0; b < nb; ++b) {
+    typename F::Blk blk[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      f.prefetch(row[r], b + F::kAhead);
+      blk[r] = f.block(row[r], b);
+    }
+    const float* xb = x + b * F::kBlock;
+    static_for<F::kBlock / 16>([&](auto g) {
+      constexpr int G = decltype(g)::value, s = G % S;
+      __m512 w[R];
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) w[r] = f.template value<G>(blk[r]);
+#pragma GCC unroll 8
+      for (int m = 0; m < MT; ++m) {
+        __m512 xv = _mm512_loadu_ps(xb + m * I + 16 * G);
+        // Load x once into a register for all R rows: gcc would fold the load into each FMA,
+        // and at one 512-bit load per cycle the loads, not the FMAs, set the pace.
+        if constexpr (R > 1) asm("" : "+v"(xv));
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) acc[s][r][m] = _mm512_fmadd_ps(w[r], xv, acc[s][r][m]);
+      }
+    });
+  }
+  if constexpr (F::kTail) {
+    for (int64_t col = nb * F::kBlock; col < I; col += 16) {
+      __mmask16 valid = __mmask16((1u << std::min<int64_t>(16, I - col)) - 1);
+      for (int r = 0; r < R; ++r) {
+        __m512 w = f.tail(row[r], col, valid);
+        for (int m = 0; m < MT; ++m) {
+          __m512 xv = _mm512_maskz_loadu_ps(valid, x + m * I + col);
+          acc[0][r][m] = _mm512_fmadd_ps(w, xv, acc[0][r][m]);
+        }
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int m = 0; m < MT; ++m) {
+      __m512 a = acc[0][r][m];
+      if constexpr (S == 2) a = _mm512_add_ps(a, acc[1][r][m]);
+      y[m * O + o[r]] = _mm512_reduce_add_ps(a);
+    }
+}
+
+// Rows o[r] of the weight dequantized into w[r * I, (r + 1) * I).
+template <class F, int R>
+__attribute__((noinline)) void dequantize(const F& f, const int64_t* o, int64_t I, float* w) {
+  for (int r = 0; r < R; ++r) {
+    const typename F::Row row = f.row(o[r]);
+    float* out = w + r * I;
+    const int64_t nb = I / F::kBlock;
+    for (int64_t b = 0; b < nb; ++b) {
+      f.prefetch(row, b + F::kAhead);
+      const typename F::Blk blk = f.block(row, b);
+      static_for<F::kBlock / 16>([&](auto g) {
+        constexpr int G = decltype(g)::value;
+        _mm512_storeu_ps(out + b * F::kBlock + 16 * G, f.template value<G>(blk));
+      });
+    }
+    if constexpr (F::kTail)
+      for (int64_t col = nb * F::kBlock; col < I; col += 16) {
+        __mmask16 valid = __mmask16((1u << std::min<int64_t>(16, I - col)) - 1);
+        _mm512_mask_storeu_ps(out + col, valid, f.tail(row, col, valid));
+      }
+  }
+}
+
+// y[m, o[r]] for r < R, m < MT from dequantized weight rows w (as dequantize() leaves them).
+template <int R, int MT>
+__attribute__((noinline)) void dense(const float* w, const float* x, int64_t I, int64_t O,
+                                     const int64_t* o, float* y) {
+  constexpr int S = R * MT < 8 ? 2 : 1;  // as in tile()
+  __m512 acc[S][R][MT];
+#pragma GCC unroll 8
+  for (int s = 0; s < S; ++s)
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int m = 0; m < MT; ++m) acc[s][r][m] = _mm512_setzero_ps();
+  auto step = [&](int64_t i, int s, __mmask16 valid) {
+    __m512 wv[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) wv[r] = _mm512_maskz_loadu_ps(valid, w + r * I + i);
+#pragma GCC unroll 8
+    for (int m = 0; m < MT; ++m) {
+      __m512 xv = _mm512_maskz_loadu_ps(valid, x + m * I + i);
+      asm("" : "+v"(xv));  // one load for all R rows (see tile())
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) acc[s][r][m] = _mm512_fmadd_ps(wv[r], xv, acc[s][r][m]);
+    }
+  };
+  int64_t i = 0;
+  for (; i + 32 <= I; i += 32) step(i, 0, 0xFFFF), step(i + 16, S - 1, 0xFFFF);
+  for (; i < I; i += 16) step(i, 0, __mmask16((1u << std::min<int64_t>(16, I - i)) - 1));
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int m = 0; m < MT; ++m) {
+      __m512 a = acc[0][r][m];
+      if constexpr (S == 2) a = _mm512_add_ps(a, acc[1][r][m]);
+      y[m * O + o[r]] = _mm512_reduce_add_ps(a);
+    }
+}
+
+// Output rows [lo, hi) for all M activation rows.
+// M = 1: one weight row at a time, all rows in one sequential stream.
+// M = 2..8: two weight rows per tile (halving the loads of x per FMA; loads, not FMAs, were
+// the limit at M = 8): rows i and i + half of the range, two sequential streams that the
+// prefetchers follow (adjacent rows, 768 B apart and read interleaved, halved q8_0's speed).
+// M > 8: each row pair dequantized once into a buffer, then plain float tiles of 8
+// activation rows over it (fused tiles would dequantize it again for every 8 rows), the
+// activation rows in blocks that stay in L2 (512 KiB of x) while the weight passes over
+// them: at M = 256, I = 2048, re-reading all of x (2 MiB) from L3 per row pair was slower
+// than dequantizing in the graph.
+template <class F>
+void rows(const F& f, const float* x, int64_t M, int64_t I, int64_t O, int64_t lo, int64_t hi,
+          float* y) {
+  if (M == 1) {
+    for (int64_t o = lo; o < hi; ++o) tile<F, 1, 1>(f, x, I, O, o, 0, y);
+    return;
+  }
+  const int64_t half = (hi - lo + 1) / 2;
+  if (M <= 8) {
+    for (int64_t o = lo; o < lo + half; ++o) {
+      const int64_t step = o + half < hi ? half : 0;  // an odd count's middle row: twice
+      switch (M) {
+        case 2: tile<F, 2, 2>(f, x, I, O, o, step, y); break;
+        case 3: tile<F, 2, 3>(f, x, I, O, o, step, y); break;
+        case 4: tile<F, 2, 4>(f, x, I, O, o, step, y); break;
+        case 5: tile<F, 2, 5>(f, x, I, O, o, step, y); break;
+        case 6: tile<F, 2, 6>(f, x, I, O, o, step, y); break;
+        case 7: tile<F, 2, 7>(f, x, I, O, o, step, y); break;
+        default: tile<F, 2, 8>(f, x, I, O, o, step, y); break;
+      }
+    }
+    return;
+  }
+  thread_local std::unique_ptr<float[]> buffer;
+  thread_local int64_t capacity = 0;
+  if (capacity < 2 * I) buffer.reset(new float[capacity = 2 * I]);
+  float* w = buffer.get();
+  const int64_t block = std::max<int64_t>(8, (int64_t{512} << 10) / (4 * I) / 8 * 8);
+  for (int64_t mb = 0; mb < M; mb += block)
+    for (int64_t o = lo; o < lo + half; ++o) {
+      const int64_t os[2] = {o, o + half < hi ? o + half : o};
+      dequantize<F, 2>(f, os, I, w);
+      for (int64_t m0 = mb; m0 < std::min(M, mb + block); m0 += 8) {
+        const float* xm = x + m0 * I;
+        float* ym = y + m0 * O;
+        switch (std::min<int64_t>(8, M - m0)) {
+          case 1: dense<2, 1>(w, xm, I, O, os, ym); break;
+          case 2: dense<2, 2>(w, xm, I, O, os, ym); break;
+          case 3: dense<2, 3>(w, xm, I, O, os, ym); break;
+          case 4: dense<2, 4>(w, xm, I, O, os, ym); break;
+          case 5: dense<2, 5>(w, xm, I, O, os, ym); break;
+          case 6: dense<2, 6>(w, xm, I, O, os, ym); break;
+          case 7: dense<2, 7>(w, xm, I, O, os, ym); break;
+          default: dense<2, 8>(w, xm, I, O, os, ym); break;
+        }
+      }
+    }
+}
+
+// Chunks of rows claimed from an atomic counter by the calling thread and the pool's tasks. A
+// task that starts after every chunk is claimed returns at once, so the caller never waits
+// for a task that has not started (no deadlock when the pool is busy, or is the caller's
+// own), and the state a late task touches is kept alive by its shared_ptr.
+struct Job {
+  std::atomic<int64_t> next{0}, done{0};
+  int64_t chunks = 0, O = 0;
+  const void* ctx = nullptr;
+  void (*fn)(const void*, int64_t, int64_t) = nullptr;
+
+  int64_t bound(int64_t c) const { return c * O / chunks; }
+  void drain() {
+    for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
+      fn(ctx, bound(c), bound(c + 1));
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+  void wait() const {
+    for (int spins = 0; done.load(std::memory_order_acquire) < chunks; ++spins)
+      if (spins < 256)
+        _mm_pause();
+      else
+        std::this_thread::yield();
+  }
+};
+
+// Rows per chunk at least this many: below it the hand-off costs more than it saves.
+constexpr int64_t kMinChunkRows = 32;
+constexpr int64_t kChunksPerThread = 4;  // a late task then still finds work
+
+// fn(lo, hi) over [0, O) on XLA's intra-op pool: the caller plus num_threads - 1 tasks, so
+// that no more threads run than the pool has (the caller is one of them or waits on them).
+// With num_threads tasks (3 threads on 2 cores) a 24-matvec q8_0 chain took 2.7-3.5 ms, with
+// num_threads - 1 1.7-1.8 ms, on the caller alone 3.2 ms; a std::thread pool of our own
+// (spinning 50 us between calls) 1.8-2.3 ms.
+template <class Fn>
+void parallel_rows(ffi::ThreadPool& pool, int64_t O, const Fn& fn) {
+  int64_t tasks = pool.num_threads() - 1;
+  int64_t chunks = std::min((tasks + 1) * kChunksPerThread, O / kMinChunkRows);
+  if (tasks <= 0 || chunks <= 1) {
+    fn(int64_t{0}, O);
+    return;
+  }
+  auto job = std::make_shared<Job>();
+  job->chunks = chunks;
+  job->O = O;
+  job->ctx = &fn;
+  job->fn = [](const void* ctx, int64_t lo, int64_t hi) { (*static_cast<const Fn*>(ctx))(lo, hi); };
+  for (int64_t t = 0; t < std::min(tasks, chunks - 1); ++t) pool.Schedule([job] { job->drain(); });
+  job->drain();
+  job->wait();
+}
+
+template <class F, class Make>
+ffi::Error run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> y,
+               std::initializer_list<std::pair<size_t, int64_t>> parts, const Make& make) {
+  auto xd = x.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || yd.size() != 2 || xd[0] != yd[0])
+    return ffi::Error::InvalidArgument("qmatmul: x must be [M, I] and y [M, O]");
+  int64_t M = xd[0], I = xd[1], O = yd[1];
+  if (I % F::kBlock && !F::kTail)
+    return ffi::Error::InvalidArgument("qmatmul: I = " + std::to_string(I) +
+                                       " is not a multiple of the block");
+  // each part holds O * I / per entries (per 0: O), [..., O, I / per] in row order
+  for (auto [count, per] : parts)
+    if (int64_t(count) != (per ? O * (I / per) : O))
+      return ffi::Error::InvalidArgument("qmatmul: a part's size does not match [O, I / per]");
+  if (M == 0 || O == 0) return ffi::Error::Success();
+  const F f = make(I);
+  const float* xp = x.typed_data();
+  float* yp = y->typed_data();
+  if (I == 0) {
+    std::fill(yp, yp + M * O, 0.0f);
+    return ffi::Error::Success();
+  }
+  parallel_rows(pool, O, [&](int64_t lo, int64_t hi) { rows(f, xp, M, I, O, lo, hi, yp); });
+  return ffi::Error::Success();
+}
+
+using X = ffi::Buffer<ffi::F32>;
+using Y = ffi::ResultBuffer<ffi::F32>;
+using U8 = ffi::Buffer<ffi::U8>;
+using S8 = ffi::Buffer<ffi::S8>;
+using F16 = ffi::Buffer<ffi::F16>;
+using F32 = ffi::Buffer<ffi::F32>;
+using BF16 = ffi::Buffer<ffi::BF16>;
+
+template <class B>
+std::pair<size_t, int64_t> n(const B& b, int64_t per) {
+  return {b.element_count(), per};
+}
+
+ffi::Error q8_0(ffi::ThreadPool pool, X x, S8 q, F16 d, Y y) {
+  return run<Q8_0>(pool, x, y, {n(q, 1), n(d, 32)}, [&](int64_t I) {
+    return Q8_0{q.typed_data(), d.typed_data(), I};
+  });
+}
+ffi::Error int8(ffi::ThreadPool pool, X x, S8 q, F32 s, Y y) {
+  return run<Int8>(pool, x, y, {n(q, 1), n(s, 0)}, [&](int64_t I) {
+    return Int8{q.typed_data(), s.typed_data(), I};
+  });
+}
+ffi::Error f16(ffi::ThreadPool pool, X x, F16 w, Y y) {
+  return run<Half<false>>(pool, x, y, {n(w, 1)}, [&](int64_t I) {
+    return Half<false>{w.typed_data(), I};
+  });
+}
+ffi::Error bf16(ffi::ThreadPool pool, X x, BF16 w, Y y) {
+  return run<Half<true>>(pool, x, y, {n(w, 1)}, [&](int64_t I) {
+    return Half<true>{w.typed_data(), I};
+  });
+}
+ffi::Error q4_0(ffi::ThreadPool pool, X x, U8 qs, F16 d, Y y) {
+  return run<Q4_0>(pool, x, y, {n(qs, 2), n(d, 32)}, [&](int64_t I) {
+    return Q4_0{qs.typed_data(), d.typed_data(), I};
+  });
+}
+ffi::Error q4_1(ffi::ThreadPool pool, X x, U8 qs, F16 d, F16 m, Y y) {
+  return run<Q4_1>(pool, x, y, {n(qs, 2), n(d, 32), n(m, 32)}, [&](int64_t I) {
+    return Q4_1{qs.typed_data(), d.typed_data(), m.typed_data(), I};
+  });
+}
+ffi::Error q5_0(ffi::ThreadPool pool, X x, U8 qs, U8 qh, F16 d, Y y) {
+  return run<Q5_0>(pool, x, y, {n(qs, 2), n(qh, 8), n(d, 32)}, [&](int64_t I) {
+    return Q5_0{qs.typed_data(), qh.typed_data(), d.typed_data(), I};
+  });
+}
+ffi::Error q5_1(ffi::ThreadPool pool, X x, U8 qs, U8 qh, F16 d, F16 m, Y y) {
+  return run<Q5_1>(pool, x, y, {n(qs, 2), n(qh, 8), n(d, 32), n(m, 32)}, [&](int64_t I) {
+    return Q5_1{qs.typed_data(), qh.typed_data(), d.typed_data(), m.typed_data(), I};
+  });
+}
+ffi::Error q4_k(ffi::ThreadPool pool, X x, U8 qs, U8 sc, U8 mn, F16 d, F16 dmin, Y y) {
+  return run<Q4_K>(pool, x, y, {n(qs, 2), n(sc, 32), n(mn, 32), n(d, 256), n(dmin, 256)},
+                   [&](int64_t I) {
+                     return Q4_K{qs.typed_data(), sc.typed_data(), mn.typed_data(),
+                                 d.typed_data(), dmin.typed_data(), I};
+                   });
+}
+ffi::Error q5_k(ffi::ThreadPool pool, X x, U8 qs, U8 qh, U8 sc, U8 mn, F16 d, F16 dmin,
+                Y y) {
+  return run<Q5_K>(pool, x, y,
+                   {n(qs, 2), n(qh, 8), n(sc, 32), n(mn, 32), n(d, 256), n(dmin, 256)},
+                   [&](int64_t I) {
+                     return Q5_K{qs.typed_data(),  qh.typed_data(),  sc.typed_data(),
+                                 mn.typed_data(),  d.typed_data(), dmin.typed_data(),
+                                 I};
+                   });
+}
+ffi::Error q6_k(ffi::ThreadPool pool, X x, U8 ql, U8 qh, S8 sc, F16 d, Y y) {
+  return run<Q6_K>(pool, x, y, {n(ql, 2), n(qh, 4), n(sc, 16), n(d, 256)}, [&](int64_t I) {
+    return Q6_K{ql.typed_data(), qh.typed_data(), sc.typed_data(), d.typed_data(), I};
+  });
+}
+
+// Bindings: the thread pool, x, the parts in FORMATS order; the result y.
+auto with() { return ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<X>(); }
+
+}  // namespace
+
+// The handlers, in QMATMUL_PARTS translation units that qkernel.py compiles in parallel
+// (-DQMATMUL_PARTS=n -DQMATMUL_PART=k, each holding every n-th handler) and links into one
+// library; without the flags, one unit holds all.
+#ifndef QMATMUL_PARTS
+#define QMATMUL_PARTS 1
+#define QMATMUL_PART 0
+#endif
+#define PART(i) ((i) % QMATMUL_PARTS == QMATMUL_PART)
+
+#if PART(0)
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    qmatmul_q4_k, q4_k, with().Arg<U8>().Arg<U8>().Arg<U8>().Arg<F16>().Arg<F16>().Ret<F32>());
+#endif
+#if PART(1)
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    qmatmul_q5_k, q5_k,
+    with().Arg<U8>().Arg<U8>().Arg<U8>().Arg<U8>().Arg<F16>().Arg<F16>().Ret<F32>());
+#endif
+#if PART(2)
+XLA_FFI_DEFINE_HANDLER_SYMBOL(qmatmul_q6_k, q6_k,
+                              with().Arg<U8>().Arg<U8>().Arg<S8>().Arg<F16>().Ret<F32>());
+#endif
+#if PART(3)
+XLA_FFI_DEFINE_HANDLER_SYMBOL(qmatmul_q8_0, q8_0, with().Arg<S8>().Arg<F16>().Ret<F32>());
+#endif
+#if PART(4)
+XLA_FFI_DEFINE_HANDLER_SYMBOL(qmatmul_q4_0, q4_0, with().Arg<U8>().Arg<F16>().Ret<F32>());
+#endif
+#if PART(5)
+XLA_FFI_DEFINE_HANDLER_SYMBOL(qmatmul_q4_1, q4_1,
+                              with().Arg<U8>().Arg<F16>().Arg<F16>().Ret<F32>());
+#endif
+#if PART(6)
+XLA_FFI_DEFINE_HANDLER_SYMBOL(qmatmul_q5_0, q5_0,
+                              with().Arg<U8>().Arg<U8>().Arg<F16>().Ret<F32>());
+#endif
+#if PART(7)
+XLA_FFI_DEFINE_HANDLER_SYMBOL(qmatmul_q5_1, q5_1,
+                              with().Arg<U8>().Arg<U8>().Arg<F16>().Arg<F16>().Ret<F32>());
+#endif
+#if PART(8)
+XLA_FFI_DEFINE_HANDLER_SYMBOL(qmatmul_int8, int8, with().Arg<S8>().Arg<F32>().Ret<F32>());
+#endif
+#if PART(9)
+XLA_FFI_DEFINE_HANDLER_SYMBOL(qmatmul_f16, f16, with().Arg<F16>().Ret<F32>());
+#endif
+#if PART(10)
+XLA_FFI_DEFINE_HANDLER_SYMBOL(qmatmul_bf16, bf16, with().Arg<BF16>().Ret<F32>());
+#endif

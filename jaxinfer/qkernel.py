@@ -1,0 +1,154 @@
+"""The quantized matmul CPU kernel: an XLA FFI custom call (kernels/qmatmul.cc) that reads a
+`QArray`'s blocks once and dequantizes in registers, built with g++ on first use and cached.
+`quant.linear` sends it products of up to MAX_ROWS activation rows; the rest, and any backend
+without the kernel, dequantize inside the graph.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import jaxlib
+
+from .quant import FORMATS, QArray, dequantize
+
+log = logging.getLogger("jaxinfer")
+
+SOURCE = Path(__file__).with_name("kernels") / "qmatmul.cc"
+COMPILER = "g++"
+# -ffp-contract=off: gcc must not fuse a weight's `scale * q - low` into one rounding (the
+# kernel's weights are bit-exact dequantize values); the accumulation's FMAs are explicit.
+FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c++17", "-ffp-contract=off")
+
+# Largest activation row count the kernel serves: above it, XLA's dot on an in-graph
+# dequantized weight is as fast (filled in from benchmarks/results/qkernel.md).
+MAX_ROWS = 64
+
+_lock = threading.Lock()
+_ready: bool | None = None
+_lib: ctypes.CDLL | None = None  # kept referenced: the registered handlers live in it
+_served: set[str] = set()  # formats with a handler in _lib
+
+
+def available() -> bool:
+    """Whether the kernel is built, loaded and registered (once per process; CPU backend
+    only; JAXINFER_QKERNEL=0 turns it off). Never raises: a failed build logs a warning."""
+    global _ready
+    if _ready is None:
+        with _lock:
+            if _ready is None:
+                _ready = _load()
+    return _ready
+
+
+def serves(rows: int) -> bool:
+    """Whether a product with `rows` activation rows should go to the kernel."""
+    return rows <= MAX_ROWS and available()
+
+
+def matmul(x: jax.Array, fmt: str, parts: dict[str, jax.Array], out_features: int) -> jax.Array:
+    """x f32 [M, I] times the quantized weight [O, I] given by its parts -> f32 [M, O]."""
+    if not available():
+        raise RuntimeError("the quantized CPU kernel is not available here; ask serves() first")
+    if fmt not in _served:  # a format newer than the kernel
+        w = QArray(parts, fmt, x.shape[1])
+        return jnp.einsum("MI,OI->MO", x, dequantize(w))
+    call = jax.ffi.ffi_call(
+        _target(fmt),
+        jax.ShapeDtypeStruct((x.shape[0], out_features), jnp.float32),
+        vmap_method="sequential",  # the kernel takes one [M, I] x and one weight
+    )
+    return call(x, *(parts[p.name] for p in FORMATS[fmt].parts))
+
+
+def _target(fmt: str) -> str:
+    return f"jaxinfer_qmatmul_{fmt}"
+
+
+def _load() -> bool:
+    global _lib
+    if os.environ.get("JAXINFER_QKERNEL", "1") == "0":
+        return False
+    try:
+        if jax.default_backend() != "cpu":
+            return False
+        lib = ctypes.CDLL(str(_build()))
+        for fmt in FORMATS:
+            if hasattr(lib, f"qmatmul_{fmt}"):
+                capsule = jax.ffi.pycapsule(getattr(lib, f"qmatmul_{fmt}"))
+                jax.ffi.register_ffi_target(_target(fmt), capsule, platform="cpu")
+                _served.add(fmt)
+    except Exception as e:  # any failure means the in-graph path, which is always correct
+        log.warning("quantized CPU kernel unavailable, dequantizing in the graph: %s", e)
+        return False
+    _lib = lib
+    return True
+
+
+class BuildError(Exception):
+    pass
+
+
+def _build() -> Path:
+    """The compiled kernel for this source, compiler flags, jaxlib and CPU, built once into
+    the cache directory: its handlers in up to 4 units compiled in parallel, then linked under
+    a temporary name and renamed, so that concurrent processes never load a half-written
+    file."""
+    source = SOURCE.read_text()
+    key = "\0".join((source, COMPILER, *FLAGS, jaxlib.__version__, _cpu()))
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("JAXINFER_KERNEL_DIR") or Path.home() / ".cache/jaxinfer/kernels")
+    path = cache / f"qmatmul-{digest}.so"
+    if path.exists():
+        return path
+    cxx = shutil.which(COMPILER)
+    if cxx is None:
+        raise BuildError(f"no C++ compiler ({COMPILER}) on PATH")
+    cache.mkdir(parents=True, exist_ok=True)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    n = max(1, min(4, cores or 1))
+    with tempfile.TemporaryDirectory(prefix=f"{path.name}.", dir=cache) as tmp:
+        units = [f"{tmp}/{k}.o" for k in range(n)]
+        compile_ = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", f"-DQMATMUL_PARTS={n}", "-c"]
+        jobs = [
+            subprocess.Popen(
+                [*compile_, f"-DQMATMUL_PART={k}", str(SOURCE), "-o", unit],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for k, unit in enumerate(units)
+        ]
+        errors = [job.communicate(timeout=900)[1] for job in jobs]
+        if any(job.returncode for job in jobs):
+            lines = [ln for e in errors for ln in e.splitlines() if "error" in ln]
+            raise BuildError(f"{COMPILER} failed: {(lines or ['(no message)'])[0].strip()}")
+        link = subprocess.run(
+            [cxx, "-shared", *units, "-o", f"{tmp}/lib.so"], capture_output=True, text=True
+        )
+        if link.returncode:
+            raise BuildError(f"linking failed: {link.stderr.strip()[:200]}")
+        os.replace(f"{tmp}/lib.so", path)
+    return path
+
+
+def _cpu() -> str:
+    """The CPU's model name and feature flags (-march=native code is built for them)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        import platform
+
+        return platform.processor() or platform.machine()
+    pick = [ln for ln in lines if ln.startswith(("model name", "flags", "Features"))]
+    return "\n".join(dict.fromkeys(pick))

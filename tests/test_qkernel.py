@@ -1,0 +1,156 @@
+"""The quantized matmul CPU kernel (qkernel.py) against a float64 NumPy product of gguf-py's
+dequantized weights: every format, odd row counts, activation rows across tile boundaries, and
+inside jit, fori_loop, cond, vmap and shard_map."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxinfer import qkernel, quant
+
+MS = (1, 2, 3, 5, 8, 13, 64)  # activation rows: one tile, partial tiles, several tiles
+FORMATS = tuple(quant.FORMATS)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel():
+    if not qkernel.available():
+        pytest.skip("the quantized CPU kernel is not available here (see the jaxinfer warning)")
+
+
+def width(fmt: str) -> int:
+    """A row width of several blocks (and a ragged tail for the any-width formats)."""
+    return {1: 100, 32: 96, 256: 512}[quant.FORMATS[fmt].block]
+
+
+def random_weight(fmt: str, rows: int, cols: int, rng):
+    """(parts, float64 reference [rows, cols]) of a random weight: GGUF blocks of random bytes
+    with sane f16 scales, dequantized by gguf-py; int8 from a float weight."""
+    if fmt == "int8":
+        hq = quant.quantize_int8(rng.standard_normal((rows, cols)))
+        ref = hq.parts["q"].astype(np.float32) * hq.parts["s"]
+        return hq.take(), ref.astype(np.float64)
+    name = quant.FORMATS[fmt].ggml
+    kind = GGMLQuantizationType[name]
+    if fmt in ("f16", "bf16"):
+        w = rng.standard_normal((rows, cols)).astype(np.float32)
+        if fmt == "f16":
+            raw = w.astype(np.float16).view(np.uint8)
+        else:  # bf16: the top half of each float32
+            raw = (w.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    else:
+        bs, ts = GGML_QUANT_SIZES[kind]
+        raw = rng.integers(0, 256, (rows, cols // bs, ts), dtype=np.uint8)
+        scales = (208,) if name == "Q6_K" else (0,)
+        scales += (2,) if name in ("Q4_1", "Q5_1", "Q4_K", "Q5_K") else ()
+        for at in scales:
+            d = rng.uniform(-0.1, 0.1, (rows, cols // bs, 1)).astype(np.float16)
+            raw[..., at : at + 2] = d.view(np.uint8)
+    raw = raw.reshape(rows, -1)
+    ref = gguf_dequantize(raw, kind).reshape(rows, cols).astype(np.float64)
+    return quant.from_gguf(name, raw, (rows, cols)).take(), ref
+
+
+def check(y, x, ref, scale=1.0):
+    """y within float32 rounding of x @ ref.T: 1e-5 of the sum of |terms| per output."""
+    x = np.asarray(x, np.float64)
+    bound = 1e-5 * scale * (np.abs(x) @ np.abs(ref).T) + 1e-30
+    err = np.abs(np.asarray(y, np.float64) - scale * (x @ ref.T))
+    assert np.all(err <= bound), f"max error / bound {np.max(err / bound):.3g}"
+
+
+@pytest.mark.parametrize("rows", [37, 101])  # 101: three chunks of rows, one odd
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_matches_reference(fmt, rows):
+    rng = np.random.default_rng(FORMATS.index(fmt) * 1000 + rows)
+    cols = width(fmt)
+    parts, ref = random_weight(fmt, rows, cols, rng)
+    x = rng.standard_normal((max(MS), cols)).astype(np.float32)
+
+    @jax.jit  # one program for every M
+    def products(x, parts):
+        return [qkernel.matmul(x[:m], fmt, parts, rows) for m in MS]
+
+    for m, y in zip(MS, products(x, parts), strict=True):
+        assert y.shape == (m, rows) and y.dtype == jnp.float32
+        check(y, x[:m], ref)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_weights_are_exact(fmt):
+    """One-hot activations read single weights back: bit-equal to gguf-py's float32 values."""
+    rng = np.random.default_rng(1)
+    cols = width(fmt)
+    parts, ref = random_weight(fmt, 13, cols, rng)
+    picks = rng.choice(cols, 8, replace=False)
+    x = np.zeros((8, cols), np.float32)
+    x[np.arange(8), picks] = 1
+    y = qkernel.matmul(jnp.asarray(x), fmt, parts, 13)
+    np.testing.assert_array_equal(np.asarray(y), ref[:, picks].T.astype(np.float32))
+
+
+def test_in_loops_and_cond():
+    rng = np.random.default_rng(2)
+    parts, ref = random_weight("q4_k", 37, 512, rng)
+    x = rng.standard_normal((3, 512)).astype(np.float32)
+
+    @jax.jit
+    def looped(x, parts):
+        def body(i, acc):  # sum over i of (i + 1) x W^T = 6 x W^T
+            return acc + qkernel.matmul(x * (i + 1).astype(x.dtype), "q4_k", parts, 37)
+
+        total = jax.lax.fori_loop(0, 3, body, jnp.zeros((3, 37), jnp.float32))
+        picked = jax.lax.cond(
+            total[0, 0] > -1e30,
+            lambda: qkernel.matmul(x, "q4_k", parts, 37),
+            lambda: jnp.zeros((3, 37), jnp.float32),
+        )
+        return total, picked
+
+    total, picked = looped(x, parts)
+    check(total, x, ref, scale=6.0)
+    check(picked, x, ref)
+
+
+def test_vmap():
+    rng = np.random.default_rng(3)
+    parts, ref = random_weight("q8_0", 37, 96, rng)
+    x = rng.standard_normal((4, 2, 96)).astype(np.float32)  # [batch, M, I]
+    y = jax.jit(jax.vmap(lambda x: qkernel.matmul(x, "q8_0", parts, 37)))(x)
+    for b in range(4):
+        check(y[b], x[b], ref)
+
+
+def test_shard_map_per_device_rows():
+    """Each device multiplies its own rows of the weight, as the pipeline and expert splits
+    call the kernel inside shard_map with every mesh axis manual."""
+    n = jax.device_count()
+    rng = np.random.default_rng(4)
+    parts, ref = random_weight("q6_k", 12 * n, 512, rng)
+    x = rng.standard_normal((2, 512)).astype(np.float32)
+    mesh = jax.make_mesh((n,), ("d",))
+    rows = NamedSharding(mesh, P("d"))
+    parts = {k: jax.device_put(v, rows) for k, v in parts.items()}
+
+    @jax.jit
+    @jax.shard_map(mesh=mesh, in_specs=(P(), P("d")), out_specs=P(None, "d"))
+    def sharded(x, parts):
+        return qkernel.matmul(x, "q6_k", parts, 12)
+
+    check(sharded(x, parts), x, ref)
+
+
+def test_linear_seam():
+    """quant.linear sends small row counts to the kernel and larger ones to the graph; both
+    give the same product."""
+    rng = np.random.default_rng(5)
+    parts, ref = random_weight("q5_k", 37, 512, rng)
+    w = quant.QArray({k: jnp.asarray(v) for k, v in parts.items()}, "q5_k", 512, True)
+    for rows in (1, qkernel.MAX_ROWS + 1):
+        x = rng.standard_normal((rows, 512)).astype(np.float32)
+        check(jax.jit(quant.linear)(x, w), x, ref)
