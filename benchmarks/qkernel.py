@@ -46,11 +46,11 @@ FINDINGS = """
   16 blocks at a time (slightly slower); broadcasting K-quant scales from memory instead of
   registers; four weight rows per tile for M > 8 (slower); 1, 2 or 8 chunks of rows per
   thread instead of 4 (within noise).
-- **In-graph dequantize + dot costs 60-150 ms per chain at any M**: XLA materializes every
-  weight as float32 before its dot. Above M = 8 the kernel dequantizes each row pair once into
-  a buffer and runs float tiles over blocks of x that stay in L2; its cost then grows like
-  XLA's float32 dot (about 1.1-1.2x it per row), so in-graph overtakes it only at a few
-  hundred rows.
+- **In-graph dequantize + dot costs 47-150 ms per chain even at M = 1**: XLA materializes
+  every weight as float32 before its dot. Above M = 8 the kernel dequantizes each row pair
+  once into a buffer and runs float tiles over blocks of x that stay in L2; its cost then
+  grows like XLA's float32 dot (1.1-1.3x its time per row), so in-graph overtakes it only at
+  a few hundred rows.
 """
 
 

@@ -543,9 +543,9 @@ def _open_gguf(file: Path) -> Checkpoint:
             f"{str(file)!r} is not a readable GGUF file ({why}); is it truncated?"
         ) from None
     meta = {}
-    for key, field in reader.fields.items():
+    for key, entry in reader.fields.items():
         try:
-            meta[key] = field.contents()
+            meta[key] = entry.contents()
         except Exception:  # a field the reader cannot decode is not one we need
             continue
     tensors = {t.name: t for t in reader.tensors}

@@ -383,7 +383,8 @@ def _info(args) -> None:
         print(f"{key:>{width}} : {value}")
     print("sharding plan (parameter: shape, partition spec):")
     for path, leaf in jax.tree_util.tree_flatten_with_path(engine.params)[0]:
-        name = ".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+        keys = (getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in path)
+        name = ".".join(str(k) for k in keys)
         print(f"  {name}: {list(leaf.shape)} {leaf.sharding.spec}")
 
 

@@ -74,7 +74,9 @@ def quantizing(read: Reader, how: str, compute) -> Reader:
     tensors stay 16-bit (as QArrays) only under float32 compute; else they are plain weights
     of the compute dtype."""
     if how not in QUANTIZE:
-        raise JaxinferError(f"quantize = {how!r} is not supported; use one of {', '.join(QUANTIZE)}")
+        raise JaxinferError(
+            f"quantize = {how!r} is not supported; use one of {', '.join(QUANTIZE)}"
+        )
     if how == "none":
         return lambda path, shape, blocks=False: read(path, shape)
     wide = np.dtype(compute).itemsize > 2

@@ -30,9 +30,12 @@ COMPILER = "g++"
 # kernel's weights are bit-exact dequantize values); the accumulation's FMAs are explicit.
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c++17", "-ffp-contract=off")
 
-# Largest activation row count the kernel serves: above it, XLA's dot on an in-graph
-# dequantized weight is as fast (filled in from benchmarks/results/qkernel.md).
-MAX_ROWS = 64
+# Largest activation row count the kernel serves: the crossover with XLA's dot on an in-graph
+# dequantized weight (benchmarks/results/qkernel.md; ms per 24-product chain of 86M-model
+# shapes on 2 cores, kernel vs in-graph): M = 1: q8_0 4.0 vs 51, q4_k 3.8 vs 65; M = 64:
+# 42 vs 87, 50 vs 98; M = 128: 83 vs 112, 93 vs 127; M = 256: 165 vs 172, 182 vs 183;
+# M = 512: 318 vs 282, 336 vs 293 (q6_k, q4_0 alike).
+MAX_ROWS = 256
 
 _lock = threading.Lock()
 _ready: bool | None = None

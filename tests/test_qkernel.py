@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxinfer import qkernel, quant
 
-MS = (1, 2, 3, 5, 8, 13, 64)  # activation rows: one tile, partial tiles, several tiles
+MS = (1, 2, 3, 5, 8, 13, 64)  # decode; fused tiles (2-8); dequantized-row tiles (13, 64)
 FORMATS = tuple(quant.FORMATS)
 
 

@@ -155,8 +155,12 @@ def test_quantized_layouts_keep_the_tokens(stories_q8):
     # the mixed file's slots stack different formats (read in float)
     for path, layout, devices in ((Q8, "layer", 2), (Q8, "tensor", 2), (MIXED, "layer", 4)):
         engine = jaxinfer.load(model_path(path), layout=layout, devices=devices, max_seq_len=128)
-        ref = want if path == Q8 else both(model_path(MIXED))[0].generate(
-            [PROMPT, [1, 300]], max_new_tokens=12, temperature=0, ignore_eos=True
+        ref = (
+            want
+            if path == Q8
+            else both(model_path(MIXED))[0].generate(
+                [PROMPT, [1, 300]], max_new_tokens=12, temperature=0, ignore_eos=True
+            )
         )
         got = engine.generate([PROMPT, [1, 300]], max_new_tokens=12, temperature=0, ignore_eos=True)
         assert [r.token_ids for r in got] == [r.token_ids for r in ref], (path, layout)
@@ -193,7 +197,7 @@ def test_int8_matches_a_float64_reference_of_the_rounded_weights():
             s = np.abs(w).max(axis=1, keepdims=True) / 127.0
             w = np.clip(np.rint(w / s), -127, 127) * s
         rounded[name] = w
-    want = reference.forward(rounded, config, PROMPT)[-1]
+    want = reference.forward(rounded, config, PROMPT)  # [T, V]
     engine = jaxinfer.load(root, quantize="int8", max_seq_len=64)
     np.testing.assert_allclose(engine.logits(PROMPT), want, rtol=0, atol=F32_LOGITS_ATOL)
     plain = jaxinfer.load(root, max_seq_len=64)

@@ -494,16 +494,11 @@ struct Q6_K {
 template <class F, int R, int MT>
 __attribute__((noinline)) void tile(const F& f, const float* x, int64_t I, int64_t O, int64_t o0,
                                     int64_t step, float* y) {
-  // With few accumulators the FMA latency (4 cycles) could set the pace: then two sets, for
-  // even and odd groups, summed at the end.
-  constexpr int S = R * MT < 8 ? 2 : 1;
-  __m512 acc[S][R][MT];
+  __m512 acc[R][MT];
 #pragma GCC unroll 8
-  for (int s = 0; s < S; ++s)
+  for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-      for (int m = 0; m < MT; ++m) acc[s][r][m] = _mm512_setzero_ps();
+    for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_setzero_ps();
   int64_t o[R];
   typename F::Row row[R];
 #pragma GCC unroll 8
@@ -518,7 +513,7 @@ __attribute__((noinline)) void tile(const F& f, const float* x, int64_t I, int64
     }
     const float* xb = x + b * F::kBlock;
     static_for<F::kBlock / 16>([&](auto g) {
-      constexpr int G = decltype(g)::value, s = G % S;
+      constexpr int G = decltype(g)::value;
       __m512 w[R];
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) w[r] = f.template value<G>(blk[r]);
@@ -529,7 +524,7 @@ __attribute__((noinline)) void tile(const F& f, const float* x, int64_t I, int64
         // and at one 512-bit load per cycle the loads, not the FMAs, set the pace.
         if constexpr (R > 1) asm("" : "+v"(xv));
 #pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) acc[s][r][m] = _mm512_fmadd_ps(w[r], xv, acc[s][r][m]);
+        for (int r = 0; r < R; ++r) acc[r][m] = _mm512_fmadd_ps(w[r], xv, acc[r][m]);
       }
     });
   }
@@ -540,7 +535,7 @@ __attribute__((noinline)) void tile(const F& f, const float* x, int64_t I, int64
         __m512 w = f.tail(row[r], col, valid);
         for (int m = 0; m < MT; ++m) {
           __m512 xv = _mm512_maskz_loadu_ps(valid, x + m * I + col);
-          acc[0][r][m] = _mm512_fmadd_ps(w, xv, acc[0][r][m]);
+          acc[r][m] = _mm512_fmadd_ps(w, xv, acc[r][m]);
         }
       }
     }
@@ -548,11 +543,7 @@ __attribute__((noinline)) void tile(const F& f, const float* x, int64_t I, int64
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
-    for (int m = 0; m < MT; ++m) {
-      __m512 a = acc[0][r][m];
-      if constexpr (S == 2) a = _mm512_add_ps(a, acc[1][r][m]);
-      y[m * O + o[r]] = _mm512_reduce_add_ps(a);
-    }
+    for (int m = 0; m < MT; ++m) y[m * O + o[r]] = _mm512_reduce_add_ps(acc[r][m]);
 }
 
 // Rows o[r] of the weight dequantized into w[r * I, (r + 1) * I).
@@ -582,15 +573,12 @@ __attribute__((noinline)) void dequantize(const F& f, const int64_t* o, int64_t 
 template <int R, int MT>
 __attribute__((noinline)) void dense(const float* w, const float* x, int64_t I, int64_t O,
                                      const int64_t* o, float* y) {
-  constexpr int S = R * MT < 8 ? 2 : 1;  // as in tile()
-  __m512 acc[S][R][MT];
+  __m512 acc[R][MT];
 #pragma GCC unroll 8
-  for (int s = 0; s < S; ++s)
+  for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-      for (int m = 0; m < MT; ++m) acc[s][r][m] = _mm512_setzero_ps();
-  auto step = [&](int64_t i, int s, __mmask16 valid) {
+    for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_setzero_ps();
+  auto step = [&](int64_t i, __mmask16 valid) {
     __m512 wv[R];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) wv[r] = _mm512_maskz_loadu_ps(valid, w + r * I + i);
@@ -599,20 +587,16 @@ __attribute__((noinline)) void dense(const float* w, const float* x, int64_t I, 
       __m512 xv = _mm512_maskz_loadu_ps(valid, x + m * I + i);
       asm("" : "+v"(xv));  // one load for all R rows (see tile())
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) acc[s][r][m] = _mm512_fmadd_ps(wv[r], xv, acc[s][r][m]);
+      for (int r = 0; r < R; ++r) acc[r][m] = _mm512_fmadd_ps(wv[r], xv, acc[r][m]);
     }
   };
   int64_t i = 0;
-  for (; i + 32 <= I; i += 32) step(i, 0, 0xFFFF), step(i + 16, S - 1, 0xFFFF);
-  for (; i < I; i += 16) step(i, 0, __mmask16((1u << std::min<int64_t>(16, I - i)) - 1));
+  for (; i + 16 <= I; i += 16) step(i, 0xFFFF);
+  if (i < I) step(i, __mmask16((1u << (I - i)) - 1));
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
-    for (int m = 0; m < MT; ++m) {
-      __m512 a = acc[0][r][m];
-      if constexpr (S == 2) a = _mm512_add_ps(a, acc[1][r][m]);
-      y[m * O + o[r]] = _mm512_reduce_add_ps(a);
-    }
+    for (int m = 0; m < MT; ++m) y[m * O + o[r]] = _mm512_reduce_add_ps(acc[r][m]);
 }
 
 // Output rows [lo, hi) for all M activation rows.
