@@ -124,9 +124,9 @@ def place_pipeline(
 def place_params(read: Reader, cfg: ModelConfig, mesh: Mesh, rules: dict, dtype) -> dict:
     """Parameters in pipeline form: {embed, norm, [lm_head], slots: [per slot, leaves [pp, ...]]}.
 
-    `read(path, shape)` gives one parameter of the plain model as a host array (path as in the
-    dense model, e.g. ("layers", 3, "attn", "wq")). Each device's callback loads only the
-    layers of its own stage.
+    `read(path, shape, blocks)` gives one parameter of the plain model as a host array, or a
+    HostQuant (path as in the dense model, e.g. ("layers", 3, "attn", "wq")). Each layer is
+    read once; each device receives only its own stage's layers.
     """
     plan = stage_plan(cfg, mesh.shape[AXIS])
     kernel = kernel_fits(mesh)
