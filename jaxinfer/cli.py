@@ -392,16 +392,15 @@ def _weight_rows(engine) -> str:
     """Device bytes of the weights, by type (quantized formats and float dtypes)."""
     import jax
 
+    from .engine import device_bytes
     from .quant import QArray
 
     by_type: dict[str, list[int]] = {}
     leaves = jax.tree.leaves(engine.params, is_leaf=lambda x: isinstance(x, QArray))
     for leaf in leaves:
         kind = leaf.fmt.upper() if isinstance(leaf, QArray) else str(leaf.dtype)
-        arrays = leaf.parts.values() if isinstance(leaf, QArray) else [leaf]
-        held = sum(s.data.nbytes for a in arrays for s in a.addressable_shards)
         count, nbytes = by_type.get(kind, [0, 0])
-        by_type[kind] = [count + 1, nbytes + held]
+        by_type[kind] = [count + 1, nbytes + device_bytes(leaf)]
     parts = ", ".join(
         f"{kind} {n / 2**20:.2f} MiB in {c} tensors" for kind, (c, n) in sorted(by_type.items())
     )

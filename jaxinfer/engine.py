@@ -398,8 +398,7 @@ class Engine:
     def weight_bytes(self) -> int:
         """Bytes the weights occupy on this process's devices together: a replicated weight
         counts once per device holding it; quantized weights count their blocks."""
-        leaves = jax.tree.leaves(self.params)
-        return sum(shard.data.nbytes for leaf in leaves for shard in leaf.addressable_shards)
+        return device_bytes(self.params)
 
     def activity(self) -> dict:
         """Requests now: running (holding a slot) and queued (waiting for one or for pages)."""
@@ -477,6 +476,12 @@ class Engine:
                 "warmup (an eager jax op on the host path); rerun with jax_log_compiles to "
                 "see them"
             )
+
+
+def device_bytes(tree) -> int:
+    """Bytes a tree of arrays occupies on this process's devices (each replica counted)."""
+    leaves = jax.tree.leaves(tree)
+    return sum(shard.data.nbytes for leaf in leaves for shard in leaf.addressable_shards)
 
 
 def token_ids(what: str, ids, vocab: int) -> list[int]:
