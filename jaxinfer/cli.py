@@ -384,7 +384,7 @@ def _info(args) -> None:
     print("sharding plan (parameter: shape, partition spec):")
     for path, leaf in jax.tree_util.tree_flatten_with_path(engine.params)[0]:
         keys = (getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in path)
-        name = ".".join(str(k) for k in keys)
+        name = ".".join(str(k) for k in keys).replace(".parts.w", "")  # a one-part QArray
         print(f"  {name}: {list(leaf.shape)} {leaf.sharding.spec}")
 
 
@@ -398,7 +398,10 @@ def _weight_rows(engine) -> str:
     by_type: dict[str, list[int]] = {}
     leaves = jax.tree.leaves(engine.params, is_leaf=lambda x: isinstance(x, QArray))
     for leaf in leaves:
-        kind = leaf.fmt.upper() if isinstance(leaf, QArray) else str(leaf.dtype)
+        if isinstance(leaf, QArray):  # a float32 weight placed for the kernel is float32
+            kind = "float32" if leaf.fmt == "f32" else leaf.fmt.upper()
+        else:
+            kind = str(leaf.dtype)
         count, nbytes = by_type.get(kind, [0, 0])
         by_type[kind] = [count + 1, nbytes + device_bytes(leaf)]
     parts = ", ".join(

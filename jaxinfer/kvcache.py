@@ -23,6 +23,7 @@ import numpy as np
 from flax import struct
 from jax import lax
 
+from . import qkernel
 from .sharding import varying_like
 
 NULL_PAGE = 0
@@ -94,6 +95,9 @@ class KVView:
     # call's T new states go. None: one state per row.
     pick: jax.Array | None = None
     keep_at: jax.Array | None = None
+    # The pools are whole on one CPU device (placement.kernel_fits): a decode token's
+    # attention runs in the CPU kernel (qkernel.attend) when it is available.
+    kernel: bool = struct.field(pytree_node=False, default=False)
 
     def positions(self, T: int) -> jax.Array:
         return self.start[:, None] + jnp.arange(T, dtype=jnp.int32)[None]  # [B, T]
@@ -138,6 +142,11 @@ def attend(q, k, v, pools, view: KVView, window: int | None = None) -> jax.Array
     positions before it through the pages.
     """
     B, T, K, G, H = q.shape
+    if T == 1 and view.kernel and pools[0].dtype == jnp.float32 and qkernel.available():
+        out = qkernel.attend(
+            q[:, 0].astype(jnp.float32), *pools, view.table, view.start + 1, window
+        )
+        return out[:, None]  # [B, 1, K, G, H]
     qh = q.transpose(0, 2, 1, 3, 4).reshape(B, K, T * G, H)  # [B, K, Q], query t * G + g
     q_pos = jnp.repeat(view.positions(T), G, axis=1)  # [B, Q]
     if T == 1:

@@ -48,6 +48,7 @@ from .placement import (
     Reader,
     Runner,
     cache_shardings,
+    for_kernel,
     kernel_fits,
     mtp_caches,
     put_quant,
@@ -137,7 +138,8 @@ def place_params(read: Reader, cfg: ModelConfig, mesh: Mesh, rules: dict, dtype)
         sharding = named(mesh, spec(axes, rules))
         if isinstance(host, HostQuant):
             return put_quant(path, host.take(), host, sharding, kernel)
-        return jax.device_put(host.astype(param_dtype(path, dtype)), sharding)
+        array = jax.device_put(host.astype(param_dtype(path, dtype)), sharding)
+        return for_kernel(path, array, kernel)
 
     table = ("vocab", "embed")
     outer = [("embed", table), ("norm", ("embed",))]
@@ -197,7 +199,8 @@ def stack_slot(read: Reader, plan: StagePlan, j: int, path, shape, sharding, dty
         host = np.zeros(shape, dt) if host is None else host.astype(dt)
         return host[None][(slice(0, 1), *index[1:])]
 
-    return jax.make_array_from_callback((plan.stages, *shape), sharding, stage_slice)
+    array = jax.make_array_from_callback((plan.stages, *shape), sharding, stage_slice)
+    return for_kernel(path, array, kernel, lead=1)
 
 
 def pipeline_runner(cfg: ModelConfig, mesh: Mesh, rules: dict, dtype) -> Runner:
@@ -280,7 +283,10 @@ def pipeline_runner(cfg: ModelConfig, mesh: Mesh, rules: dict, dtype) -> Runner:
         axis_names=manual,
     )
 
+    kernel = kernel_fits(mesh)
+
     def forward(params, tokens, view: KVView, kv):
+        view = view.replace(kernel=kernel)
         x = quant.embed(params["embed"], tokens, params["norm"].dtype)  # [B, T, D]
         rope_tab = rope_table(view.positions(tokens.shape[1]), rope_inv_freq(cfg))
         with jax.named_scope("stages"):

@@ -72,7 +72,8 @@ def place_dense(read: Reader, cfg: ModelConfig, dtype, name: str, mesh: Mesh, ru
             return put_quant(key, host.take(), host, shardings[key], kernel)
         host = host.astype(param_dtype(key, dtype))
         # Each device receives only its slice (on several hosts, only local devices ask).
-        return jax.make_array_from_callback(leaf.shape, shardings[key], lambda i: host[i])
+        array = jax.make_array_from_callback(leaf.shape, shardings[key], lambda i: host[i])
+        return for_kernel(key, array, kernel)
 
     params = jax.tree_util.tree_map_with_path(put, nnx.to_pure_dict(state))
     return Placement(name, mesh, rules, dense_runner(graphdef, cfg, dtype, mesh, rules), params)
@@ -95,11 +96,20 @@ def random_reader(cfg: ModelConfig, seed: int) -> Reader:
 
 
 def kernel_fits(mesh: Mesh) -> bool:
-    """Whether quantized products may use the CPU kernel (qkernel.py): on CPU devices, when
-    the only split axes are the ones the program runs by hand (pipeline stages, expert
-    shards), so that the kernel always sees whole weights."""
+    """Whether products and decode attention may use the CPU kernels (qkernel.py): on CPU
+    devices, when the only split axes are the ones the program runs by hand (pipeline
+    stages, expert shards), so that the kernels always see whole weights and pools."""
     auto = [n for name, n in mesh.shape.items() if name not in ("pp", "ep")]
     return mesh.devices.flat[0].platform == "cpu" and all(n == 1 for n in auto)
+
+
+def for_kernel(path: tuple, array: jax.Array, kernel: bool, lead: int = 0):
+    """A float32 matrix [*lead, O, I] as an "f32" QArray that the CPU kernel multiplies at the
+    row counts where it beats XLA's dot (qkernel.FLOAT_ROWS: XLA CPU's dot at 2-8 rows costs
+    2-4x its one-row time); other weights (stacked experts, other dtypes) unchanged."""
+    if kernel and quantizable(path) and array.dtype == np.float32 and array.ndim == 2 + lead:
+        return QArray({"w": array}, "f32", array.shape[-1], True)
+    return array
 
 
 def put_quant(path: tuple, parts: dict, host: HostQuant, sharding: NamedSharding, kernel: bool,
@@ -133,8 +143,11 @@ def dense_runner(graphdef: nnx.GraphDef, cfg: ModelConfig, dtype, mesh, rules) -
     """All layers on every device of the mesh (single or tensor split)."""
     layers = cache_layers(cfg, dtype)
     mtp = mtp_caches(cfg, dtype)
+    kernel = kernel_fits(mesh)
     return Runner(
-        forward=lambda p, tokens, view, kv: nnx.merge(graphdef, p)(tokens, view, kv),
+        forward=lambda p, tokens, view, kv: nnx.merge(graphdef, p)(
+            tokens, view.replace(kernel=kernel), kv
+        ),
         head=lambda p, h: nnx.merge(graphdef, p).logits(h),
         init_kv=lambda kv: [layer.init(kv) for layer in layers],
         kv_shardings=lambda: [cache_shardings(layer, mesh, rules) for layer in layers],

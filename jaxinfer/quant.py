@@ -83,6 +83,8 @@ FORMATS = {
         # 16-bit float tensors of a quantized file kept 16-bit under float32 compute
         _fmt("f16", 1, "F16", ("w", "float16", 1)),
         _fmt("bf16", 1, "BF16", ("w", "bfloat16", 1)),
+        # float32 weights sent to the CPU kernel for small-row products (never from a file)
+        _fmt("f32", 1, None, ("w", "float32", 1)),
     )
 }  # fmt: skip
 GGML_FORMATS = {f.ggml: f for f in FORMATS.values() if f.ggml}
@@ -171,7 +173,7 @@ def values(w: QArray) -> jax.Array:
     f = w.fmt
     if f in ("q8_0", "int8"):
         return p["q"].astype(jnp.float32)
-    if f in ("f16", "bf16"):
+    if f in ("f16", "bf16", "f32"):
         return p["w"].astype(jnp.float32)
     if f in ("q4_0", "q4_1"):
         return _nibbles(p["qs"], 32).astype(jnp.float32)
@@ -194,7 +196,7 @@ def dequantize(w: QArray, dtype=jnp.float32) -> jax.Array:
     computes it (scale products first), then cast."""
     p, f = w.parts, w.fmt
     q = values(w)
-    if f in ("f16", "bf16"):
+    if f in ("f16", "bf16", "f32"):
         out = q
     elif f == "int8":
         out = q * p["s"].astype(jnp.float32)
@@ -232,7 +234,7 @@ def linear(x: jax.Array, w, out_dtype=None) -> jax.Array:
         from . import qkernel
 
         rows = int(np.prod(x.shape[:-1]))
-        if qkernel.serves(rows):
+        if qkernel.serves(rows, w.fmt):
             flat = x.reshape(rows, x.shape[-1]).astype(jnp.float32)  # [M, I]
             y = qkernel.matmul(flat, w.fmt, w.parts, w.shape[-2])  # [M, O]
             return y.reshape(*x.shape[:-1], w.shape[-2]).astype(out_dtype)

@@ -21,15 +21,18 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <utility>
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-#define INLINE inline __attribute__((always_inline))
+using jaxinfer::parallel_for;
+constexpr int64_t kMinChunkRows = 32;
 
 #ifndef __AVX512F__
 #error "qmatmul.cc needs AVX-512 (F, BW, VL)"
@@ -178,6 +181,28 @@ struct Half {
   }
   INLINE __m512 tail(const Row& r, int64_t col, __mmask16 valid) const {
     return widen(_mm256_maskz_loadu_epi16(valid, r + col));
+  }
+};
+
+// float32 weights (any I: the last I % 32 values masked): w [O, I]. Small-row products of a
+// float model: XLA CPU's dot at 2-8 rows costs 2-3x its one-row time, this tile ~1.2-2x.
+struct Full {
+  static constexpr int kBlock = 32;
+  static constexpr bool kTail = true;
+  static constexpr int kAhead = 8;  // blocks to prefetch ahead: 1 KiB of the main stream
+  const float* w;
+  int64_t I;
+  using Row = const float*;
+  using Blk = const float*;
+  INLINE Row row(int64_t o) const { return w + o * I; }
+  INLINE void prefetch(const Row& r, int64_t b) const { pf(r, 32 * b); }
+  INLINE Blk block(const Row& r, int64_t b) const { return r + 32 * b; }
+  template <int G>
+  INLINE __m512 value(const Blk& k) const {
+    return _mm512_loadu_ps(k + 16 * G);
+  }
+  INLINE __m512 tail(const Row& r, int64_t col, __mmask16 valid) const {
+    return _mm512_maskz_loadu_ps(valid, r + col);
   }
 };
 
@@ -569,10 +594,10 @@ __attribute__((noinline)) void dequantize(const F& f, const int64_t* o, int64_t 
   }
 }
 
-// y[m, o[r]] for r < R, m < MT from dequantized weight rows w (as dequantize() leaves them).
+// y[m, o[r]] for r < R, m < MT from float weight rows w + r * stride.
 template <int R, int MT>
-__attribute__((noinline)) void dense(const float* w, const float* x, int64_t I, int64_t O,
-                                     const int64_t* o, float* y) {
+__attribute__((noinline)) void dense(const float* w, int64_t stride, const float* x, int64_t I,
+                                     int64_t O, const int64_t* o, float* y) {
   __m512 acc[R][MT];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
@@ -581,7 +606,7 @@ __attribute__((noinline)) void dense(const float* w, const float* x, int64_t I, 
   auto step = [&](int64_t i, __mmask16 valid) {
     __m512 wv[R];
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) wv[r] = _mm512_maskz_loadu_ps(valid, w + r * I + i);
+    for (int r = 0; r < R; ++r) wv[r] = _mm512_maskz_loadu_ps(valid, w + r * stride + i);
 #pragma GCC unroll 8
     for (int m = 0; m < MT; ++m) {
       __m512 xv = _mm512_maskz_loadu_ps(valid, x + m * I + i);
@@ -640,75 +665,27 @@ void rows(const F& f, const float* x, int64_t M, int64_t I, int64_t O, int64_t l
   for (int64_t mb = 0; mb < M; mb += block)
     for (int64_t o = lo; o < lo + half; ++o) {
       const int64_t os[2] = {o, o + half < hi ? o + half : o};
-      dequantize<F, 2>(f, os, I, w);
+      const float* rows = w;  // the two rows as floats: in place for f32, else dequantized
+      int64_t stride = I;
+      if constexpr (std::is_same_v<F, Full>)
+        rows = f.w + os[0] * I, stride = (os[1] - os[0]) * I;
+      else
+        dequantize<F, 2>(f, os, I, w);
       for (int64_t m0 = mb; m0 < std::min(M, mb + block); m0 += 8) {
         const float* xm = x + m0 * I;
         float* ym = y + m0 * O;
         switch (std::min<int64_t>(8, M - m0)) {
-          case 1: dense<2, 1>(w, xm, I, O, os, ym); break;
-          case 2: dense<2, 2>(w, xm, I, O, os, ym); break;
-          case 3: dense<2, 3>(w, xm, I, O, os, ym); break;
-          case 4: dense<2, 4>(w, xm, I, O, os, ym); break;
-          case 5: dense<2, 5>(w, xm, I, O, os, ym); break;
-          case 6: dense<2, 6>(w, xm, I, O, os, ym); break;
-          case 7: dense<2, 7>(w, xm, I, O, os, ym); break;
-          default: dense<2, 8>(w, xm, I, O, os, ym); break;
+          case 1: dense<2, 1>(rows, stride, xm, I, O, os, ym); break;
+          case 2: dense<2, 2>(rows, stride, xm, I, O, os, ym); break;
+          case 3: dense<2, 3>(rows, stride, xm, I, O, os, ym); break;
+          case 4: dense<2, 4>(rows, stride, xm, I, O, os, ym); break;
+          case 5: dense<2, 5>(rows, stride, xm, I, O, os, ym); break;
+          case 6: dense<2, 6>(rows, stride, xm, I, O, os, ym); break;
+          case 7: dense<2, 7>(rows, stride, xm, I, O, os, ym); break;
+          default: dense<2, 8>(rows, stride, xm, I, O, os, ym); break;
         }
       }
     }
-}
-
-// Chunks of rows claimed from an atomic counter by the calling thread and the pool's tasks. A
-// task that starts after every chunk is claimed returns at once, so the caller never waits
-// for a task that has not started (no deadlock when the pool is busy, or is the caller's
-// own), and the state a late task touches is kept alive by its shared_ptr.
-struct Job {
-  std::atomic<int64_t> next{0}, done{0};
-  int64_t chunks = 0, O = 0;
-  const void* ctx = nullptr;
-  void (*fn)(const void*, int64_t, int64_t) = nullptr;
-
-  int64_t bound(int64_t c) const { return c * O / chunks; }
-  void drain() {
-    for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
-      fn(ctx, bound(c), bound(c + 1));
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-  void wait() const {
-    for (int spins = 0; done.load(std::memory_order_acquire) < chunks; ++spins)
-      if (spins < 256)
-        _mm_pause();
-      else
-        std::this_thread::yield();
-  }
-};
-
-// Rows per chunk at least this many: below it the hand-off costs more than it saves.
-constexpr int64_t kMinChunkRows = 32;
-constexpr int64_t kChunksPerThread = 4;  // a late task then still finds work
-
-// fn(lo, hi) over [0, O) on XLA's intra-op pool: the caller plus num_threads - 1 tasks, so
-// that no more threads run than the pool has (the caller is one of them or waits on them).
-// With num_threads tasks (3 threads on 2 cores) a 24-matvec q8_0 chain took 2.7-3.5 ms, with
-// num_threads - 1 1.7-1.8 ms, on the caller alone 3.2 ms; a std::thread pool of our own
-// (spinning 50 us between calls) 1.8-2.3 ms.
-template <class Fn>
-void parallel_rows(ffi::ThreadPool& pool, int64_t O, const Fn& fn) {
-  int64_t tasks = pool.num_threads() - 1;
-  int64_t chunks = std::min((tasks + 1) * kChunksPerThread, O / kMinChunkRows);
-  if (tasks <= 0 || chunks <= 1) {
-    fn(int64_t{0}, O);
-    return;
-  }
-  auto job = std::make_shared<Job>();
-  job->chunks = chunks;
-  job->O = O;
-  job->ctx = &fn;
-  job->fn = [](const void* ctx, int64_t lo, int64_t hi) { (*static_cast<const Fn*>(ctx))(lo, hi); };
-  for (int64_t t = 0; t < std::min(tasks, chunks - 1); ++t) pool.Schedule([job] { job->drain(); });
-  job->drain();
-  job->wait();
 }
 
 template <class F, class Make>
@@ -733,7 +710,9 @@ ffi::Error run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<
     std::fill(yp, yp + M * O, 0.0f);
     return ffi::Error::Success();
   }
-  parallel_rows(pool, O, [&](int64_t lo, int64_t hi) { rows(f, xp, M, I, O, lo, hi, yp); });
+  // Below kMinChunkRows rows per chunk the hand-off costs more than it saves.
+  parallel_for(pool, O, kMinChunkRows,
+               [&](int64_t lo, int64_t hi) { rows(f, xp, M, I, O, lo, hi, yp); });
   return ffi::Error::Success();
 }
 
@@ -769,6 +748,9 @@ ffi::Error bf16(ffi::ThreadPool pool, X x, BF16 w, Y y) {
   return run<Half<true>>(pool, x, y, {n(w, 1)}, [&](int64_t I) {
     return Half<true>{w.typed_data(), I};
   });
+}
+ffi::Error f32(ffi::ThreadPool pool, X x, F32 w, Y y) {
+  return run<Full>(pool, x, y, {n(w, 1)}, [&](int64_t I) { return Full{w.typed_data(), I}; });
 }
 ffi::Error q4_0(ffi::ThreadPool pool, X x, U8 qs, F16 d, Y y) {
   return run<Q4_0>(pool, x, y, {n(qs, 2), n(d, 32)}, [&](int64_t I) {
@@ -866,4 +848,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(qmatmul_f16, f16, with().Arg<F16>().Ret<F32>());
 #endif
 #if PART(10)
 XLA_FFI_DEFINE_HANDLER_SYMBOL(qmatmul_bf16, bf16, with().Arg<BF16>().Ret<F32>());
+#endif
+#if PART(11)
+XLA_FFI_DEFINE_HANDLER_SYMBOL(qmatmul_f32, f32, with().Arg<F32>().Ret<F32>());
 #endif
