@@ -133,6 +133,21 @@ def write(pools, k, v, view: KVView):
     return pool_k, pool_v
 
 
+def update(q, k, v, pools, view: KVView, window: int | None = None):
+    """The chunk's k, v [B, T, K, H] written into the pools, then its queries q [B, T, K, G, H]
+    attended (see `attend`) -> (out [B, T, K, G, H] float32, pools). One token per row on
+    pools whole on a CPU device (view.kernel) is one kernel call (qkernel.attend) that writes
+    in place and reads each row's live keys where they lie."""
+    if q.shape[1] == 1 and view.kernel and pools[0].dtype == jnp.float32 and qkernel.available():
+        f32 = lambda a: a[:, 0].astype(jnp.float32)  # noqa: E731  [B, 1, ...] -> [B, ...]
+        out, pools = qkernel.attend(
+            f32(q), f32(k), f32(v), pools, view.table, view.start, view.length, window
+        )
+        return out[:, None], pools  # [B, 1, K, G, H]
+    pools = write(pools, k, v, view)
+    return attend(q, k, v, pools, view, window), pools
+
+
 def attend(q, k, v, pools, view: KVView, window: int | None = None) -> jax.Array:
     """Causal attention of a chunk's queries over its row's cached keys and its own.
 
@@ -142,11 +157,6 @@ def attend(q, k, v, pools, view: KVView, window: int | None = None) -> jax.Array
     positions before it through the pages.
     """
     B, T, K, G, H = q.shape
-    if T == 1 and view.kernel and pools[0].dtype == jnp.float32 and qkernel.available():
-        out = qkernel.attend(
-            q[:, 0].astype(jnp.float32), *pools, view.table, view.start + 1, window
-        )
-        return out[:, None]  # [B, 1, K, G, H]
     qh = q.transpose(0, 2, 1, 3, 4).reshape(B, K, T * G, H)  # [B, K, Q], query t * G + g
     q_pos = jnp.repeat(view.positions(T), G, axis=1)  # [B, Q]
     if T == 1:

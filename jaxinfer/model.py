@@ -101,8 +101,7 @@ class Attention(nnx.Module):
         q, k = rope(q, rope_tab), rope(k, rope_tab)
         q = (q * (1.0 / np.sqrt(H))).reshape(B, T, K, G, H)  # [B, T, K, G, H]
 
-        kv = kvcache.write(kv, k, v, view)
-        out = kvcache.attend(q, k, v, kv, view, cfg.sliding_window)  # [B, T, K, G, H]
+        out, kv = kvcache.update(q, k, v, kv, view, cfg.sliding_window)  # [B, T, K, G, H]
         out = out.reshape(B, T, K * G * H).astype(x.dtype)  # [B, T, N*H]
         if cfg.attn_gate:
             gate = linear(x, self.wgate[...])  # [B, T, N*H]

@@ -90,15 +90,25 @@ def matmul(x: jax.Array, fmt: str, parts: dict[str, jax.Array], out_features: in
 ATTEND = "jaxinfer_attend_f32"
 
 
-def attend(q, pool_k, pool_v, table, n_keys, window: int | None) -> jax.Array:
-    """One decode token's attention per row over its pages (kernels/attend.cc): q [B, K, G, H]
-    float32 (scaled, rotated), pools [P, K, H, S] float32, table [B, NB] int32, n_keys [B]
-    int32 (row b sees positions [max(0, n - window), n)) -> [B, K, G, H] float32."""
+def attend(q, k, v, pools, table, start, length, window: int | None):
+    """One decode token per row (kernels/attend.cc): writes k, v [B, K, H] at position start [B]
+    of each row with length [B] > 0 into the pools [P, K, H, S] float32 (in place: they are
+    aliased to the outputs), then attends q [B, K, G, H] float32 (scaled, rotated) over the
+    row's positions [max(0, start + 1 - window), start + 1) read through table [B, NB] ->
+    (out [B, K, G, H] float32, pools)."""
     if not available():
         raise RuntimeError("the CPU kernels are not available here; ask available() first")
-    call = jax.ffi.ffi_call(ATTEND, jax.ShapeDtypeStruct(q.shape, jnp.float32),
-                            vmap_method="sequential")  # fmt: skip
-    return call(q, pool_k, pool_v, table, n_keys, window=np.int64(window or 0))
+    pool_k, pool_v = pools
+    f32 = jax.ShapeDtypeStruct
+    call = jax.ffi.ffi_call(
+        ATTEND,
+        (f32(q.shape, jnp.float32), f32(pool_k.shape, jnp.float32), f32(pool_v.shape, jnp.float32)),
+        input_output_aliases={3: 1, 4: 2},
+        vmap_method="sequential",
+    )
+    out, pool_k, pool_v = call(q, k, v, pool_k, pool_v, table, start, length,
+                               window=np.int64(window or 0))  # fmt: skip
+    return out, (pool_k, pool_v)
 
 
 def _target(fmt: str) -> str:

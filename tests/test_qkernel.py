@@ -194,20 +194,32 @@ ATTENTION_SHAPES = [
 @pytest.mark.parametrize("shape", ATTENTION_SHAPES)
 def test_decode_attention_matches_reference(shape, window):
     """Rows of different lengths (one of 1-3 keys, others across several pages), pages in a
-    random order, sliding windows shorter and longer than a page."""
+    random order, sliding windows shorter and longer than a page, an idle row: each live row's
+    new key and value land at its position (the pools otherwise unchanged, bit for bit), then
+    its queries attend over its keys."""
     B, K, G, H, S, P, NB = shape
     rng = np.random.default_rng(ATTENTION_SHAPES.index(shape) * 100 + window)
     q = rng.standard_normal((B, K, G, H)).astype(np.float32)
-    pool_k = rng.standard_normal((P, K, H, S)).astype(np.float32)
-    pool_v = rng.standard_normal((P, K, H, S)).astype(np.float32)
-    table = np.stack([rng.permutation(np.arange(1, P))[:NB] for _ in range(B)]).astype(np.int32)
-    n_keys = rng.integers(1, NB * S + 1, B).astype(np.int32)
-    n_keys[0] = rng.integers(1, 4)
-    out = jax.jit(lambda *a: qkernel.attend(*a, window))(q, pool_k, pool_v, table, n_keys)
-    ref = attention_reference(q, pool_k, pool_v, table, n_keys, window)
+    k, v = rng.standard_normal((2, B, K, H)).astype(np.float32)
+    pool_k, pool_v = rng.standard_normal((2, P, K, H, S)).astype(np.float32)
+    # every row its own pages, in a random order (as the page pool hands them out)
+    table = rng.permutation(np.arange(1, P))[: B * NB].reshape(B, NB).astype(np.int32)
+    start = rng.integers(0, NB * S, B).astype(np.int32)
+    start[0] = rng.integers(0, 3)
+    length = np.ones(B, np.int32)
+    length[-1] = 0 if B > 1 else 1  # an idle row: attends, writes nothing
+    run = jax.jit(lambda *a: qkernel.attend(*a, window))
+    out, (new_k, new_v) = run(q, k, v, (pool_k, pool_v), table, start, length)
+    want_k, want_v = pool_k.copy(), pool_v.copy()
+    for b in np.flatnonzero(length):
+        page, at = table[b, start[b] // S], start[b] % S
+        want_k[page, :, :, at], want_v[page, :, :, at] = k[b], v[b]
+    np.testing.assert_array_equal(np.asarray(new_k), want_k)
+    np.testing.assert_array_equal(np.asarray(new_v), want_v)
+    ref = attention_reference(q, want_k, want_v, table, start + 1, window)
     # outputs are convex combinations of values: errors relative to the largest |value|
     # (measured: at most 4.1e-6 over these cases)
-    assert np.abs(np.asarray(out, np.float64) - ref).max() <= 2e-5 * np.abs(pool_v).max()
+    assert np.abs(np.asarray(out, np.float64) - ref).max() <= 2e-5 * np.abs(want_v).max()
 
 
 def test_float_engine_runs_the_kernels(stories_gguf):

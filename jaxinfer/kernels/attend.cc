@@ -1,9 +1,10 @@
 // XLA FFI CPU kernel: one decode token's attention per row over the paged KV cache
 // (kvcache.py's layout), reading only the row's live keys in place.
 //
-// q [B, K, G, H] f32 (scaled, rotated), pools [P, K, H, S] f32 (positions contiguous within a
-// page), table [B, NB] int32 page ids, n_keys [B] int32: row b sees positions
-// [max(0, n - window), n) (window 0: no window) -> out [B, K, G, H] f32.
+// q [B, K, G, H] f32 (scaled, rotated), the token's k, v [B, K, H], pools [P, K, H, S] f32
+// (positions contiguous within a page), table [B, NB] int32 page ids, start [B] int32 (the
+// token's position: row b sees positions [max(0, start + 1 - window), start + 1), window 0:
+// no window), length [B] (0: an idle row, nothing written) -> out [B, K, G, H] f32, pools.
 //
 // XLA's form of this (kvcache._pages) copies each row's page out of the pool before its two
 // dots and runs about ten small kernels per page and layer (~7.5 us for one 128-position page
@@ -18,6 +19,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <type_traits>
 
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
@@ -32,7 +34,6 @@ using jaxinfer::parallel_for;
 #error "attend.cc needs AVX-512 (F)"
 #endif
 
-constexpr int kGT = 4;  // queries per register group: the scores of 4 queries share each key load
 
 // e^x in 16 lanes: x = n ln2 + r with |r| <= ln2 / 2 (ln2 split in two for an exact n ln2),
 // e^r by Cephes' expf polynomial (relative error ~1e-7), scaled by 2^n with vscalefps. Inputs
@@ -64,116 +65,183 @@ struct Shape {
   int64_t B, K, G, H, P, S, NB, window;
 };
 
-// Row b, kv head k: out[b, k] for its G queries. `work` holds 2 G' H + G' S floats
-// (G' = G rounded up to kGT).
-void head(const Shape& d, const float* q, const float* pool_k, const float* pool_v,
-          const int32_t* table, int64_t b, int64_t k, int64_t n, float* out, float* work) {
-  const int64_t G = d.G, H = d.H, S = d.S, Gp = (G + kGT - 1) / kGT * kGT;
-  float* qp = work;            // [Gp, H] the queries, zero rows after G
-  float* acc = qp + Gp * H;    // [Gp, H] value sums
-  float* s = acc + Gp * H;     // [Gp, S] one page's scores, then weights
-  float m[64], l[64];          // running max and sum per query (G <= 64, checked)
-  std::fill(qp, qp + 2 * Gp * H, 0.0f);
+// Row b, kv head k: out[b, k] for its G queries, GT at a time (G padded with zero queries to
+// Gp, a multiple of GT). Four independent FMA chains everywhere (an FMA's latency is four of
+// its issue slots): scores for four 16-position chunks at once, value sums for 4 / GT head
+// dims at once. Value sums stay 16-lane vectors per (query, head dim) across pages (rescaled
+// with the softmax) and are reduced once at the end. `work`: Gp H (queries) + 16 Gp H (value
+// sums) + Gp S (one page's scores, then weights) floats.
+template <int GT>
+void head(const Shape& d, const float* q, const float* kh, const float* vh,
+          const int32_t* table, int64_t n, float* out, float* work) {
+  constexpr int HB = 4 / GT;  // head dims per value step
+  const int64_t G = d.G, H = d.H, S = d.S, Gp = (G + GT - 1) / GT * GT;
+  const int64_t stride = d.K * H * S;  // from one page of this head to the next
+  float* qp = work;              // [Gp, H]
+  float* acc = qp + Gp * H;      // [Gp, H, 16]
+  float* s = acc + Gp * H * 16;  // [Gp, S]
+  float m[64], l[64];            // running max and sum per query (G <= 64, checked)
+  std::fill(qp, qp + Gp * H * 17, 0.0f);
   std::copy(q, q + G * H, qp);
   std::fill(m, m + Gp, -1e30f);
   std::fill(l, l + Gp, 0.0f);
   const int64_t first = d.window > 0 ? std::max<int64_t>(0, n - d.window) : 0;
-  for (int64_t j = first / S; j * S < n && j < d.NB; ++j) {
-    const int64_t page = std::clamp<int64_t>(table[j], 0, d.P - 1);
-    const float* kp = pool_k + (page * d.K + k) * H * S;  // [H, S]
-    const float* vp = pool_v + (page * d.K + k) * H * S;
-    const int64_t lo = std::max(first, j * S) - j * S, hi = std::min(n, (j + 1) * S) - j * S;
-    const int64_t c0 = lo / 16 * 16;
-    // scores s[g, c] = q[g] . k[c] for the page's live positions (others: -1e30)
-    for (int64_t c = c0; c < hi; c += 16) {
-      const __mmask16 valid = live(c, lo, hi);
-      for (int64_t g0 = 0; g0 < Gp; g0 += kGT) {
-        __m512 sv[kGT];
-        for (int t = 0; t < kGT; ++t) sv[t] = _mm512_setzero_ps();
-        for (int64_t h = 0; h < H; ++h) {
-          const __m512 kv = _mm512_loadu_ps(kp + h * S + c);
-          for (int t = 0; t < kGT; ++t)
-            sv[t] = _mm512_fmadd_ps(_mm512_set1_ps(qp[(g0 + t) * H + h]), kv, sv[t]);
-        }
-        for (int t = 0; t < kGT; ++t)
-          _mm512_storeu_ps(s + (g0 + t) * S + c,
-                           _mm512_mask_mov_ps(_mm512_set1_ps(-1e30f), valid, sv[t]));
+  auto page_of = [&](int64_t j) { return std::clamp<int64_t>(table[j], 0, d.P - 1); };
+  // The next page's live keys and values, requested while this page computes: a page is H
+  // rows of S positions, which the hardware prefetchers do not run ahead of.
+  auto fetch = [&](int64_t j) {
+    if (j * S >= n || j >= d.NB) return;
+    const float *kn = kh + page_of(j) * stride, *vn = vh + page_of(j) * stride;
+    const int64_t live_n = std::min(S, n - j * S);
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t c = 0; c < live_n; c += 16) {
+        _mm_prefetch(reinterpret_cast<const char*>(kn + h * S + c), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(vn + h * S + c), _MM_HINT_T1);
       }
+  };
+  for (int64_t j = first / S; j * S < n && j < d.NB; ++j) {
+    fetch(j + 1);
+    const float* kp = kh + page_of(j) * stride;  // [H, S]
+    const float* vp = vh + page_of(j) * stride;
+    const int64_t lo = std::max(first, j * S) - j * S, hi = std::min(n, (j + 1) * S) - j * S;
+    const int64_t c0 = lo / 16 * 16, c1 = (hi + 15) / 16 * 16;  // whole chunks, inside the page
+    // scores s[g, c] = q[g] . k[c], CB chunks at a time (masked lanes: -1e30)
+    auto scores = [&](auto cb, int64_t c, int64_t g0) {
+      constexpr int CB = decltype(cb)::value;
+      __m512 sv[CB][GT];
+      for (int i = 0; i < CB; ++i)
+        for (int t = 0; t < GT; ++t) sv[i][t] = _mm512_setzero_ps();
+      for (int64_t h = 0; h < H; ++h) {
+        __m512 qv[GT];
+        for (int t = 0; t < GT; ++t) qv[t] = _mm512_set1_ps(qp[(g0 + t) * H + h]);
+        for (int i = 0; i < CB; ++i) {
+          const __m512 kv = _mm512_loadu_ps(kp + h * S + c + 16 * i);
+          for (int t = 0; t < GT; ++t) sv[i][t] = _mm512_fmadd_ps(qv[t], kv, sv[i][t]);
+        }
+      }
+      for (int i = 0; i < CB; ++i)
+        for (int t = 0; t < GT; ++t)
+          _mm512_storeu_ps(s + (g0 + t) * S + c + 16 * i,
+                           _mm512_mask_mov_ps(_mm512_set1_ps(-1e30f),
+                                              live(c + 16 * i, lo, hi), sv[i][t]));
+    };
+    for (int64_t g0 = 0; g0 < Gp; g0 += GT) {
+      int64_t c = c0;
+      for (; c + 64 <= c1; c += 64) scores(std::integral_constant<int, 4>{}, c, g0);
+      for (; c < c1; c += 16) scores(std::integral_constant<int, 1>{}, c, g0);
     }
-    // online softmax: new max, rescale the sums, weights exp(s - max) in place
-    for (int64_t g = 0; g < G; ++g) {
+    // online softmax: the new max, weights exp(s - max) in place, the sums rescaled
+    float scale[64];
+    for (int64_t g = 0; g < Gp; ++g) {
       float* sg = s + g * S;
       __m512 mx = _mm512_set1_ps(-1e30f);
-      for (int64_t c = c0; c < hi; c += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sg + c));
+      for (int64_t c = c0; c < c1; c += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sg + c));
       const float m_new = std::max(m[g], _mm512_reduce_max_ps(mx));
-      const float scale = std::exp(m[g] - m_new);
+      scale[g] = std::exp(m[g] - m_new);
       __m512 sum = _mm512_setzero_ps();
       const __m512 mv = _mm512_set1_ps(m_new);
-      for (int64_t c = c0; c < hi; c += 16) {
-        const __m512 p =
-            _mm512_maskz_mov_ps(live(c, lo, hi), exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + c), mv)));
+      for (int64_t c = c0; c < c1; c += 16) {
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + c), mv));
+        const __m512 p = _mm512_maskz_mov_ps(live(c, lo, hi), e);
         _mm512_storeu_ps(sg + c, p);
         sum = _mm512_add_ps(sum, p);
       }
       m[g] = m_new;
-      l[g] = l[g] * scale + _mm512_reduce_add_ps(sum);
-      for (int64_t h = 0; h < H; ++h) acc[g * H + h] *= scale;
+      l[g] = l[g] * scale[g] + _mm512_reduce_add_ps(sum);
     }
-    // value sums acc[g, h] += sum_c w[g, c] v[h, c]
-    for (int64_t h = 0; h < H; ++h) {
-      const float* vh = vp + h * S;
-      for (int64_t g0 = 0; g0 < Gp; g0 += kGT) {
-        __m512 pv[kGT];
-        for (int t = 0; t < kGT; ++t) pv[t] = _mm512_setzero_ps();
-        for (int64_t c = c0; c < hi; c += 16) {
-          const __m512 vv = _mm512_maskz_loadu_ps(live(c, lo, hi), vh + c);
-          for (int t = 0; t < kGT; ++t)
-            pv[t] = _mm512_fmadd_ps(_mm512_loadu_ps(s + (g0 + t) * S + c), vv, pv[t]);
+    // value sums acc[g, h] = acc[g, h] * scale[g] + sum_c w[g, c] v[h, c] (16 lanes of c)
+    for (int64_t g0 = 0; g0 < Gp; g0 += GT)
+      for (int64_t h0 = 0; h0 < H; h0 += HB) {
+        __m512 av[HB][GT];
+        for (int u = 0; u < HB; ++u)
+          for (int t = 0; t < GT; ++t)
+            av[u][t] = _mm512_mul_ps(_mm512_loadu_ps(acc + ((g0 + t) * H + h0 + u) * 16),
+                                     _mm512_set1_ps(scale[g0 + t]));
+        for (int64_t c = c0; c < c1; c += 16) {
+          __m512 w[GT];
+          for (int t = 0; t < GT; ++t) w[t] = _mm512_loadu_ps(s + (g0 + t) * S + c);
+          for (int u = 0; u < HB; ++u) {
+            const __m512 vv = _mm512_loadu_ps(vp + (h0 + u) * S + c);
+            for (int t = 0; t < GT; ++t) av[u][t] = _mm512_fmadd_ps(w[t], vv, av[u][t]);
+          }
         }
-        for (int t = 0; t < kGT; ++t) acc[(g0 + t) * H + h] += _mm512_reduce_add_ps(pv[t]);
+        for (int u = 0; u < HB; ++u)
+          for (int t = 0; t < GT; ++t)
+            _mm512_storeu_ps(acc + ((g0 + t) * H + h0 + u) * 16, av[u][t]);
       }
-    }
   }
   for (int64_t g = 0; g < G; ++g)
-    for (int64_t h = 0; h < H; ++h) out[g * H + h] = l[g] > 0 ? acc[g * H + h] / l[g] : 0.0f;
+    for (int64_t h = 0; h < H; ++h)
+      out[g * H + h] = l[g] > 0 ? _mm512_reduce_add_ps(_mm512_loadu_ps(acc + (g * H + h) * 16)) / l[g]
+                                : 0.0f;
 }
 
 using F32 = ffi::Buffer<ffi::F32>;
 using S32 = ffi::Buffer<ffi::S32>;
 
-ffi::Error attend(ffi::ThreadPool pool, F32 q, F32 pool_k, F32 pool_v, S32 table, S32 n_keys,
-                  int64_t window, ffi::ResultBuffer<ffi::F32> out) {
+// Rows hold distinct pages (kvcache.PagePool's contract; idle rows, which share the null page,
+// write nothing), so the (row, kv head) tasks never write what another reads.
+// Writes each live row's new key and value at its position (row b: n_keys = start[b] + 1
+// keys; length[b] = 0, an idle row: no write), then attends. The pools are outputs aliased to
+// the inputs (written in place on the donated pools; when XLA hands a separate output buffer,
+// the pool is copied into it first).
+ffi::Error attend(ffi::ThreadPool pool, F32 q, F32 k_new, F32 v_new, F32 pool_k, F32 pool_v,
+                  S32 table, S32 start, S32 length, int64_t window,
+                  ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> pool_k_out,
+                  ffi::ResultBuffer<ffi::F32> pool_v_out) {
   auto qd = q.dimensions(), pd = pool_k.dimensions(), td = table.dimensions();
   auto same = [](auto a, auto b) { return std::equal(a.begin(), a.end(), b.begin(), b.end()); };
+  const size_t B = qd.size() == 4 ? size_t(qd[0]) : 0;
   if (qd.size() != 4 || pd.size() != 4 || td.size() != 2 || !same(pool_v.dimensions(), pd) ||
-      n_keys.element_count() != size_t(qd[0]) || td[0] != qd[0] || pd[1] != qd[1] ||
-      pd[2] != qd[3] || !same(out->dimensions(), qd))
+      !same(pool_k_out->dimensions(), pd) || !same(pool_v_out->dimensions(), pd) ||
+      start.element_count() != B || length.element_count() != B || td[0] != qd[0] ||
+      pd[1] != qd[1] || pd[2] != qd[3] || !same(out->dimensions(), qd) ||
+      k_new.element_count() != B * pd[1] * pd[2] || v_new.element_count() != k_new.element_count())
     return ffi::Error::InvalidArgument(
-        "attend: q [B, K, G, H], pools [P, K, H, S], table [B, NB], n_keys [B], out like q");
+        "attend: q [B, K, G, H], k_new and v_new [B, K, H], pools [P, K, H, S], table [B, NB], "
+        "start and length [B], out like q");
   const Shape d{qd[0], qd[1], qd[2], qd[3], pd[0], pd[3], td[1], window};
-  if (d.G > 64 || d.S % 16)
-    return ffi::Error::InvalidArgument("attend: needs G <= 64 queries per kv head and pages of "
-                                       "a multiple of 16 positions");
-  const float *qp = q.typed_data(), *kp = pool_k.typed_data(), *vp = pool_v.typed_data();
-  const int32_t *tp = table.typed_data(), *np_ = n_keys.typed_data();
+  if (d.G > 64 || d.S % 16 || d.H % 4)
+    return ffi::Error::InvalidArgument("attend: needs G <= 64 queries per kv head, head dims "
+                                       "a multiple of 4 and pages of a multiple of 16");
+  float *kp = pool_k_out->typed_data(), *vp = pool_v_out->typed_data();
+  if (kp != pool_k.typed_data()) std::copy_n(pool_k.typed_data(), pool_k.element_count(), kp);
+  if (vp != pool_v.typed_data()) std::copy_n(pool_v.typed_data(), pool_v.element_count(), vp);
+  const float *qp = q.typed_data(), *kn = k_new.typed_data(), *vn = v_new.typed_data();
+  const int32_t *tp = table.typed_data(), *sp = start.typed_data(), *lp = length.typed_data();
   float* op = out->typed_data();
-  const int64_t Gp = (d.G + kGT - 1) / kGT * kGT, need = 2 * Gp * d.H + Gp * d.S;
+  const int64_t Gp = (d.G + 3) / 4 * 4, need = 17 * Gp * d.H + Gp * d.S;  // head()'s work
   // (row, kv head) tasks; below ~64k key-query products per chunk a hand-off costs more
   int64_t keys = 0;
-  for (int64_t b = 0; b < d.B; ++b) keys += std::max<int32_t>(np_[b], 0);
+  for (int64_t b = 0; b < d.B; ++b) keys += std::max<int32_t>(sp[b] + 1, 0);
   const int64_t per_task = std::max<int64_t>(1, keys / std::max<int64_t>(1, d.B) * d.G * d.H);
   parallel_for(pool, d.B * d.K, (int64_t{1} << 16) / per_task, [&](int64_t lo, int64_t hi) {
     thread_local std::unique_ptr<float[]> work;
     thread_local int64_t capacity = 0;
     if (capacity < need) work.reset(new float[capacity = need]);
     for (int64_t t = lo; t < hi; ++t) {
-      const int64_t b = t / d.K, k = t % d.K, n = np_[b];
+      const int64_t b = t / d.K, k = t % d.K, pos = sp[b], n = pos + 1;
       float* o = op + t * d.G * d.H;
-      if (n <= 0) {
+      if (pos < 0) {
         std::fill(o, o + d.G * d.H, 0.0f);
         continue;
       }
-      head(d, qp + t * d.G * d.H, kp, vp, tp + b * d.NB, b, k, n, o, work.get());
+      float *kh = kp + k * d.H * d.S, *vh = vp + k * d.H * d.S;
+      if (lp[b] > 0) {  // this task's head of the row's new key and value, at its position
+        const int64_t j = std::min(pos / d.S, d.NB - 1);
+        const int64_t at = std::clamp<int64_t>(tp[b * d.NB + j], 0, d.P - 1) * d.K * d.H * d.S;
+        for (int64_t h = 0; h < d.H; ++h) {
+          kh[at + h * d.S + pos % d.S] = kn[t * d.H + h];
+          vh[at + h * d.S + pos % d.S] = vn[t * d.H + h];
+        }
+      }
+      const float* q1 = qp + t * d.G * d.H;
+      if (d.G == 1)
+        head<1>(d, q1, kh, vh, tp + b * d.NB, n, o, work.get());
+      else if (d.G == 2)
+        head<2>(d, q1, kh, vh, tp + b * d.NB, n, o, work.get());
+      else
+        head<4>(d, q1, kh, vh, tp + b * d.NB, n, o, work.get());
     }
   });
   return ffi::Error::Success();
@@ -184,10 +252,15 @@ ffi::Error attend(ffi::ThreadPool pool, F32 q, F32 pool_k, F32 pool_v, S32 table
 XLA_FFI_DEFINE_HANDLER_SYMBOL(attend_f32, attend,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<F32>()
-                                  .Arg<F32>()
-                                  .Arg<F32>()
-                                  .Arg<S32>()
-                                  .Arg<S32>()
+                                  .Arg<F32>()  // q
+                                  .Arg<F32>()  // k_new
+                                  .Arg<F32>()  // v_new
+                                  .Arg<F32>()  // pool_k
+                                  .Arg<F32>()  // pool_v
+                                  .Arg<S32>()  // table
+                                  .Arg<S32>()  // start
+                                  .Arg<S32>()  // length
                                   .Attr<int64_t>("window")
-                                  .Ret<F32>());
+                                  .Ret<F32>()   // out
+                                  .Ret<F32>()   // pool_k
+                                  .Ret<F32>());  // pool_v

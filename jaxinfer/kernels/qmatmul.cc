@@ -32,7 +32,9 @@ namespace ffi = xla::ffi;
 namespace {
 
 using jaxinfer::parallel_for;
-constexpr int64_t kMinChunkRows = 32;
+// A chunk of rows handed to another thread holds at least kMinChunkRows rows and
+// kMinChunkValues weights: below either, the hand-off costs more than it saves.
+constexpr int64_t kMinChunkRows = 32, kMinChunkValues = 16384;
 
 #ifndef __AVX512F__
 #error "qmatmul.cc needs AVX-512 (F, BW, VL)"
@@ -710,8 +712,7 @@ ffi::Error run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<
     std::fill(yp, yp + M * O, 0.0f);
     return ffi::Error::Success();
   }
-  // Below kMinChunkRows rows per chunk the hand-off costs more than it saves.
-  parallel_for(pool, O, kMinChunkRows,
+  parallel_for(pool, O, std::max(kMinChunkRows, kMinChunkValues / I),
                [&](int64_t lo, int64_t hi) { rows(f, xp, M, I, O, lo, hi, yp); });
   return ffi::Error::Success();
 }
