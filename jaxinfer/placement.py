@@ -15,8 +15,10 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from . import hugepages
 from .config import ModelConfig
 from .errors import LayoutError
+from .hugepages import Arena
 from .kvcache import AttentionKV, KVConfig
 from .model import Transformer, abstract_model, cache_layers, param_dtype, quantizable
 from .moe import ExpertSplit
@@ -64,16 +66,15 @@ def place_dense(read: Reader, cfg: ModelConfig, dtype, name: str, mesh: Mesh, ru
     graphdef, state = nnx.split(abstract_model(cfg, ExpertSplit.of(mesh, rules)))
     shardings = param_shardings(cfg, mesh, rules)
     kernel = kernel_fits(mesh)
+    arena = Arena()
 
     def put(path, leaf):
         key = tuple(k.key for k in path)
         host = read(key, leaf.shape, blocks=quantizable(key))
         if isinstance(host, HostQuant):
-            return put_quant(key, host.take(), host, shardings[key], kernel)
+            return put_quant(key, host.take(), host, shardings[key], kernel, arena=arena)
         host = host.astype(param_dtype(key, dtype))
-        # Each device receives only its slice (on several hosts, only local devices ask).
-        array = jax.make_array_from_callback(leaf.shape, shardings[key], lambda i: host[i])
-        return for_kernel(key, array, kernel)
+        return for_kernel(key, to_device(host, shardings[key], arena), kernel)
 
     params = jax.tree_util.tree_map_with_path(put, nnx.to_pure_dict(state))
     return Placement(name, mesh, rules, dense_runner(graphdef, cfg, dtype, mesh, rules), params)
@@ -95,6 +96,15 @@ def random_reader(cfg: ModelConfig, seed: int) -> Reader:
     return lambda path, shape, blocks=False: host[path].reshape(shape)
 
 
+def to_device(host: np.ndarray, sharding: NamedSharding, arena: Arena | None = None):
+    """A host array placed with `sharding`: on one CPU device into the arena's huge pages
+    (hugepages.py), else each device receives only its slice (on several hosts, only local
+    devices ask)."""
+    if arena is not None and hugepages.usable(sharding):
+        return arena.put(host, sharding)
+    return jax.make_array_from_callback(host.shape, sharding, lambda i: host[i])
+
+
 def kernel_fits(mesh: Mesh) -> bool:
     """Whether products and decode attention may use the CPU kernels (qkernel.py): on CPU
     devices, when the only split axes are the ones the program runs by hand (pipeline
@@ -113,7 +123,7 @@ def for_kernel(path: tuple, array: jax.Array, kernel: bool, lead: int = 0):
 
 
 def put_quant(path: tuple, parts: dict, host: HostQuant, sharding: NamedSharding, kernel: bool,
-              lead: int = 0) -> QArray:  # fmt: skip
+              lead: int = 0, arena: Arena | None = None) -> QArray:  # fmt: skip
     """A quantized weight's parts (host arrays [*lead, ..., O, X]) placed with the weight's
     sharding: each part split like the weight's rows and, for the columns, by whole blocks
     (a split that would cut a block is refused); per-row parts keep their one column."""
@@ -133,9 +143,7 @@ def put_quant(path: tuple, parts: dict, host: HostQuant, sharding: NamedSharding
     for k, part in parts.items():
         whole = part.shape[-1] == 1 and host.width > 1  # a per-row scale
         ps = P(*pspec[:-1], None if whole else axis)
-        out[k] = jax.make_array_from_callback(
-            part.shape, NamedSharding(mesh, ps), lambda i, part=part: part[i]
-        )
+        out[k] = to_device(part, NamedSharding(mesh, ps), arena)
     return QArray(out, host.fmt, host.width, kernel)
 
 

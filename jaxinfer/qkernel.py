@@ -58,18 +58,25 @@ def available() -> bool:
     return _ready
 
 
-# Row counts of float32 weights ("f32" QArrays) the kernel serves: where it beats XLA's own
-# dot (ms per 24-product chain of 86M-model shapes, XLA vs kernel, interleaved): M = 1: 4.7
-# vs 7.7 (XLA's one-row dot is a fast fused matvec; 86M decode 1.04x, stories260K 0.83x with
-# the kernel); M = 2: 17.0 vs 8.7; M = 4: 19.2 vs 10.1; M = 8: 19.0 vs 13.4; M = 16: 24.1 vs
-# 16.9; M = 32: 28.5 vs 26.1; M = 64: 42.3 vs 49.1.
-FLOAT_ROWS = (2, 32)
+# Float32 weights ("f32" QArrays) go to the kernel for 2 to FLOAT_ROWS rows, where it beats
+# XLA's own dot (ms per 24-product chain of 86M-model shapes, XLA vs kernel, interleaved):
+# M = 2: 17.0 vs 8.7; M = 4: 19.2 vs 10.1; M = 8: 19.0 vs 13.4; M = 16: 24.1 vs 16.9;
+# M = 32: 28.5 vs 26.1; M = 64: 42.3 vs 49.1. One row goes to the kernel for weights of at
+# least ONE_ROW_VALUES: XLA's one-row dot is a fused matvec, as fast on large weights (86M
+# decode 1.04x with the kernel; 1.08x with the weights on huge pages) and faster on small ones,
+# where a custom call's fixed cost shows (stories260K decode, weights <= 32k values: 0.83x).
+FLOAT_ROWS = 32
+ONE_ROW_VALUES = 1 << 18
 
 
-def serves(rows: int, fmt: str = "q8_0") -> bool:
-    """Whether a product of `rows` activation rows with a `fmt` weight goes to the kernel."""
-    lo, hi = FLOAT_ROWS if fmt == "f32" else (1, MAX_ROWS)
-    return lo <= rows <= hi and available()
+def serves(rows: int, fmt: str = "q8_0", values: int = 0) -> bool:
+    """Whether a product of `rows` activation rows with a `fmt` weight of `values` values
+    goes to the kernel."""
+    if fmt == "f32":
+        ok = 2 <= rows <= FLOAT_ROWS or (rows == 1 and values >= ONE_ROW_VALUES)
+    else:
+        ok = rows <= MAX_ROWS
+    return ok and available()
 
 
 def matmul(x: jax.Array, fmt: str, parts: dict[str, jax.Array], out_features: int) -> jax.Array:

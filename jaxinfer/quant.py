@@ -234,7 +234,7 @@ def linear(x: jax.Array, w, out_dtype=None) -> jax.Array:
         from . import qkernel
 
         rows = int(np.prod(x.shape[:-1]))
-        if qkernel.serves(rows, w.fmt):
+        if qkernel.serves(rows, w.fmt, int(np.prod(w.shape[-2:]))):
             flat = x.reshape(rows, x.shape[-1]).astype(jnp.float32)  # [M, I]
             y = qkernel.matmul(flat, w.fmt, w.parts, w.shape[-2])  # [M, O]
             return y.reshape(*x.shape[:-1], w.shape[-2]).astype(out_dtype)

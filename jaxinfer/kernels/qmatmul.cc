@@ -191,13 +191,15 @@ struct Half {
 struct Full {
   static constexpr int kBlock = 32;
   static constexpr bool kTail = true;
-  static constexpr int kAhead = 8;  // blocks to prefetch ahead: 1 KiB of the main stream
+  static constexpr int kAhead = 0;
   const float* w;
   int64_t I;
   using Row = const float*;
   using Blk = const float*;
   INLINE Row row(int64_t o) const { return w + o * I; }
-  INLINE void prefetch(const Row& r, int64_t b) const { pf(r, 32 * b); }
+  // No software prefetch: one float stream is what the hardware prefetchers follow best
+  // (86M decode's products at one row on huge pages: 28.8 GB/s without, 24.3 with).
+  INLINE void prefetch(const Row&, int64_t) const {}
   INLINE Blk block(const Row& r, int64_t b) const { return r + 32 * b; }
   template <int G>
   INLINE __m512 value(const Blk& k) const {
