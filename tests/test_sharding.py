@@ -13,6 +13,7 @@ from conftest import F32_LOGITS_ATOL, GOLDEN, model_path
 from test_compile import CompileCounter
 
 import jaxinfer
+from jaxinfer.quant import QArray
 
 LAYOUTS = [
     ("layer", 2), ("layer", 3), ("layer", 4), ("tensor", 2), ("tensor", 4),
@@ -93,6 +94,11 @@ def test_steady_decoding_compiles_nothing(layout, devices):
     assert engine.perf_stats().graphs_reused >= 7
 
 
+def weight(w):
+    """A float32 weight's array (placed for the CPU kernel, it is an "f32" QArray)."""
+    return w.parts["w"] if isinstance(w, QArray) else w
+
+
 def test_pipeline_is_one_program_and_devices_hold_their_stage():
     path = model_path("stories260K-gguf/stories260K.gguf")
     dense = jaxinfer.load(path, max_seq_len=128)
@@ -104,14 +110,14 @@ def test_pipeline_is_one_program_and_devices_hold_their_stage():
     # 5 layers on 3 stages: [0, 1], [2, 3], [4, padding]
     layer_of = [[0, 1], [2, 3], [4, None]]
     for j, slot in enumerate(engine.params["slots"]):
-        wq = slot["attn"]["wq"]
+        wq = weight(slot["attn"]["wq"])
         assert len(wq.addressable_shards) == 3
         for shard in wq.addressable_shards:
             assert shard.data.shape == (1, *wq.shape[1:])  # one stage's slot per device
             stage = shard.index[0].start or 0
             assert shard.device == engine.mesh.devices.flat[stage]
             layer = layer_of[stage][j]
-            want = 0 if layer is None else dense.params["layers"][layer]["attn"]["wq"]
+            want = 0 if layer is None else weight(dense.params["layers"][layer]["attn"]["wq"])
             np.testing.assert_array_equal(np.asarray(shard.data[0]), np.asarray(want))
 
 
