@@ -12,6 +12,7 @@ Elsewhere (other platforms, several devices, no THP) weights take the plain devi
 
 from __future__ import annotations
 
+import functools
 import mmap
 
 import jax
@@ -65,6 +66,7 @@ def _mapping(nbytes: int) -> np.ndarray:
     return whole[skip : skip + size - HUGE]
 
 
+@functools.cache  # read once per process, not once per weight
 def _thp_enabled() -> bool:
     try:
         with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:

@@ -210,43 +210,25 @@ struct Full {
   }
 };
 
-// Q4_0 (32 values): qs [O, I / 2] (byte j: value j low nibble, j + 16 high), d f16;
-// w = d * (q - 8).
-struct Q4_0 {
-  static constexpr int kBlock = 32;
-  static constexpr bool kTail = false;
-  static constexpr int kAhead = 64;  // blocks to prefetch ahead: 1 KiB of the main stream
-  const uint8_t* qs;
-  const uint16_t* d;
-  int64_t I;
-  struct Row {
-    const uint8_t* qs;
-    const uint16_t* d;
-  };
-  struct Blk {
-    const uint8_t* qs;
-    __m512 table;
-  };
-  INLINE Row row(int64_t o) const { return {qs + o * (I / 2), d + o * (I / 32)}; }
-  INLINE void prefetch(const Row& r, int64_t b) const { pf(r.qs, 16 * b), pf(r.d, b); }
-  INLINE Blk block(const Row& r, int64_t b) const {
-    return {r.qs + 16 * b, _mm512_mul_ps(_mm512_set1_ps(h2f(r.d[b])), iota(-8))};
-  }
-  template <int G>
-  INLINE __m512 value(const Blk& k) const {
-    __m512i z = u8x16(k.qs);
-    return lookup(G ? _mm512_srli_epi32(z, 4) : z, k.table);
-  }
-};
+// The levels d * (i + base), i in [0, 16), of a block with scale d[b]; plus its min m[b] for
+// the formats that have one (kMin): each the reference's product, then its sum.
+template <bool kMin>
+INLINE __m512 levels(const uint16_t* d, const uint16_t* m, int64_t b, float base) {
+  __m512 v = _mm512_mul_ps(_mm512_set1_ps(h2f(d[b])), iota(base));
+  if constexpr (kMin) v = _mm512_add_ps(v, _mm512_set1_ps(h2f(m[b])));
+  return v;
+}
 
-// Q4_1: as Q4_0 plus a min m (f16); w = d * q + m.
-struct Q4_1 {
+// Q4_0 (32 values): qs [O, I / 2] (byte j: value j low nibble, j + 16 high), d f16;
+// w = d * (q - 8). Q4_1 (kMin): plus a min m (f16); w = d * q + m.
+template <bool kMin>
+struct Q4 {
   static constexpr int kBlock = 32;
   static constexpr bool kTail = false;
   static constexpr int kAhead = 64;  // blocks to prefetch ahead: 1 KiB of the main stream
   const uint8_t* qs;
   const uint16_t* d;
-  const uint16_t* m;
+  const uint16_t* m;  // kMin only
   int64_t I;
   struct Row {
     const uint8_t* qs;
@@ -258,12 +240,14 @@ struct Q4_1 {
     __m512 table;
   };
   INLINE Row row(int64_t o) const {
-    return {qs + o * (I / 2), d + o * (I / 32), m + o * (I / 32)};
+    return {qs + o * (I / 2), d + o * (I / 32), kMin ? m + o * (I / 32) : nullptr};
   }
-  INLINE void prefetch(const Row& r, int64_t b) const { pf(r.qs, 16 * b), pf(r.d, b), pf(r.m, b); }
+  INLINE void prefetch(const Row& r, int64_t b) const {
+    pf(r.qs, 16 * b), pf(r.d, b);
+    if constexpr (kMin) pf(r.m, b);
+  }
   INLINE Blk block(const Row& r, int64_t b) const {
-    __m512 dq = _mm512_mul_ps(_mm512_set1_ps(h2f(r.d[b])), iota(0));
-    return {r.qs + 16 * b, _mm512_add_ps(dq, _mm512_set1_ps(h2f(r.m[b])))};
+    return {r.qs + 16 * b, levels<kMin>(r.d, r.m, b, kMin ? 0 : -8)};
   }
   template <int G>
   INLINE __m512 value(const Blk& k) const {
@@ -273,53 +257,17 @@ struct Q4_1 {
 };
 
 // Q5_0 (32 values): qs as Q4_0, qh [O, I / 8] (4 bytes per block: bit j of their
-// little-endian u32 is value j's fifth bit), d f16; w = d * (q - 16).
-struct Q5_0 {
+// little-endian u32 is value j's fifth bit), d f16; w = d * (q - 16). Q5_1 (kMin): plus a
+// min m; w = d * q + m.
+template <bool kMin>
+struct Q5 {
   static constexpr int kBlock = 32;
   static constexpr bool kTail = false;
   static constexpr int kAhead = 64;  // blocks to prefetch ahead: 1 KiB of the main stream
   const uint8_t* qs;
   const uint8_t* qh;
   const uint16_t* d;
-  int64_t I;
-  struct Row {
-    const uint8_t* qs;
-    const uint8_t* qh;
-    const uint16_t* d;
-  };
-  struct Blk {
-    const uint8_t* qs;
-    uint32_t high;
-    __m512 lo, hi;  // values of q in [0, 16) and [16, 32)
-  };
-  INLINE Row row(int64_t o) const {
-    return {qs + o * (I / 2), qh + o * (I / 8), d + o * (I / 32)};
-  }
-  INLINE void prefetch(const Row& r, int64_t b) const {
-    pf(r.qs, 16 * b), pf(r.qh, 4 * b), pf(r.d, b);
-  }
-  INLINE Blk block(const Row& r, int64_t b) const {
-    uint32_t high;
-    std::memcpy(&high, r.qh + 4 * b, 4);
-    __m512 d = _mm512_set1_ps(h2f(r.d[b]));
-    return {r.qs + 16 * b, high, _mm512_mul_ps(d, iota(-16)), _mm512_mul_ps(d, iota(0))};
-  }
-  template <int G>
-  INLINE __m512 value(const Blk& k) const {
-    __m512i z = u8x16(k.qs);
-    return lookup32(G ? _mm512_srli_epi32(z, 4) : z, __mmask16(k.high >> (16 * G)), k.lo, k.hi);
-  }
-};
-
-// Q5_1: as Q5_0 plus a min m; w = d * q + m.
-struct Q5_1 {
-  static constexpr int kBlock = 32;
-  static constexpr bool kTail = false;
-  static constexpr int kAhead = 64;  // blocks to prefetch ahead: 1 KiB of the main stream
-  const uint8_t* qs;
-  const uint8_t* qh;
-  const uint16_t* d;
-  const uint16_t* m;
+  const uint16_t* m;  // kMin only
   int64_t I;
   struct Row {
     const uint8_t* qs;
@@ -330,20 +278,21 @@ struct Q5_1 {
   struct Blk {
     const uint8_t* qs;
     uint32_t high;
-    __m512 lo, hi;
+    __m512 lo, hi;  // values of q in [0, 16) and [16, 32)
   };
   INLINE Row row(int64_t o) const {
-    return {qs + o * (I / 2), qh + o * (I / 8), d + o * (I / 32), m + o * (I / 32)};
+    return {qs + o * (I / 2), qh + o * (I / 8), d + o * (I / 32), kMin ? m + o * (I / 32) : nullptr};
   }
   INLINE void prefetch(const Row& r, int64_t b) const {
-    pf(r.qs, 16 * b), pf(r.qh, 4 * b), pf(r.d, b), pf(r.m, b);
+    pf(r.qs, 16 * b), pf(r.qh, 4 * b), pf(r.d, b);
+    if constexpr (kMin) pf(r.m, b);
   }
   INLINE Blk block(const Row& r, int64_t b) const {
     uint32_t high;
     std::memcpy(&high, r.qh + 4 * b, 4);
-    __m512 d = _mm512_set1_ps(h2f(r.d[b])), m = _mm512_set1_ps(h2f(r.m[b]));
-    return {r.qs + 16 * b, high, _mm512_add_ps(_mm512_mul_ps(d, iota(0)), m),
-            _mm512_add_ps(_mm512_mul_ps(d, iota(16)), m)};
+    const float base = kMin ? 0 : -16;
+    return {r.qs + 16 * b, high, levels<kMin>(r.d, r.m, b, base),
+            levels<kMin>(r.d, r.m, b, base + 16)};
   }
   template <int G>
   INLINE __m512 value(const Blk& k) const {
@@ -756,23 +705,23 @@ ffi::Error f32(ffi::ThreadPool pool, X x, F32 w, Y y) {
   return run<Full>(pool, x, y, {n(w, 1)}, [&](int64_t I) { return Full{w.typed_data(), I}; });
 }
 ffi::Error q4_0(ffi::ThreadPool pool, X x, U8 qs, F16 d, Y y) {
-  return run<Q4_0>(pool, x, y, {n(qs, 2), n(d, 32)}, [&](int64_t I) {
-    return Q4_0{qs.typed_data(), d.typed_data(), I};
+  return run<Q4<false>>(pool, x, y, {n(qs, 2), n(d, 32)}, [&](int64_t I) {
+    return Q4<false>{qs.typed_data(), d.typed_data(), nullptr, I};
   });
 }
 ffi::Error q4_1(ffi::ThreadPool pool, X x, U8 qs, F16 d, F16 m, Y y) {
-  return run<Q4_1>(pool, x, y, {n(qs, 2), n(d, 32), n(m, 32)}, [&](int64_t I) {
-    return Q4_1{qs.typed_data(), d.typed_data(), m.typed_data(), I};
+  return run<Q4<true>>(pool, x, y, {n(qs, 2), n(d, 32), n(m, 32)}, [&](int64_t I) {
+    return Q4<true>{qs.typed_data(), d.typed_data(), m.typed_data(), I};
   });
 }
 ffi::Error q5_0(ffi::ThreadPool pool, X x, U8 qs, U8 qh, F16 d, Y y) {
-  return run<Q5_0>(pool, x, y, {n(qs, 2), n(qh, 8), n(d, 32)}, [&](int64_t I) {
-    return Q5_0{qs.typed_data(), qh.typed_data(), d.typed_data(), I};
+  return run<Q5<false>>(pool, x, y, {n(qs, 2), n(qh, 8), n(d, 32)}, [&](int64_t I) {
+    return Q5<false>{qs.typed_data(), qh.typed_data(), d.typed_data(), nullptr, I};
   });
 }
 ffi::Error q5_1(ffi::ThreadPool pool, X x, U8 qs, U8 qh, F16 d, F16 m, Y y) {
-  return run<Q5_1>(pool, x, y, {n(qs, 2), n(qh, 8), n(d, 32), n(m, 32)}, [&](int64_t I) {
-    return Q5_1{qs.typed_data(), qh.typed_data(), d.typed_data(), m.typed_data(), I};
+  return run<Q5<true>>(pool, x, y, {n(qs, 2), n(qh, 8), n(d, 32), n(m, 32)}, [&](int64_t I) {
+    return Q5<true>{qs.typed_data(), qh.typed_data(), d.typed_data(), m.typed_data(), I};
   });
 }
 ffi::Error q4_k(ffi::ThreadPool pool, X x, U8 qs, U8 sc, U8 mn, F16 d, F16 dmin, Y y) {
