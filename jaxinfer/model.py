@@ -24,7 +24,7 @@ from .config import ModelConfig, rope_inv_freq
 from .gdn import RecurrentState
 from .kvcache import AttentionKV, KVView
 from .moe import ExpertSplit
-from .quant import linear
+from .quant import linear, linears
 
 
 def _param(rngs: nnx.Rngs, shape, axes, scale=0.02, init_one=False) -> nnx.Param:
@@ -87,9 +87,8 @@ class Attention(nnx.Module):
         cfg = self.cfg
         B, T, _ = x.shape
         K, G, H = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
-        q = linear(x, self.wq[...])  # [B, T, N*H]
-        k = linear(x, self.wk[...])  # [B, T, K*H]
-        v = linear(x, self.wv[...])  # [B, T, K*H]
+        # q [B, T, N*H], k and v [B, T, K*H]
+        q, k, v = linears(x, [self.wq[...], self.wk[...], self.wv[...]])
         if cfg.qkv_bias:
             q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
         q = q.reshape(B, T, K * G, H)  # [B, T, N, H]
@@ -167,7 +166,7 @@ class GatedDeltaNet(nnx.Module):
         B, T, _ = x.shape
         HK, HV, DK, DV = cfg.linear_k_heads, cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim
         real = view.real(T)  # [B, T]: padding never reaches the state
-        proj = [linear(x, w[...]) for w in (self.wq, self.wk, self.wv)]  # [B, T, E] each
+        proj = linears(x, [w[...] for w in (self.wq, self.wk, self.wv)])  # [B, T, E] each
         keep = view.pick is not None  # speculative: every token's state is kept
         conv_q, conv_k, conv_v, S = gdn.read(state, view.slot, view.start == 0, view.pick)
         weights = (self.conv_q, self.conv_k, self.conv_v)
@@ -206,8 +205,7 @@ class MLP(nnx.Module):
         self.w_down = _param(rngs, (D, F), ("embed", "mlp"))
 
     def __call__(self, x):
-        gate = linear(x, self.w_gate[...])  # [B, T, F]
-        up = linear(x, self.w_up[...])  # [B, T, F]
+        gate, up = linears(x, [self.w_gate[...], self.w_up[...]])  # [B, T, F] each
         return linear(jax.nn.silu(gate) * up, self.w_down[...])  # [B, T, D]
 
 

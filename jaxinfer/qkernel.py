@@ -40,6 +40,7 @@ FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c++17", "-ffp-contrac
 # 42 vs 87, 50 vs 98; M = 128: 83 vs 112, 93 vs 127; M = 256: 165 vs 172, 182 vs 183;
 # M = 512: 318 vs 282, 336 vs 293 (q6_k, q4_0 alike).
 MAX_ROWS = 256
+MAX_WEIGHTS = 8  # weights in one call (kMaxWeights in qmatmul.cc)
 
 _lock = threading.Lock()
 _ready: bool | None = None
@@ -81,17 +82,29 @@ def serves(rows: int, fmt: str = "q8_0", values: int = 0) -> bool:
 
 def matmul(x: jax.Array, fmt: str, parts: dict[str, jax.Array], out_features: int) -> jax.Array:
     """x f32 [M, I] times the quantized weight [O, I] given by its parts -> f32 [M, O]."""
+    return matmuls(x, fmt, [parts], [out_features])[0]
+
+
+def matmuls(x: jax.Array, fmt: str, weights, out_features) -> list[jax.Array]:
+    """x f32 [M, I] times each of up to MAX_WEIGHTS `fmt` weights [O_w, I] (their parts) in one
+    call -> [f32 [M, O_w]]: the weights share one split over the threads."""
     if not available():
         raise RuntimeError("the quantized CPU kernel is not available here; ask serves() first")
     if fmt not in _served:  # a format newer than the kernel
-        w = QArray(parts, fmt, x.shape[1])
-        return jnp.einsum("MI,OI->MO", x, dequantize(w))
-    call = jax.ffi.ffi_call(
-        _target(fmt),
-        jax.ShapeDtypeStruct((x.shape[0], out_features), jnp.float32),
-        vmap_method="sequential",  # the kernel takes one [M, I] x and one weight
-    )
-    return call(x, *(parts[p.name] for p in FORMATS[fmt].parts))
+        return [
+            jnp.einsum("MI,OI->MO", x, dequantize(QArray(parts, fmt, x.shape[1])))
+            for parts in weights
+        ]
+    outs = []
+    for at in range(0, len(weights), MAX_WEIGHTS):
+        group, sizes = weights[at : at + MAX_WEIGHTS], out_features[at : at + MAX_WEIGHTS]
+        call = jax.ffi.ffi_call(
+            _target(fmt),
+            [jax.ShapeDtypeStruct((x.shape[0], o), jnp.float32) for o in sizes],
+            vmap_method="sequential",  # the kernel takes one [M, I] x
+        )
+        outs += call(x, *(parts[p.name] for parts in group for p in FORMATS[fmt].parts))
+    return outs
 
 
 ATTEND = "jaxinfer_attend_f32"

@@ -229,19 +229,36 @@ def dequantize(w: QArray, dtype=jnp.float32) -> jax.Array:
 def linear(x: jax.Array, w, out_dtype=None) -> jax.Array:
     """x [..., I] times a weight [O, I] (plain or quantized) -> [..., O] in `out_dtype`
     (default x's dtype; a wider one is accumulated in, as preferred_element_type)."""
+    return linears(x, [w], out_dtype)[0]
+
+
+def linears(x: jax.Array, ws, out_dtype=None) -> list[jax.Array]:
+    """`linear(x, w)` for each of the weights `ws` that share the input x (QKV, gate/up).
+    Kernel weights of one format go to the CPU kernel as one call: their products share
+    one pass over the threads."""
     out_dtype = out_dtype or x.dtype
-    if isinstance(w, QArray) and w.kernel:
+    rows = int(np.prod(x.shape[:-1]))
+    outs: list = [None] * len(ws)
+    groups: dict[str, list[int]] = {}
+    for i, w in enumerate(ws):
+        if isinstance(w, QArray) and w.kernel:
+            groups.setdefault(w.fmt, []).append(i)
+    for fmt, picked in groups.items():
         from . import qkernel
 
-        rows = int(np.prod(x.shape[:-1]))
-        if qkernel.serves(rows, w.fmt, int(np.prod(w.shape[-2:]))):
+        values = sum(int(np.prod(ws[i].shape[-2:])) for i in picked)
+        if qkernel.serves(rows, fmt, values):
             flat = x.reshape(rows, x.shape[-1]).astype(jnp.float32)  # [M, I]
-            y = qkernel.matmul(flat, w.fmt, w.parts, w.shape[-2])  # [M, O]
-            return y.reshape(*x.shape[:-1], w.shape[-2]).astype(out_dtype)
-    if isinstance(w, QArray):
-        w = dequantize(w, x.dtype)
+            ys = qkernel.matmuls(flat, fmt, [ws[i].parts for i in picked],
+                                 [ws[i].shape[-2] for i in picked])  # fmt: skip
+            for i, y in zip(picked, ys, strict=True):  # y [M, O]
+                outs[i] = y.reshape(*x.shape[:-1], y.shape[-1]).astype(out_dtype)
     wide = None if out_dtype == x.dtype else out_dtype
-    return jnp.einsum("...I,OI->...O", x, w, preferred_element_type=wide)
+    for i, w in enumerate(ws):
+        if outs[i] is None:
+            w = dequantize(w, x.dtype) if isinstance(w, QArray) else w
+            outs[i] = jnp.einsum("...I,OI->...O", x, w, preferred_element_type=wide)
+    return outs
 
 
 def embed(table, tokens: jax.Array, dtype=None) -> jax.Array:

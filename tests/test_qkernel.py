@@ -85,6 +85,44 @@ def test_matches_reference(fmt, rows):
         check(y, x[:m], ref)
 
 
+@pytest.mark.parametrize("fmt", ["f32", "q8_0", "q4_k"])
+def test_several_weights_in_one_call(fmt):
+    """Weights sharing an input in one call (QKV, gate/up): each result matches its own
+    reference, with output row counts that split the threads' chunks across weights."""
+    rng = np.random.default_rng(7)
+    cols = width(fmt)
+    weights = [random_weight(fmt, rows, cols, rng) for rows in (96, 17, 33)]
+    x = rng.standard_normal((max(MS), cols)).astype(np.float32)
+
+    @jax.jit
+    def products(x, parts):
+        return [qkernel.matmuls(x[:m], fmt, parts, [96, 17, 33]) for m in MS]
+
+    for m, ys in zip(MS, products(x, [p for p, _ in weights]), strict=True):
+        for y, (_, ref) in zip(ys, weights, strict=True):
+            assert y.shape == (m, ref.shape[0])
+            check(y, x[:m], ref)
+
+
+def test_linears_groups_by_format():
+    """`quant.linears` over weights of mixed formats and a plain array: one kernel call per
+    format, every result equal to its own `linear`."""
+    rng = np.random.default_rng(8)
+    cols = 512
+    made = [random_weight(f, 40, cols, rng) for f in ("q8_0", "q4_k", "q8_0")]
+    ws = [quant.QArray(p, f, cols, kernel=True) for (p, _), f in zip(made, ("q8_0", "q4_k", "q8_0"))]
+    plain = rng.standard_normal((24, cols)).astype(np.float32)
+    x = jnp.asarray(rng.standard_normal((2, 3, cols)).astype(np.float32))
+    ys = jax.jit(quant.linears)(x, [*ws, jnp.asarray(plain)])
+    refs = [r for _, r in made] + [plain.astype(np.float64)]
+    flat = np.asarray(x).reshape(6, cols)
+    for y, ref in zip(ys, refs, strict=True):
+        assert y.shape == (2, 3, ref.shape[0])
+        check(np.asarray(y).reshape(6, -1), flat, ref)
+    hlo = jax.jit(quant.linears).lower(x, [*ws, jnp.asarray(plain)]).as_text()
+    assert hlo.count("jaxinfer_qmatmul_q8_0") == 1 and hlo.count("jaxinfer_qmatmul_q4_k") == 1
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_weights_are_exact(fmt):
     """One-hot activations read single weights back: bit-equal to gguf-py's float32 values."""
