@@ -109,8 +109,9 @@ def test_linears_groups_by_format():
     format, every result equal to its own `linear`."""
     rng = np.random.default_rng(8)
     cols = 512
-    made = [random_weight(f, 40, cols, rng) for f in ("q8_0", "q4_k", "q8_0")]
-    ws = [quant.QArray(p, f, cols, kernel=True) for (p, _), f in zip(made, ("q8_0", "q4_k", "q8_0"))]
+    fmts = ("q8_0", "q4_k", "q8_0")
+    made = [random_weight(f, 40, cols, rng) for f in fmts]
+    ws = [quant.QArray(p, f, cols, kernel=True) for (p, _), f in zip(made, fmts, strict=True)]
     plain = rng.standard_normal((24, cols)).astype(np.float32)
     x = jnp.asarray(rng.standard_normal((2, 3, cols)).astype(np.float32))
     ys = jax.jit(quant.linears)(x, [*ws, jnp.asarray(plain)])
