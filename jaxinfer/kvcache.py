@@ -135,16 +135,15 @@ def write(pools, k, v, view: KVView):
 
 def update(q, k, v, pools, view: KVView, window: int | None = None):
     """The chunk's k, v [B, T, K, H] written into the pools, then its queries q [B, T, K, G, H]
-    attended (see `attend`) -> (out [B, T, K, G, H] float32, pools). One token per row on
-    pools whole on a CPU device (view.kernel) is one kernel call (qkernel.attend) that writes
-    in place and reads each row's live keys where they lie."""
-    if q.shape[1] == 1 and view.kernel and pools[0].dtype == jnp.float32 and qkernel.available():
-        f32 = lambda a: a[:, 0].astype(jnp.float32)  # noqa: E731  [B, 1, ...] -> [B, ...]
+    attended (see `attend`) -> (out [B, T, K, G, H] float32, pools). On float32 pools whole on
+    a CPU device (view.kernel) this is one kernel call (qkernel.attend) that writes in place
+    and reads each row's live keys where they lie."""
+    if view.kernel and pools[0].dtype == jnp.float32 and qkernel.available():
+        f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
         made = qkernel.attend(
             f32(q), f32(k), f32(v), pools, view.table, view.start, view.length, window
         )
-        out, pools = varying_like(made, pools[0])  # a custom call's results vary over nothing
-        return out[:, None], pools  # [B, 1, K, G, H]
+        return varying_like(made, pools[0])  # a custom call's results vary over nothing
     pools = write(pools, k, v, view)
     return attend(q, k, v, pools, view, window), pools
 

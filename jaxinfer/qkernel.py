@@ -111,11 +111,11 @@ ATTEND = "jaxinfer_attend_f32"
 
 
 def attend(q, k, v, pools, table, start, length, window: int | None):
-    """One decode token per row (kernels/attend.cc): writes k, v [B, K, H] at position start [B]
-    of each row with length [B] > 0 into the pools [P, K, H, S] float32 (in place: they are
-    aliased to the outputs), then attends q [B, K, G, H] float32 (scaled, rotated) over the
-    row's positions [max(0, start + 1 - window), start + 1) read through table [B, NB] ->
-    (out [B, K, G, H] float32, pools)."""
+    """T tokens per row (kernels/attend.cc): writes the real ones (t < length [B]) of k, v
+    [B, T, K, H] at positions start [B] + t into the pools [P, K, H, S] float32 (in place: they
+    are aliased to the outputs), then attends q [B, T, K, G, H] float32 (scaled, rotated):
+    token t over the row's positions [max(0, n - window), n), n = min(start + t + 1, start +
+    max(length, 1)), read through table [B, NB] -> (out [B, T, K, G, H] float32, pools)."""
     if not available():
         raise RuntimeError("the CPU kernels are not available here; ask available() first")
     pool_k, pool_v = pools

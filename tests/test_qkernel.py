@@ -199,22 +199,24 @@ def test_linear_seam():
         check(jax.jit(quant.linear)(x, w), x, ref)
 
 
-def attention_reference(q, pool_k, pool_v, table, n_keys, window):
-    """float64 softmax attention of each row's queries over its positions [0, n) (the last
-    `window` of them with a window), keys and values read through its block table."""
-    B, K, G, H = q.shape
+def attention_reference(q, pool_k, pool_v, table, start, length, window):
+    """float64 softmax attention of token t of row b (at p = start + t) over the positions
+    [n - window, n) (without a window, [0, n)) with n = min(p + 1, start + max(length, 1)),
+    keys and values read through the row's block table."""
+    B, T, K, G, H = q.shape
     S = pool_k.shape[-1]
     out = np.zeros(q.shape)
-    for b in range(B):
-        pos = np.arange(n_keys[b])
+    for b, t in np.ndindex(B, T):
+        n = min(start[b] + t + 1, start[b] + max(length[b], 1))
+        pos = np.arange(n)
         if window:
-            pos = pos[pos >= n_keys[b] - window]
+            pos = pos[pos >= n - window]
         pages, offsets = table[b, pos // S], pos % S
         keys = pool_k[pages, :, :, offsets].astype(np.float64)  # [n, K, H]
         values = pool_v[pages, :, :, offsets].astype(np.float64)
-        s = np.einsum("kgh,nkh->kgn", q[b].astype(np.float64), keys)
+        s = np.einsum("kgh,nkh->kgn", q[b, t].astype(np.float64), keys)
         p = np.exp(s - s.max(-1, keepdims=True))
-        out[b] = np.einsum("kgn,nkh->kgh", p / p.sum(-1, keepdims=True), values)
+        out[b, t] = np.einsum("kgn,nkh->kgh", p / p.sum(-1, keepdims=True), values)
     return out
 
 
@@ -229,33 +231,36 @@ ATTENTION_SHAPES = [
 ]
 
 
+@pytest.mark.parametrize("T", [1, 21])  # a decode step; a prompt chunk across pages
 @pytest.mark.parametrize("window", [0, 5, 40])
 @pytest.mark.parametrize("shape", ATTENTION_SHAPES)
-def test_decode_attention_matches_reference(shape, window):
-    """Rows of different lengths (one of 1-3 keys, others across several pages), pages in a
-    random order, sliding windows shorter and longer than a page, an idle row: each live row's
-    new key and value land at its position (the pools otherwise unchanged, bit for bit), then
-    its queries attend over its keys."""
+def test_attention_matches_reference(shape, window, T):
+    """Rows of different lengths (one starting at 0-2 keys, others across several pages),
+    pages in a random order, sliding windows shorter and longer than a page, a row with
+    padding tokens, an idle row: each real token's key and value land at its position (the
+    pools otherwise unchanged, bit for bit), then every token attends over its keys."""
     B, K, G, H, S, P, NB = shape
-    rng = np.random.default_rng(ATTENTION_SHAPES.index(shape) * 100 + window)
-    q = rng.standard_normal((B, K, G, H)).astype(np.float32)
-    k, v = rng.standard_normal((2, B, K, H)).astype(np.float32)
+    rng = np.random.default_rng(ATTENTION_SHAPES.index(shape) * 100 + window + T)
+    q = rng.standard_normal((B, T, K, G, H)).astype(np.float32)
+    k, v = rng.standard_normal((2, B, T, K, H)).astype(np.float32)
     pool_k, pool_v = rng.standard_normal((2, P, K, H, S)).astype(np.float32)
     # every row its own pages, in a random order (as the page pool hands them out)
     table = rng.permutation(np.arange(1, P))[: B * NB].reshape(B, NB).astype(np.int32)
-    start = rng.integers(0, NB * S, B).astype(np.int32)
+    start = rng.integers(0, NB * S - T, B).astype(np.int32)
     start[0] = rng.integers(0, 3)
-    length = np.ones(B, np.int32)
-    length[-1] = 0 if B > 1 else 1  # an idle row: attends, writes nothing
+    length = np.full(B, T, np.int32)
+    length[0] = max(1, T - 4)  # padding tokens after the real ones
+    length[-1] = 0 if B > 1 else length[-1]  # an idle row: attends, writes nothing
     run = jax.jit(lambda *a: qkernel.attend(*a, window))
     out, (new_k, new_v) = run(q, k, v, (pool_k, pool_v), table, start, length)
     want_k, want_v = pool_k.copy(), pool_v.copy()
-    for b in np.flatnonzero(length):
-        page, at = table[b, start[b] // S], start[b] % S
-        want_k[page, :, :, at], want_v[page, :, :, at] = k[b], v[b]
+    for b in range(B):
+        for t in range(length[b]):
+            page, at = table[b, (start[b] + t) // S], (start[b] + t) % S
+            want_k[page, :, :, at], want_v[page, :, :, at] = k[b, t], v[b, t]
     np.testing.assert_array_equal(np.asarray(new_k), want_k)
     np.testing.assert_array_equal(np.asarray(new_v), want_v)
-    ref = attention_reference(q, want_k, want_v, table, start + 1, window)
+    ref = attention_reference(q, want_k, want_v, table, start, length, window)
     # outputs are convex combinations of values: errors relative to the largest |value|
     # (measured: at most 4.1e-6 over these cases)
     assert np.abs(np.asarray(out, np.float64) - ref).max() <= 2e-5 * np.abs(want_v).max()

@@ -1,16 +1,21 @@
-// XLA FFI CPU kernel: one decode token's attention per row over the paged KV cache
-// (kvcache.py's layout), reading only the row's live keys in place.
+// XLA FFI CPU kernel: attention of T tokens per row (a decode step's one, a prompt chunk's
+// or a verify step's) over the paged KV cache (kvcache.py's layout), reading the row's live
+// keys in place.
 //
-// q [B, K, G, H] f32 (scaled, rotated), the token's k, v [B, K, H], pools [P, K, H, S] f32
-// (positions contiguous within a page), table [B, NB] int32 page ids, start [B] int32 (the
-// token's position: row b sees positions [max(0, start + 1 - window), start + 1), window 0:
-// no window), length [B] (0: an idle row, nothing written) -> out [B, K, G, H] f32, pools.
+// q [B, T, K, G, H] f32 (scaled, rotated), the tokens' k, v [B, T, K, H], pools [P, K, H, S]
+// f32 (positions contiguous within a page), table [B, NB] int32 page ids, start [B] int32
+// (the first token's position), length [B] (the row's real tokens; 0: an idle row, nothing
+// written) -> out [B, T, K, G, H] f32, pools. Token t of row b sees positions
+// [max(0, n - window), n), n = min(start + t + 1, start + max(length, 1)) (window 0: no
+// window; padding tokens t >= length see the row's last key); a row with start < 0 gets
+// zeros.
 //
 // XLA's form of this (kvcache._pages) copies each row's page out of the pool before its two
 // dots and runs about ten small kernels per page and layer (~7.5 us for one 128-position page
 // at stories260K's head size 8), and every row loops to the longest row's page count.
-// Here each (row, kv head) is one task: per page, scores for the G queries in 16-position
-// vectors, an online softmax with a vectorized exp, and the value sums.
+// Here each (row, kv head) is one task: it writes its head of the row's tokens, then per token
+// and page, scores for the G queries in 16-position vectors, an online softmax with a
+// vectorized exp, and the value sums.
 
 #include <immintrin.h>
 
@@ -62,7 +67,7 @@ INLINE __mmask16 live(int64_t c, int64_t lo, int64_t hi) {
 }
 
 struct Shape {
-  int64_t B, K, G, H, P, S, NB, window;
+  int64_t B, T, K, G, H, P, S, NB, window;
 };
 
 // Row b, kv head k: out[b, k] for its G queries, GT at a time (G padded with zero queries to
@@ -180,27 +185,26 @@ using F32 = ffi::Buffer<ffi::F32>;
 using S32 = ffi::Buffer<ffi::S32>;
 
 // Rows hold distinct pages (kvcache.PagePool's contract; idle rows, which share the null page,
-// write nothing), so the (row, kv head) tasks never write what another reads.
-// Writes each live row's new key and value at its position (row b: n_keys = start[b] + 1
-// keys; length[b] = 0, an idle row: no write), then attends. The pools are outputs aliased to
-// the inputs (written in place on the donated pools; when XLA hands a separate output buffer,
-// the pool is copied into it first).
+// write nothing), so the (row, kv head) tasks never write what another reads. The pools are
+// outputs aliased to the inputs (written in place on the donated pools; when XLA hands a
+// separate output buffer, the pool is copied into it first).
 ffi::Error attend(ffi::ThreadPool pool, F32 q, F32 k_new, F32 v_new, F32 pool_k, F32 pool_v,
                   S32 table, S32 start, S32 length, int64_t window,
                   ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> pool_k_out,
                   ffi::ResultBuffer<ffi::F32> pool_v_out) {
   auto qd = q.dimensions(), pd = pool_k.dimensions(), td = table.dimensions();
   auto same = [](auto a, auto b) { return std::equal(a.begin(), a.end(), b.begin(), b.end()); };
-  const size_t B = qd.size() == 4 ? size_t(qd[0]) : 0;
-  if (qd.size() != 4 || pd.size() != 4 || td.size() != 2 || !same(pool_v.dimensions(), pd) ||
+  const size_t B = qd.size() == 5 ? size_t(qd[0]) : 0, T = qd.size() == 5 ? size_t(qd[1]) : 0;
+  if (qd.size() != 5 || pd.size() != 4 || td.size() != 2 || !same(pool_v.dimensions(), pd) ||
       !same(pool_k_out->dimensions(), pd) || !same(pool_v_out->dimensions(), pd) ||
       start.element_count() != B || length.element_count() != B || td[0] != qd[0] ||
-      pd[1] != qd[1] || pd[2] != qd[3] || !same(out->dimensions(), qd) ||
-      k_new.element_count() != B * pd[1] * pd[2] || v_new.element_count() != k_new.element_count())
+      pd[1] != qd[2] || pd[2] != qd[4] || !same(out->dimensions(), qd) ||
+      k_new.element_count() != B * T * pd[1] * pd[2] ||
+      v_new.element_count() != k_new.element_count())
     return ffi::Error::InvalidArgument(
-        "attend: q [B, K, G, H], k_new and v_new [B, K, H], pools [P, K, H, S], table [B, NB], "
-        "start and length [B], out like q");
-  const Shape d{qd[0], qd[1], qd[2], qd[3], pd[0], pd[3], td[1], window};
+        "attend: q [B, T, K, G, H], k_new and v_new [B, T, K, H], pools [P, K, H, S], table "
+        "[B, NB], start and length [B], out like q");
+  const Shape d{qd[0], qd[1], qd[2], qd[3], qd[4], pd[0], pd[3], td[1], window};
   if (d.G > 64 || d.S % 16 || d.H % 4)
     return ffi::Error::InvalidArgument("attend: needs G <= 64 queries per kv head, head dims "
                                        "a multiple of 4 and pages of a multiple of 16");
@@ -213,35 +217,43 @@ ffi::Error attend(ffi::ThreadPool pool, F32 q, F32 k_new, F32 v_new, F32 pool_k,
   const int64_t Gp = (d.G + 3) / 4 * 4, need = 17 * Gp * d.H + Gp * d.S;  // head()'s work
   // (row, kv head) tasks; below ~64k key-query products per chunk a hand-off costs more
   int64_t keys = 0;
-  for (int64_t b = 0; b < d.B; ++b) keys += std::max<int32_t>(sp[b] + 1, 0);
+  for (int64_t b = 0; b < d.B; ++b) keys += d.T * (std::max<int32_t>(sp[b], 0) + (d.T + 1) / 2);
   const int64_t per_task = std::max<int64_t>(1, keys / std::max<int64_t>(1, d.B) * d.G * d.H);
+  const int64_t token = d.K * d.G * d.H;  // q and out entries per token
   parallel_for(pool, d.B * d.K, (int64_t{1} << 16) / per_task, [&](int64_t lo, int64_t hi) {
     thread_local std::unique_ptr<float[]> work;
     thread_local int64_t capacity = 0;
     if (capacity < need) work.reset(new float[capacity = need]);
-    for (int64_t t = lo; t < hi; ++t) {
-      const int64_t b = t / d.K, k = t % d.K, pos = sp[b], n = pos + 1;
-      float* o = op + t * d.G * d.H;
-      if (pos < 0) {
-        std::fill(o, o + d.G * d.H, 0.0f);
-        continue;
-      }
+    for (int64_t task = lo; task < hi; ++task) {
+      const int64_t b = task / d.K, k = task % d.K, first = sp[b];
       float *kh = kp + k * d.H * d.S, *vh = vp + k * d.H * d.S;
-      if (lp[b] > 0) {  // this task's head of the row's new key and value, at its position
-        const int64_t j = std::min(pos / d.S, d.NB - 1);
+      for (int64_t t = 0; t < std::min<int64_t>(lp[b], d.T) && first >= 0; ++t) {
+        // this task's head of the row's token t, at its position
+        const int64_t pos = first + t, j = std::min(pos / d.S, d.NB - 1);
         const int64_t at = std::clamp<int64_t>(tp[b * d.NB + j], 0, d.P - 1) * d.K * d.H * d.S;
+        const int64_t from = ((b * d.T + t) * d.K + k) * d.H;
         for (int64_t h = 0; h < d.H; ++h) {
-          kh[at + h * d.S + pos % d.S] = kn[t * d.H + h];
-          vh[at + h * d.S + pos % d.S] = vn[t * d.H + h];
+          kh[at + h * d.S + pos % d.S] = kn[from + h];
+          vh[at + h * d.S + pos % d.S] = vn[from + h];
         }
       }
-      const float* q1 = qp + t * d.G * d.H;
-      if (d.G == 1)
-        head<1>(d, q1, kh, vh, tp + b * d.NB, n, o, work.get());
-      else if (d.G == 2)
-        head<2>(d, q1, kh, vh, tp + b * d.NB, n, o, work.get());
-      else
-        head<4>(d, q1, kh, vh, tp + b * d.NB, n, o, work.get());
+      const int64_t last = first + std::max<int32_t>(lp[b], 1);  // past the row's last key
+      for (int64_t t = 0; t < d.T; ++t) {
+        const int64_t at = (b * d.T + t) * token + k * d.G * d.H;
+        float* o = op + at;
+        if (first < 0) {
+          std::fill(o, o + d.G * d.H, 0.0f);
+          continue;
+        }
+        const int64_t n = std::min(first + t + 1, last);
+        const float* q1 = qp + at;
+        if (d.G == 1)
+          head<1>(d, q1, kh, vh, tp + b * d.NB, n, o, work.get());
+        else if (d.G == 2)
+          head<2>(d, q1, kh, vh, tp + b * d.NB, n, o, work.get());
+        else
+          head<4>(d, q1, kh, vh, tp + b * d.NB, n, o, work.get());
+      }
     }
   });
   return ffi::Error::Success();
