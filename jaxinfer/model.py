@@ -166,7 +166,10 @@ class GatedDeltaNet(nnx.Module):
         B, T, _ = x.shape
         HK, HV, DK, DV = cfg.linear_k_heads, cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim
         real = view.real(T)  # [B, T]: padding never reaches the state
-        proj = linears(x, [w[...] for w in (self.wq, self.wk, self.wv)])  # [B, T, E] each
+        # q, k, v [B, T, E] each, the output gate z [B, T, VD], b and a [B, T, HV]
+        *proj, z, b, a = linears(
+            x, [w[...] for w in (self.wq, self.wk, self.wv, self.wz, self.wb, self.wa)]
+        )
         keep = view.pick is not None  # speculative: every token's state is kept
         conv_q, conv_k, conv_v, S = gdn.read(state, view.slot, view.start == 0, view.pick)
         weights = (self.conv_q, self.conv_k, self.conv_v)
@@ -178,8 +181,7 @@ class GatedDeltaNet(nnx.Module):
         k = gdn.l2norm(k.reshape(B, T, HK, DK))
         q, k = jnp.repeat(q, HV // HK, axis=2), jnp.repeat(k, HV // HK, axis=2)  # [B, T, HV, DK]
         v = v.reshape(B, T, HV, DV).astype(jnp.float32)
-        b = linear(x, self.wb[...]).astype(jnp.float32)  # [B, T, HV]
-        a = linear(x, self.wa[...]).astype(jnp.float32)  # [B, T, HV]
+        b, a = b.astype(jnp.float32), a.astype(jnp.float32)
         beta = jax.nn.sigmoid(b) * real[..., None]  # [B, T, HV]
         g = self.a[...] * jax.nn.softplus(a + self.dt_bias[...]) * real[..., None]  # log decay
         if keep:
@@ -189,7 +191,7 @@ class GatedDeltaNet(nnx.Module):
             o = o[:, None]  # [B, 1, HV, DV]
         else:
             o, S = gdn.chunked(q, k, v, g, beta, S)
-        z = linear(x, self.wz[...]).reshape(B, T, HV, DV)
+        z = z.reshape(B, T, HV, DV)
         o = rms_norm(o, self.norm[...], cfg.norm_eps) * jax.nn.silu(z.astype(jnp.float32))
         out = linear(o.reshape(B, T, HV * DV).astype(x.dtype), self.wo[...])  # [B, T, D]
         return out, gdn.write(state, (conv_q, conv_k, conv_v, S), view.slot, view.keep_at)

@@ -19,7 +19,7 @@ from . import hugepages
 from .config import ModelConfig
 from .errors import LayoutError
 from .hugepages import Arena
-from .kvcache import AttentionKV, KVConfig
+from .kvcache import AttentionKV, KVConfig, KVView
 from .model import Transformer, abstract_model, cache_layers, param_dtype, quantizable
 from .moe import ExpertSplit
 from .quant import FORMATS, HostQuant, QArray
@@ -152,15 +152,20 @@ def dense_runner(graphdef: nnx.GraphDef, cfg: ModelConfig, dtype, mesh, rules) -
     layers = cache_layers(cfg, dtype)
     mtp = mtp_caches(cfg, dtype)
     kernel = kernel_fits(mesh)
+
+    def forward(p, tokens, view: KVView, kv):
+        return nnx.merge(graphdef, p)(tokens, view.replace(kernel=kernel), kv)
+
+    def draft(p, tokens, hidden, view: KVView, kv):
+        return nnx.merge(graphdef, p).draft(tokens, hidden, view.replace(kernel=kernel), kv)
+
     return Runner(
-        forward=lambda p, tokens, view, kv: nnx.merge(graphdef, p)(
-            tokens, view.replace(kernel=kernel), kv
-        ),
+        forward=forward,
         head=lambda p, h: nnx.merge(graphdef, p).logits(h),
         init_kv=lambda kv: [layer.init(kv) for layer in layers],
         kv_shardings=lambda: [cache_shardings(layer, mesh, rules) for layer in layers],
         caches=tuple(layers),
-        mtp=(lambda p, *a: nnx.merge(graphdef, p).draft(*a)) if mtp else None,
+        mtp=draft if mtp else None,
         mtp_caches=mtp,
         mtp_kv_shardings=lambda: [cache_shardings(c, mesh, rules) for c in mtp],
     )
