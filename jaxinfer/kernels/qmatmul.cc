@@ -581,7 +581,8 @@ __attribute__((noinline)) void dense(const float* w, int64_t stride, const float
 // v[slot(r, m)]: a transpose-and-add tree of 45 shuffles and adds, where 16 separate
 // reductions take about 130. Indices are compile-time constants throughout (static_for), so
 // that gcc keeps the arrays in registers.
-INLINE constexpr int slot(int r, int m) { return (r == 1 ? 2 : r == 2 ? 1 : r) + 4 * (m == 1 ? 2 : m == 2 ? 1 : m); }
+INLINE constexpr int swap12(int i) { return i == 1 ? 2 : i == 2 ? 1 : i; }
+INLINE constexpr int slot(int r, int m) { return swap12(r) + 4 * swap12(m); }
 INLINE __m512 sums16(const __m512 (&v)[16]) {
   __m512 w[8], z[4], p[2];
   static_for<8>([&](auto k) {  // 128-bit lanes 0, 1: v[k]; 2, 3: v[k + 8]
@@ -593,10 +594,12 @@ INLINE __m512 sums16(const __m512 (&v)[16]) {
                          _mm512_shuffle_f32x4(w[k], w[k + 4], 0xDD));
   });
   static_for<2>([&](auto k) {  // within a lane: z[k], z[k + 2], z[k], z[k + 2]
-    p[k] = _mm512_add_ps(_mm512_unpacklo_ps(z[k], z[k + 2]), _mm512_unpackhi_ps(z[k], z[k + 2]));
+    p[k] = _mm512_add_ps(_mm512_unpacklo_ps(z[k], z[k + 2]),
+                         _mm512_unpackhi_ps(z[k], z[k + 2]));
   });
   // within a lane: z[0], z[2], z[1], z[3]
-  return _mm512_add_ps(_mm512_shuffle_ps(p[0], p[1], 0x44), _mm512_shuffle_ps(p[0], p[1], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_ps(p[0], p[1], 0x44),
+                       _mm512_shuffle_ps(p[0], p[1], 0xEE));
 }
 
 // y[m, o + r] for r < 4, m < MT <= 4 from float rows w [O, I] (x, y offset to the first
@@ -621,7 +624,8 @@ __attribute__((noinline)) void quad(const float* w, const float* x, int64_t I, i
     });
   }
   const __m512 sums = sums16(acc);
-  static_for<MT>([&](auto m) { _mm_storeu_ps(y + m * O + o, _mm512_extractf32x4_ps(sums, m)); });
+  static_for<MT>(
+      [&](auto m) { _mm_storeu_ps(y + m * O + o, _mm512_extractf32x4_ps(sums, m)); });
 }
 
 // Float weights that fit in L2 (at most kQuadValues) take quad() at 2-8 rows: their rows
@@ -650,7 +654,7 @@ void rows(const F& f, const float* x, int64_t M, int64_t I, int64_t O, int64_t l
       int64_t o = lo;
       for (; o + 4 <= hi; o += 4)
         for (int64_t m0 = 0; m0 < M; m0 += 4) {
-          const float *xm = x + m0 * I;
+          const float* xm = x + m0 * I;
           float* ym = y + m0 * O;
           switch (std::min<int64_t>(4, M - m0)) {
             case 1: quad<1>(f.w, xm, I, O, o, ym); break;
@@ -714,11 +718,11 @@ void rows(const F& f, const float* x, int64_t M, int64_t I, int64_t O, int64_t l
 // weight row), and the format made from their data.
 template <class F>
 struct Spec;
-#define SPEC(F, TYPES, PER, ...)                                      \
-  template <>                                                         \
-  struct Spec<F> {                                                    \
-    static constexpr ffi::DataType kTypes[] = {TYPES};                \
-    static constexpr int64_t kPer[] = {PER};                          \
+#define SPEC(F, TYPES, PER, ...)                                                 \
+  template <>                                                                    \
+  struct Spec<F> {                                                               \
+    static constexpr ffi::DataType kTypes[] = {TYPES};                           \
+    static constexpr int64_t kPer[] = {PER};                                     \
     static F make(const void* const* p, int64_t I) { return {__VA_ARGS__, I}; } \
   };
 #define P(k, T) static_cast<const T*>(p[k])
