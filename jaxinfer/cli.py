@@ -78,7 +78,7 @@ def _serving(p: argparse.ArgumentParser) -> None:
     """Options of the commands that serve requests: prompt chunks and speculative decoding."""
     p.add_argument(
         "-ub", "--ubatch-size", type=_int_list, default=None,
-        help="prompt chunk sizes, comma-separated (default 32,128,512)",
+        help="prompt chunk sizes, comma-separated (default 8,32,128,512)",
     )  # fmt: skip
     p.add_argument(
         "--spec-type", choices=["ngram", "draft", "mtp"], default=None,

@@ -33,7 +33,7 @@ from .scheduler import Scheduler
 from .speculative import SpecConfig
 from .tokenizer import Tokenizer
 
-DEFAULT_PREFILL_BUCKETS = (32, 128, 512)
+DEFAULT_PREFILL_BUCKETS = (8, 32, 128, 512)
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8)
 DEFAULT_PAGE_SIZE = 128  # measured against 16 ... 256: benchmarks/results/paged_kv.md
 

@@ -78,10 +78,10 @@ def test_warmup_compiles_the_plan_and_counts_no_recompiles(warm):
 
 def test_default_plan_of_stories_is_small():
     """stories260K with default settings (context 2048): no program depends on the context,
-    so the plan is cache + 4 decode + 8 prefill (B x T <= 512 for chunks 32, 128, 512) +
-    3 score programs."""
+    so the plan is cache + 4 decode + 12 prefill (B x T <= 512 for chunks 8, 32, 128, 512) +
+    4 score programs."""
     engine = jaxinfer.load(model_path(STORIES))
-    assert engine.max_seq_len == 2048 and len(engine.compile_plan()) == 16
+    assert engine.max_seq_len == 2048 and len(engine.compile_plan()) == 21
 
 
 def test_steady_state_compiles_nothing(warm):
@@ -324,12 +324,12 @@ def test_second_process_loads_every_program_from_disk(tmp_path):
 
 
 def test_default_buckets_serve_every_prompt_length_with_nothing_compiled():
-    """Default chunks (32, 128, 512) on a 512 context: prompts of every length, chunked and
-    padded, stay inside the warmed plan (strict mode stays quiet)."""
+    """Default chunks (8, 32, 128, 512) on a 512 context: prompts of every length, chunked
+    and padded, stay inside the warmed plan (strict mode stays quiet)."""
     engine = jaxinfer.load(model_path(STORIES), max_seq_len=512, batch_buckets=(1,), strict=True)
     engine.warmup(progress=False)
     with CompileCounter() as seen:
-        for n in (1, 31, 33, 129, 130, 500, 511):
+        for n in (1, 8, 9, 31, 33, 129, 130, 500, 511):
             prompt = [1] + [(7 * i) % 500 + 3 for i in range(n - 1)]
             r = engine.generate(prompt, max_new_tokens=1, temperature=0)
             logits = engine.logits(prompt)
