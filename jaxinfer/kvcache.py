@@ -139,10 +139,8 @@ def update(q, k, v, pools, view: KVView, window: int | None = None):
     a CPU device (view.kernel) this is one kernel call (qkernel.attend) that writes in place
     and reads each row's live keys where they lie."""
     if view.kernel and pools[0].dtype == jnp.float32 and qkernel.available():
-        f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
-        made = qkernel.attend(
-            f32(q), f32(k), f32(v), pools, view.table, view.start, view.length, window
-        )
+        q, k, v = (a.astype(jnp.float32) for a in (q, k, v))
+        made = qkernel.attend(q, k, v, pools, view.table, view.start, view.length, window)
         return varying_like(made, pools[0])  # a custom call's results vary over nothing
     pools = write(pools, k, v, view)
     return attend(q, k, v, pools, view, window), pools

@@ -243,12 +243,13 @@ def linears(x: jax.Array, ws, out_dtype=None) -> list[jax.Array]:
     for i, w in enumerate(ws):
         if isinstance(w, QArray) and w.kernel:
             groups.setdefault(w.fmt, []).append(i)
-    for fmt, picked in groups.items():
-        from . import qkernel
+    if groups:
+        from . import qkernel  # imports this module
 
+        flat = x.reshape(rows, x.shape[-1]).astype(jnp.float32)  # [M, I]
+    for fmt, picked in groups.items():
         values = sum(int(np.prod(ws[i].shape[-2:])) for i in picked)
         if qkernel.serves(rows, fmt, values):
-            flat = x.reshape(rows, x.shape[-1]).astype(jnp.float32)  # [M, I]
             ys = qkernel.matmuls(flat, fmt, [ws[i].parts for i in picked],
                                  [ws[i].shape[-2] for i in picked])  # fmt: skip
             for i, y in zip(picked, ys, strict=True):  # y [M, O]

@@ -262,7 +262,7 @@ def test_attention_matches_reference(shape, window, T):
     np.testing.assert_array_equal(np.asarray(new_v), want_v)
     ref = attention_reference(q, want_k, want_v, table, start, length, window)
     # outputs are convex combinations of values: errors relative to the largest |value|
-    # (measured: at most 4.1e-6 over these cases)
+    # (measured: at most 4.5e-6 over these cases, T = 1 and 21)
     assert np.abs(np.asarray(out, np.float64) - ref).max() <= 2e-5 * np.abs(want_v).max()
 
 
