@@ -13,9 +13,9 @@
 // XLA's form of this (kvcache._pages) copies each row's page out of the pool before its two
 // dots and runs about ten small kernels per page and layer (~7.5 us for one 128-position page
 // at stories260K's head size 8), and every row loops to the longest row's page count.
-// Here each (row, kv head) is one task: it writes its head of the row's tokens, then per token
-// and page, scores for the G queries in 16-position vectors, an online softmax with a
-// vectorized exp, and the value sums.
+// Here each (row, kv head) is one task: it writes its head of the row's tokens, then per query
+// tile (a token's G heads; in a prompt chunk, about 8 queries of adjacent tokens) and page,
+// scores in 16-position vectors, an online softmax with a vectorized exp, and the value sums.
 
 #include <immintrin.h>
 
@@ -34,6 +34,13 @@ namespace ffi = xla::ffi;
 namespace {
 
 using jaxinfer::parallel_for;
+using jaxinfer::slot;
+using jaxinfer::static_for;
+using jaxinfer::sums16;
+
+// Queries per task call: a token's G heads (G <= kMaxQueries), or a tile of a prompt chunk's
+// tokens of about kTileQueries queries.
+constexpr int64_t kMaxQueries = 64, kTileQueries = 8;
 
 #ifndef __AVX512F__
 #error "attend.cc needs AVX-512 (F)"
@@ -70,27 +77,40 @@ struct Shape {
   int64_t B, T, K, G, H, P, S, NB, window;
 };
 
-// Row b, kv head k: out[b, k] for its G queries, GT at a time (G padded with zero queries to
-// Gp, a multiple of GT). Four independent FMA chains everywhere (an FMA's latency is four of
-// its issue slots): scores for four 16-position chunks at once, value sums for 4 / GT head
-// dims at once. Value sums stay 16-lane vectors per (query, head dim) across pages (rescaled
-// with the softmax) and are reduced once at the end. `work`: Gp H (queries) + 16 Gp H (value
-// sums) + Gp S (one page's scores, then weights) floats.
+// Queries of one (row, kv head) task: Q of them (one token's G heads, or a prompt chunk's
+// tile of tokens), query i at q + (i / G) * token + (i % G) * H, seeing positions [lo[i], n[i]).
+struct Queries {
+  int64_t Q, token;
+  const float* q;
+  float* out;
+  int64_t lo[kMaxQueries], n[kMaxQueries];
+};
+
+// The queries' outputs, GT queries at a time (Q padded with zero queries to Qp, a multiple of
+// GT): each page is read once per GT queries, so a prompt chunk's tile of tokens shares the
+// page reads a decode step's G heads share. Scores for CB = 4 16-position chunks of GT queries
+// at once, value sums for 4 head dims of GT queries at once (16 accumulators at GT = 4; an
+// FMA's latency is four of its issue slots). Value sums stay 16-lane vectors per (query, head
+// dim) across pages (rescaled with the softmax) and are reduced at the end, 16 at a time.
+// `work`: Qp H (queries) + 16 (Qp H + 16) (value sums) + Qp S (one page's scores, then
+// weights) floats.
 template <int GT>
-void head(const Shape& d, const float* q, const float* kh, const float* vh,
-          const int32_t* table, int64_t n, float* out, float* work) {
-  constexpr int HB = 4 / GT;  // head dims per value step
-  const int64_t G = d.G, H = d.H, S = d.S, Gp = (G + GT - 1) / GT * GT;
+void head(const Shape& d, const Queries& qs, const float* kh, const float* vh, const int32_t* table,
+          float* work) {
+  constexpr int HB = 4;  // head dims per value step
+  const int64_t H = d.H, S = d.S, G = d.G, Q = qs.Q, Qp = (Q + GT - 1) / GT * GT;
   const int64_t stride = d.K * H * S;  // from one page of this head to the next
-  float* qp = work;              // [Gp, H]
-  float* acc = qp + Gp * H;      // [Gp, H, 16]
-  float* s = acc + Gp * H * 16;  // [Gp, S]
-  float m[64], l[64];            // running max and sum per query (G <= 64, checked)
-  std::fill(qp, qp + Gp * H * 17, 0.0f);
-  std::copy(q, q + G * H, qp);
-  std::fill(m, m + Gp, -1e30f);
-  std::fill(l, l + Gp, 0.0f);
-  const int64_t first = d.window > 0 ? std::max<int64_t>(0, n - d.window) : 0;
+  float* qp = work;                      // [Qp, H]
+  float* acc = qp + Qp * H;              // [Qp H + 16, 16]: padded to whole sums16 groups
+  float* s = acc + (Qp * H + 16) * 16;   // [Qp, S]
+  float m[kMaxQueries], l[kMaxQueries];  // running max and sum per query
+  // acc is set by the first page; only the vectors past Q H that the last sums16 reads are not
+  std::fill(qp, acc, 0.0f);
+  std::fill(acc + Q * H * 16, s, 0.0f);
+  for (int64_t i = 0; i < Q; ++i) std::copy_n(qs.q + (i / G) * qs.token + (i % G) * H, H, qp + i * H);
+  std::fill(m, m + Qp, -1e30f);
+  std::fill(l, l + Qp, 0.0f);
+  const int64_t first = *std::min_element(qs.lo, qs.lo + Q), n = *std::max_element(qs.n, qs.n + Q);
   auto page_of = [&](int64_t j) { return std::clamp<int64_t>(table[j], 0, d.P - 1); };
   // The next page's live keys and values, requested while this page computes: a page is H
   // rows of S positions, which the hardware prefetchers do not run ahead of.
@@ -104,40 +124,47 @@ void head(const Shape& d, const float* q, const float* kh, const float* vh,
         _mm_prefetch(reinterpret_cast<const char*>(vn + h * S + c), _MM_HINT_T1);
       }
   };
-  for (int64_t j = first / S; j * S < n && j < d.NB; ++j) {
+  for (int64_t j = first / S, j0 = j; j * S < n && j < d.NB; ++j) {
     fetch(j + 1);
     const float* kp = kh + page_of(j) * stride;  // [H, S]
     const float* vp = vh + page_of(j) * stride;
-    const int64_t lo = std::max(first, j * S) - j * S, hi = std::min(n, (j + 1) * S) - j * S;
-    const int64_t c0 = lo / 16 * 16, c1 = (hi + 15) / 16 * 16;  // whole chunks, inside the page
+    int64_t lo[kMaxQueries], hi[kMaxQueries];  // each query's live positions in this page
+    for (int64_t i = 0; i < Qp; ++i) {
+      lo[i] = i < Q ? std::clamp<int64_t>(qs.lo[i] - j * S, 0, S) : 0;
+      hi[i] = i < Q ? std::clamp<int64_t>(qs.n[i] - j * S, 0, S) : 0;
+    }
+    const int64_t c0 = (std::max(first, j * S) - j * S) / 16 * 16;  // whole chunks covering
+    const int64_t c1 = (std::min(n, (j + 1) * S) - j * S + 15) / 16 * 16;  // every query's keys
     // scores s[g, c] = q[g] . k[c], CB chunks at a time (masked lanes: -1e30)
     auto scores = [&](auto cb, int64_t c, int64_t g0) {
       constexpr int CB = decltype(cb)::value;
       __m512 sv[CB][GT];
-      for (int i = 0; i < CB; ++i)
-        for (int t = 0; t < GT; ++t) sv[i][t] = _mm512_setzero_ps();
+      static_for<CB>([&](auto i) { static_for<GT>([&](auto t) { sv[i][t] = _mm512_setzero_ps(); }); });
       for (int64_t h = 0; h < H; ++h) {
         __m512 qv[GT];
-        for (int t = 0; t < GT; ++t) qv[t] = _mm512_set1_ps(qp[(g0 + t) * H + h]);
-        for (int i = 0; i < CB; ++i) {
-          const __m512 kv = _mm512_loadu_ps(kp + h * S + c + 16 * i);
-          for (int t = 0; t < GT; ++t) sv[i][t] = _mm512_fmadd_ps(qv[t], kv, sv[i][t]);
-        }
+        static_for<GT>([&](auto t) { qv[t] = _mm512_set1_ps(qp[(g0 + t) * H + h]); });
+        static_for<CB>([&](auto i) {
+          __m512 kv = _mm512_loadu_ps(kp + h * S + c + 16 * i);
+          asm("" : "+v"(kv));  // one load for the GT queries (gcc would load it per FMA)
+          static_for<GT>([&](auto t) { sv[i][t] = _mm512_fmadd_ps(qv[t], kv, sv[i][t]); });
+        });
       }
-      for (int i = 0; i < CB; ++i)
-        for (int t = 0; t < GT; ++t)
+      static_for<CB>([&](auto i) {
+        static_for<GT>([&](auto t) {
+          const __mmask16 keep = live(c + 16 * i, lo[g0 + t], hi[g0 + t]);
           _mm512_storeu_ps(s + (g0 + t) * S + c + 16 * i,
-                           _mm512_mask_mov_ps(_mm512_set1_ps(-1e30f),
-                                              live(c + 16 * i, lo, hi), sv[i][t]));
+                           _mm512_mask_mov_ps(_mm512_set1_ps(-1e30f), keep, sv[i][t]));
+        });
+      });
     };
-    for (int64_t g0 = 0; g0 < Gp; g0 += GT) {
+    for (int64_t g0 = 0; g0 < Qp; g0 += GT) {
       int64_t c = c0;
       for (; c + 64 <= c1; c += 64) scores(std::integral_constant<int, 4>{}, c, g0);
       for (; c < c1; c += 16) scores(std::integral_constant<int, 1>{}, c, g0);
     }
     // online softmax: the new max, weights exp(s - max) in place, the sums rescaled
-    float scale[64];
-    for (int64_t g = 0; g < Gp; ++g) {
+    float scale[kMaxQueries];
+    for (int64_t g = 0; g < Qp; ++g) {
       float* sg = s + g * S;
       __m512 mx = _mm512_set1_ps(-1e30f);
       for (int64_t c = c0; c < c1; c += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sg + c));
@@ -147,7 +174,7 @@ void head(const Shape& d, const float* q, const float* kh, const float* vh,
       const __m512 mv = _mm512_set1_ps(m_new);
       for (int64_t c = c0; c < c1; c += 16) {
         const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + c), mv));
-        const __m512 p = _mm512_maskz_mov_ps(live(c, lo, hi), e);
+        const __m512 p = _mm512_maskz_mov_ps(live(c, lo[g], hi[g]), e);
         _mm512_storeu_ps(sg + c, p);
         sum = _mm512_add_ps(sum, p);
       }
@@ -155,30 +182,60 @@ void head(const Shape& d, const float* q, const float* kh, const float* vh,
       l[g] = l[g] * scale[g] + _mm512_reduce_add_ps(sum);
     }
     // value sums acc[g, h] = acc[g, h] * scale[g] + sum_c w[g, c] v[h, c] (16 lanes of c)
-    for (int64_t g0 = 0; g0 < Gp; g0 += GT)
+    for (int64_t g0 = 0; g0 < Qp; g0 += GT)
       for (int64_t h0 = 0; h0 < H; h0 += HB) {
         __m512 av[HB][GT];
-        for (int u = 0; u < HB; ++u)
-          for (int t = 0; t < GT; ++t)
-            av[u][t] = _mm512_mul_ps(_mm512_loadu_ps(acc + ((g0 + t) * H + h0 + u) * 16),
-                                     _mm512_set1_ps(scale[g0 + t]));
+        static_for<HB>([&](auto u) {
+          static_for<GT>([&](auto t) {
+            av[u][t] = j == j0 ? _mm512_setzero_ps()
+                               : _mm512_mul_ps(_mm512_loadu_ps(acc + ((g0 + t) * H + h0 + u) * 16),
+                                               _mm512_set1_ps(scale[g0 + t]));
+          });
+        });
         for (int64_t c = c0; c < c1; c += 16) {
           __m512 w[GT];
-          for (int t = 0; t < GT; ++t) w[t] = _mm512_loadu_ps(s + (g0 + t) * S + c);
-          for (int u = 0; u < HB; ++u) {
-            const __m512 vv = _mm512_loadu_ps(vp + (h0 + u) * S + c);
-            for (int t = 0; t < GT; ++t) av[u][t] = _mm512_fmadd_ps(w[t], vv, av[u][t]);
-          }
+          static_for<GT>([&](auto t) {
+            w[t] = _mm512_loadu_ps(s + (g0 + t) * S + c);
+            asm("" : "+v"(w[t]));  // loaded once for the HB head dims
+          });
+          static_for<HB>([&](auto u) {
+            __m512 vv = _mm512_loadu_ps(vp + (h0 + u) * S + c);
+            asm("" : "+v"(vv));  // loaded once for the GT queries
+            static_for<GT>([&](auto t) { av[u][t] = _mm512_fmadd_ps(w[t], vv, av[u][t]); });
+          });
         }
-        for (int u = 0; u < HB; ++u)
-          for (int t = 0; t < GT; ++t)
+        static_for<HB>([&](auto u) {
+          static_for<GT>([&](auto t) {
             _mm512_storeu_ps(acc + ((g0 + t) * H + h0 + u) * 16, av[u][t]);
+          });
+        });
       }
   }
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t h = 0; h < H; ++h)
-      out[g * H + h] = l[g] > 0 ? _mm512_reduce_add_ps(_mm512_loadu_ps(acc + (g * H + h) * 16)) / l[g]
-                                : 0.0f;
+  // out[i, h] = acc[i, h] / l[i]: the (query, head dim) sums 16 at a time, into qp (free now;
+  // the last group's spill past it lands in acc's first vector, already read)
+  for (int64_t f = 0; f < Q * H; f += 16) {
+    __m512 v[16];
+    static_for<16>([&](auto u) { v[u] = _mm512_loadu_ps(acc + (f + u) * 16); });
+    const __m512 sums = sums16(v);
+    static_for<4>([&](auto m) {
+      const __m128 four = _mm512_extractf32x4_ps(sums, m);  // v[slot(0..3, m)]
+      static_for<4>([&](auto r) { qp[f + slot(r, m)] = _mm_cvtss_f32(_mm_permute_ps(four, r)); });
+    });
+  }
+  for (int64_t i = 0; i < Q; ++i) {
+    float* o = qs.out + (i / G) * qs.token + (i % G) * H;
+    for (int64_t h = 0; h < H; ++h) o[h] = l[i] > 0 ? qp[i * H + h] / l[i] : 0.0f;
+  }
+}
+
+// dst[h S + i] = src[i stride + h] for h < H, i < n <= 16: n tokens' head (rows `stride`
+// apart) into n adjacent positions of a page. Each store stays in one line: a token at a time,
+// the H lines of a page (K and V: 64 KiB at the 86M's heads) had overflowed L1 and every
+// store missed.
+__attribute__((noinline)) void columns(const float* src, int64_t stride, float* dst, int64_t n,
+                                       int64_t H, int64_t S) {
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t i = 0; i < n; ++i) dst[h * S + i] = src[i * stride + h];
 }
 
 using F32 = ffi::Buffer<ffi::F32>;
@@ -205,7 +262,7 @@ ffi::Error attend(ffi::ThreadPool pool, F32 q, F32 k_new, F32 v_new, F32 pool_k,
         "attend: q [B, T, K, G, H], k_new and v_new [B, T, K, H], pools [P, K, H, S], table "
         "[B, NB], start and length [B], out like q");
   const Shape d{qd[0], qd[1], qd[2], qd[3], qd[4], pd[0], pd[3], td[1], window};
-  if (d.G > 64 || d.S % 16 || d.H % 4)
+  if (d.G > kMaxQueries || d.S % 16 || d.H % 4)
     return ffi::Error::InvalidArgument("attend: needs G <= 64 queries per kv head, head dims "
                                        "a multiple of 4 and pages of a multiple of 16");
   float *kp = pool_k_out->typed_data(), *vp = pool_v_out->typed_data();
@@ -214,7 +271,9 @@ ffi::Error attend(ffi::ThreadPool pool, F32 q, F32 k_new, F32 v_new, F32 pool_k,
   const float *qp = q.typed_data(), *kn = k_new.typed_data(), *vn = v_new.typed_data();
   const int32_t *tp = table.typed_data(), *sp = start.typed_data(), *lp = length.typed_data();
   float* op = out->typed_data();
-  const int64_t Gp = (d.G + 3) / 4 * 4, need = 17 * Gp * d.H + Gp * d.S;  // head()'s work
+  // tokens per call of head(): one at G >= kTileQueries, else a tile of kTileQueries / G
+  const int64_t tile = std::max<int64_t>(1, kTileQueries / d.G);
+  const int64_t Qp = (tile * d.G + 3) / 4 * 4, need = 17 * Qp * d.H + 256 + Qp * d.S;
   // (row, kv head) tasks; below ~64k key-query products per chunk a hand-off costs more
   int64_t keys = 0;
   for (int64_t b = 0; b < d.B; ++b) keys += d.T * (std::max<int32_t>(sp[b], 0) + (d.T + 1) / 2);
@@ -227,32 +286,35 @@ ffi::Error attend(ffi::ThreadPool pool, F32 q, F32 k_new, F32 v_new, F32 pool_k,
     for (int64_t task = lo; task < hi; ++task) {
       const int64_t b = task / d.K, k = task % d.K, first = sp[b];
       float *kh = kp + k * d.H * d.S, *vh = vp + k * d.H * d.S;
-      for (int64_t t = 0; t < std::min<int64_t>(lp[b], d.T) && first >= 0; ++t) {
-        // this task's head of the row's token t, at its position
+      const int64_t real = first >= 0 ? std::min<int64_t>(lp[b], d.T) : 0;
+      for (int64_t t = 0, n; t < real; t += n) {
+        // this task's head of the row's tokens [t, t + n), at their positions in one page
         const int64_t pos = first + t, j = std::min(pos / d.S, d.NB - 1);
+        n = std::min({real - t, d.S - pos % d.S, int64_t{16}});
         const int64_t at = std::clamp<int64_t>(tp[b * d.NB + j], 0, d.P - 1) * d.K * d.H * d.S;
         const int64_t from = ((b * d.T + t) * d.K + k) * d.H;
-        for (int64_t h = 0; h < d.H; ++h) {
-          kh[at + h * d.S + pos % d.S] = kn[from + h];
-          vh[at + h * d.S + pos % d.S] = vn[from + h];
-        }
+        columns(kn + from, d.K * d.H, kh + at + pos % d.S, n, d.H, d.S);
+        columns(vn + from, d.K * d.H, vh + at + pos % d.S, n, d.H, d.S);
       }
       const int64_t last = first + std::max<int32_t>(lp[b], 1);  // past the row's last key
-      for (int64_t t = 0; t < d.T; ++t) {
-        const int64_t at = (b * d.T + t) * token + k * d.G * d.H;
-        float* o = op + at;
+      for (int64_t t0 = 0; t0 < d.T; t0 += tile) {
+        const int64_t at = (b * d.T + t0) * token + k * d.G * d.H, tokens = std::min(tile, d.T - t0);
         if (first < 0) {
-          std::fill(o, o + d.G * d.H, 0.0f);
+          for (int64_t t = 0; t < tokens; ++t)
+            std::fill_n(op + at + t * token, d.G * d.H, 0.0f);
           continue;
         }
-        const int64_t n = std::min(first + t + 1, last);
-        const float* q1 = qp + at;
-        if (d.G == 1)
-          head<1>(d, q1, kh, vh, tp + b * d.NB, n, o, work.get());
-        else if (d.G == 2)
-          head<2>(d, q1, kh, vh, tp + b * d.NB, n, o, work.get());
+        Queries qs{tokens * d.G, token, qp + at, op + at, {}, {}};
+        for (int64_t i = 0; i < qs.Q; ++i) {
+          qs.n[i] = std::min(first + t0 + i / d.G + 1, last);
+          qs.lo[i] = d.window > 0 ? std::max<int64_t>(0, qs.n[i] - d.window) : 0;
+        }
+        if (qs.Q == 1)
+          head<1>(d, qs, kh, vh, tp + b * d.NB, work.get());
+        else if (qs.Q == 2)
+          head<2>(d, qs, kh, vh, tp + b * d.NB, work.get());
         else
-          head<4>(d, q1, kh, vh, tp + b * d.NB, n, o, work.get());
+          head<4>(d, qs, kh, vh, tp + b * d.NB, work.get());
       }
     }
   });

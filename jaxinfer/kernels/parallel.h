@@ -11,9 +11,8 @@
 #include <chrono>
 #include <mutex>
 
+#include "simd.h"
 #include "xla/ffi/api/ffi.h"
-
-#define INLINE inline __attribute__((always_inline))
 
 namespace jaxinfer {
 

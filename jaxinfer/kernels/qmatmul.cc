@@ -25,6 +25,7 @@
 #include <utility>
 
 #include "parallel.h"
+#include "simd.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -32,6 +33,9 @@ namespace ffi = xla::ffi;
 namespace {
 
 using jaxinfer::parallel_for;
+using jaxinfer::slot;
+using jaxinfer::static_for;
+using jaxinfer::sums16;
 // A chunk of rows handed to another thread holds at least kMinChunkRows rows and
 // kMinChunkValues weights: below either, the hand-off costs more than it saves.
 constexpr int64_t kMinChunkRows = 32, kMinChunkValues = 16384;
@@ -39,17 +43,6 @@ constexpr int64_t kMinChunkRows = 32, kMinChunkValues = 16384;
 #ifndef __AVX512F__
 #error "qmatmul.cc needs AVX-512 (F, BW, VL)"
 #endif
-
-template <class F, int... G>
-INLINE void static_for_impl(F&& f, std::integer_sequence<int, G...>) {
-  (f(std::integral_constant<int, G>{}), ...);
-}
-
-// f(std::integral_constant<int, g>) for g in [0, N): block bodies unrolled with constant g.
-template <int N, class F>
-INLINE void static_for(F&& f) {
-  static_for_impl(f, std::make_integer_sequence<int, N>{});
-}
 
 INLINE float h2f(uint16_t h) { return _cvtsh_ss(h); }  // f16 -> f32 is exact
 
@@ -575,31 +568,6 @@ __attribute__((noinline)) void dense(const float* w, int64_t stride, const float
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
     for (int m = 0; m < MT; ++m) y[m * O + o[r]] = _mm512_reduce_add_ps(acc[r][m]);
-}
-
-// The 16 horizontal sums of v[0..15] in one vector, lane 4 m + r holding the sum of
-// v[slot(r, m)]: a transpose-and-add tree of 45 shuffles and adds, where 16 separate
-// reductions take about 130. Indices are compile-time constants throughout (static_for), so
-// that gcc keeps the arrays in registers.
-INLINE constexpr int swap12(int i) { return i == 1 ? 2 : i == 2 ? 1 : i; }
-INLINE constexpr int slot(int r, int m) { return swap12(r) + 4 * swap12(m); }
-INLINE __m512 sums16(const __m512 (&v)[16]) {
-  __m512 w[8], z[4], p[2];
-  static_for<8>([&](auto k) {  // 128-bit lanes 0, 1: v[k]; 2, 3: v[k + 8]
-    w[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[k], v[k + 8], 0x44),
-                         _mm512_shuffle_f32x4(v[k], v[k + 8], 0xEE));
-  });
-  static_for<4>([&](auto k) {  // lanes: v[k], v[k + 8], v[k + 4], v[k + 12]
-    z[k] = _mm512_add_ps(_mm512_shuffle_f32x4(w[k], w[k + 4], 0x88),
-                         _mm512_shuffle_f32x4(w[k], w[k + 4], 0xDD));
-  });
-  static_for<2>([&](auto k) {  // within a lane: z[k], z[k + 2], z[k], z[k + 2]
-    p[k] = _mm512_add_ps(_mm512_unpacklo_ps(z[k], z[k + 2]),
-                         _mm512_unpackhi_ps(z[k], z[k + 2]));
-  });
-  // within a lane: z[0], z[2], z[1], z[3]
-  return _mm512_add_ps(_mm512_shuffle_ps(p[0], p[1], 0x44),
-                       _mm512_shuffle_ps(p[0], p[1], 0xEE));
 }
 
 // y[m, o + r] for r < 4, m < MT <= 4 from float rows w [O, I] (x, y offset to the first
