@@ -159,6 +159,8 @@ void head(const Shape& d, const Queries& qs, const float* kh, const float* vh, c
     };
     for (int64_t g0 = 0; g0 < Qp; g0 += GT) {
       int64_t c = c0;
+      if constexpr (GT <= 2)  // a whole page row per key load pass: one stream through the page
+        for (; c + 128 <= c1; c += 128) scores(std::integral_constant<int, 8>{}, c, g0);
       for (; c + 64 <= c1; c += 64) scores(std::integral_constant<int, 4>{}, c, g0);
       for (; c < c1; c += 16) scores(std::integral_constant<int, 1>{}, c, g0);
     }
