@@ -89,7 +89,7 @@ struct Queries {
 // The queries' outputs, GT queries at a time (Q padded with zero queries to Qp, a multiple of
 // GT): each page is read once per GT queries, so a prompt chunk's tile of tokens shares the
 // page reads a decode step's G heads share. Scores for CB = 4 16-position chunks of GT queries
-// at once, value sums for 4 head dims of GT queries at once (16 accumulators at GT = 4; an
+// at once (8 at GT <= 2: a 128-position page row per pass), value sums for 4 head dims of GT queries at once (16 accumulators at GT = 4; an
 // FMA's latency is four of its issue slots). Value sums stay 16-lane vectors per (query, head
 // dim) across pages (rescaled with the softmax) and are reduced at the end, 16 at a time.
 // `work`: Qp H (queries) + 16 (Qp H + 16) (value sums) + Qp S (one page's scores, then
