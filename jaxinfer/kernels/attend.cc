@@ -306,7 +306,8 @@ ffi::Error attend(ffi::ThreadPool pool, F32 q, F32 k_new, F32 v_new, F32 pool_k,
             std::fill_n(op + at + t * token, d.G * d.H, 0.0f);
           continue;
         }
-        Queries qs{tokens * d.G, token, qp + at, op + at, {}, {}};
+        Queries qs;  // lo and n set below for the Q queries only
+        qs.Q = tokens * d.G, qs.token = token, qs.q = qp + at, qs.out = op + at;
         for (int64_t i = 0; i < qs.Q; ++i) {
           qs.n[i] = std::min(first + t0 + i / d.G + 1, last);
           qs.lo[i] = d.window > 0 ? std::max<int64_t>(0, qs.n[i] - d.window) : 0;
