@@ -89,14 +89,15 @@ struct Queries {
 // The queries' outputs, GT queries at a time (Q padded with zero queries to Qp, a multiple of
 // GT): each page is read once per GT queries, so a prompt chunk's tile of tokens shares the
 // page reads a decode step's G heads share. Scores for CB = 4 16-position chunks of GT queries
-// at once (8 at GT <= 2: a 128-position page row per pass), value sums for 4 head dims of GT queries at once (16 accumulators at GT = 4; an
-// FMA's latency is four of its issue slots). Value sums stay 16-lane vectors per (query, head
-// dim) across pages (rescaled with the softmax) and are reduced at the end, 16 at a time.
+// at once (8 at GT <= 2: a 128-position page row per pass), value sums for 4 head dims of GT
+// queries at once (16 accumulators at GT = 4; an FMA's latency is four of its issue slots).
+// Value sums stay 16-lane vectors per (query, head dim) across pages (rescaled with the
+// softmax) and are reduced at the end, 16 at a time.
 // `work`: Qp H (queries) + 16 (Qp H + 16) (value sums) + Qp S (one page's scores, then
 // weights) floats.
 template <int GT>
-void head(const Shape& d, const Queries& qs, const float* kh, const float* vh, const int32_t* table,
-          float* work) {
+void head(const Shape& d, const Queries& qs, const float* kh, const float* vh,
+          const int32_t* table, float* work) {
   constexpr int HB = 4;  // head dims per value step
   const int64_t H = d.H, S = d.S, G = d.G, Q = qs.Q, Qp = (Q + GT - 1) / GT * GT;
   const int64_t stride = d.K * H * S;  // from one page of this head to the next
@@ -107,7 +108,8 @@ void head(const Shape& d, const Queries& qs, const float* kh, const float* vh, c
   // acc is set by the first page; only the vectors past Q H that the last sums16 reads are not
   std::fill(qp, acc, 0.0f);
   std::fill(acc + Q * H * 16, s, 0.0f);
-  for (int64_t i = 0; i < Q; ++i) std::copy_n(qs.q + (i / G) * qs.token + (i % G) * H, H, qp + i * H);
+  for (int64_t i = 0; i < Q; ++i)
+    std::copy_n(qs.q + (i / G) * qs.token + (i % G) * H, H, qp + i * H);
   std::fill(m, m + Qp, -1e30f);
   std::fill(l, l + Qp, 0.0f);
   const int64_t first = *std::min_element(qs.lo, qs.lo + Q), n = *std::max_element(qs.n, qs.n + Q);
@@ -139,7 +141,8 @@ void head(const Shape& d, const Queries& qs, const float* kh, const float* vh, c
     auto scores = [&](auto cb, int64_t c, int64_t g0) {
       constexpr int CB = decltype(cb)::value;
       __m512 sv[CB][GT];
-      static_for<CB>([&](auto i) { static_for<GT>([&](auto t) { sv[i][t] = _mm512_setzero_ps(); }); });
+      static_for<CB>(
+          [&](auto i) { static_for<GT>([&](auto t) { sv[i][t] = _mm512_setzero_ps(); }); });
       for (int64_t h = 0; h < H; ++h) {
         __m512 qv[GT];
         static_for<GT>([&](auto t) { qv[t] = _mm512_set1_ps(qp[(g0 + t) * H + h]); });
@@ -300,7 +303,8 @@ ffi::Error attend(ffi::ThreadPool pool, F32 q, F32 k_new, F32 v_new, F32 pool_k,
       }
       const int64_t last = first + std::max<int32_t>(lp[b], 1);  // past the row's last key
       for (int64_t t0 = 0; t0 < d.T; t0 += tile) {
-        const int64_t at = (b * d.T + t0) * token + k * d.G * d.H, tokens = std::min(tile, d.T - t0);
+        const int64_t at = (b * d.T + t0) * token + k * d.G * d.H;
+        const int64_t tokens = std::min(tile, d.T - t0);
         if (first < 0) {
           for (int64_t t = 0; t < tokens; ++t)
             std::fill_n(op + at + t * token, d.G * d.H, 0.0f);
