@@ -24,6 +24,7 @@ from .config import ModelConfig, rope_inv_freq
 from .gdn import RecurrentState
 from .kvcache import AttentionKV, KVView
 from .moe import ExpertSplit
+from .norm import rms_norm
 from .quant import linear, linears
 
 
@@ -34,13 +35,6 @@ def _param(rngs: nnx.Rngs, shape, axes, scale=0.02, init_one=False) -> nnx.Param
     else:
         value = scale * jax.random.normal(rngs.params(), shape, jnp.float32)
     return nnx.Param(value, axes=axes)
-
-
-def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm computed in float32 whatever the activation dtype."""
-    x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (y * w.astype(jnp.float32)).astype(x.dtype)
 
 
 def rope_table(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
@@ -82,13 +76,14 @@ class Attention(nnx.Module):
         if cfg.attn_gate:  # per query head, rows of q_proj beside the query's in checkpoints
             self.wgate = _param(rngs, (N * H, D), ("heads", "embed"))
 
-    def __call__(self, x, rope_tab, kv, view: KVView):
-        """x [B, T, D] at the view's positions; kv this layer's (K, V) pools -> [B, T, D], kv."""
+    def __call__(self, x, rope_tab, kv, view: KVView, norm=None):
+        """x [B, T, D] at the view's positions (RMS-normalized first with `norm`, (weight,
+        eps)); kv this layer's (K, V) pools -> [B, T, D], kv."""
         cfg = self.cfg
         B, T, _ = x.shape
         K, G, H = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
         # q [B, T, N*H], k and v [B, T, K*H]
-        q, k, v = linears(x, [self.wq[...], self.wk[...], self.wv[...]])
+        q, k, v = linears(x, [self.wq[...], self.wk[...], self.wv[...]], norm=norm)
         if cfg.qkv_bias:
             q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
         q = q.reshape(B, T, K * G, H)  # [B, T, N, H]
@@ -103,7 +98,7 @@ class Attention(nnx.Module):
         out, kv = kvcache.update(q, k, v, kv, view, cfg.sliding_window)  # [B, T, K, G, H]
         out = out.reshape(B, T, K * G * H).astype(x.dtype)  # [B, T, N*H]
         if cfg.attn_gate:
-            gate = linear(x, self.wgate[...])  # [B, T, N*H]
+            gate = linear(x if norm is None else rms_norm(x, *norm), self.wgate[...])  # [B, T, N*H]
             out = out * jax.nn.sigmoid(gate)
         return linear(out, self.wo[...]), kv  # [B, T, D]
 
@@ -206,8 +201,9 @@ class MLP(nnx.Module):
         self.w_up = _param(rngs, (F, D), ("mlp", "embed"))
         self.w_down = _param(rngs, (D, F), ("embed", "mlp"))
 
-    def __call__(self, x):
-        gate, up = linears(x, [self.w_gate[...], self.w_up[...]])  # [B, T, F] each
+    def __call__(self, x, norm=None):
+        """x [B, T, D] (RMS-normalized first with `norm`, (weight, eps)) -> [B, T, D]."""
+        gate, up = linears(x, [self.w_gate[...], self.w_up[...]], norm=norm)  # [B, T, F] each
         return linear(jax.nn.silu(gate) * up, self.w_down[...])  # [B, T, D]
 
 
@@ -267,21 +263,22 @@ class Block(nnx.Module):
             self.mlp = MLP(cfg, rngs)
 
     def __call__(self, x, rope_tab, kv, view: KVView):
-        h = rms_norm(x, self.attn_norm[...], self.eps)
+        # Attention and the MLP take x and their norm: where their products run in the CPU
+        # kernel, the norm runs there too (a norm is 4-5 small XLA kernels).
         if self.linear:
             with jax.named_scope("linear_attn"):
-                h, kv = self.linear_attn(h, kv, view)
+                h, kv = self.linear_attn(rms_norm(x, self.attn_norm[...], self.eps), kv, view)
         else:
             with jax.named_scope("attn"):
-                h, kv = self.attn(h, rope_tab, kv, view)
+                h, kv = self.attn(x, rope_tab, kv, view, norm=(self.attn_norm[...], self.eps))
         x = x + h
-        h = rms_norm(x, self.mlp_norm[...], self.eps)
         if self.experts:
             with jax.named_scope("moe"):
+                h = rms_norm(x, self.mlp_norm[...], self.eps)
                 x = x + self.moe(h, view.real(x.shape[1]))
         else:
             with jax.named_scope("mlp"):
-                x = x + self.mlp(h)
+                x = x + self.mlp(x, norm=(self.mlp_norm[...], self.eps))
         return x, kv
 
 

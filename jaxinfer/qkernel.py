@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import jaxlib
 import numpy as np
 
+from .norm import rms_norm
 from .quant import FORMATS, QArray, dequantize
 
 log = logging.getLogger("jaxinfer")
@@ -85,16 +86,21 @@ def matmul(x: jax.Array, fmt: str, parts: dict[str, jax.Array], out_features: in
     return matmuls(x, fmt, [parts], [out_features])[0]
 
 
-def matmuls(x: jax.Array, fmt: str, weights, out_features) -> list[jax.Array]:
+def matmuls(x: jax.Array, fmt: str, weights, out_features, norm=None) -> list[jax.Array]:
     """x f32 [M, I] times each of up to MAX_WEIGHTS `fmt` weights [O_w, I] (their parts) in one
-    call -> [f32 [M, O_w]]: the weights share one split over the threads."""
+    call -> [f32 [M, O_w]]: the weights share one split over the threads. With `norm` (weight
+    f32 [I], eps > 0), x's rows are first RMS-normalized and scaled (`norm.rms_norm`) in the
+    kernel, once per call."""
     if not available():
         raise RuntimeError("the quantized CPU kernel is not available here; ask serves() first")
     if fmt not in _served:  # a format newer than the kernel
+        x = x if norm is None else rms_norm(x, *norm)
         return [
             jnp.einsum("MI,OI->MO", x, dequantize(QArray(parts, fmt, x.shape[1])))
             for parts in weights
         ]
+    extra = () if norm is None else (norm[0].astype(jnp.float32),)
+    eps = np.float32(0.0 if norm is None else norm[1])
     outs = []
     for at in range(0, len(weights), MAX_WEIGHTS):
         group, sizes = weights[at : at + MAX_WEIGHTS], out_features[at : at + MAX_WEIGHTS]
@@ -103,7 +109,8 @@ def matmuls(x: jax.Array, fmt: str, weights, out_features) -> list[jax.Array]:
             [jax.ShapeDtypeStruct((x.shape[0], o), jnp.float32) for o in sizes],
             vmap_method="sequential",  # the kernel takes one [M, I] x
         )
-        outs += call(x, *(parts[p.name] for parts in group for p in FORMATS[fmt].parts))
+        parts = (parts[p.name] for parts in group for p in FORMATS[fmt].parts)
+        outs += call(x, *parts, *extra, eps=eps)
     return outs
 
 

@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .norm import rms_norm
+
 
 @dataclass(frozen=True)
 class Part:
@@ -232,10 +234,11 @@ def linear(x: jax.Array, w, out_dtype=None) -> jax.Array:
     return linears(x, [w], out_dtype)[0]
 
 
-def linears(x: jax.Array, ws, out_dtype=None) -> list[jax.Array]:
+def linears(x: jax.Array, ws, out_dtype=None, norm=None) -> list[jax.Array]:
     """`linear(x, w)` for each of the weights `ws` that share the input x (QKV, gate/up).
     Kernel weights of one format go to the CPU kernel as one call: their products share
-    one pass over the threads."""
+    one pass over the threads. With `norm` (weight, eps) the products take `rms_norm(x,
+    *norm)`, computed in the kernel's calls where they serve."""
     out_dtype = out_dtype or x.dtype
     rows = int(np.prod(x.shape[:-1]))
     outs: list = [None] * len(ws)
@@ -251,10 +254,12 @@ def linears(x: jax.Array, ws, out_dtype=None) -> list[jax.Array]:
         values = sum(int(np.prod(ws[i].shape[-2:])) for i in picked)
         if qkernel.serves(rows, fmt, values):
             ys = qkernel.matmuls(flat, fmt, [ws[i].parts for i in picked],
-                                 [ws[i].shape[-2] for i in picked])  # fmt: skip
+                                 [ws[i].shape[-2] for i in picked], norm)  # fmt: skip
             for i, y in zip(picked, ys, strict=True):  # y [M, O]
                 outs[i] = y.reshape(*x.shape[:-1], y.shape[-1]).astype(out_dtype)
     wide = None if out_dtype == x.dtype else out_dtype
+    if norm is not None and any(out is None for out in outs):
+        x = rms_norm(x, *norm)
     for i, w in enumerate(ws):
         if outs[i] is None:
             w = dequantize(w, x.dtype) if isinstance(w, QArray) else w

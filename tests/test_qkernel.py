@@ -124,6 +124,35 @@ def test_linears_groups_by_format():
     assert hlo.count("jaxinfer_qmatmul_q8_0") == 1 and hlo.count("jaxinfer_qmatmul_q4_k") == 1
 
 
+def test_linears_fold_the_norm():
+    """`quant.linears(x, ws, norm=(w, eps))`: the kernel's calls normalize x's rows themselves
+    (one call per format), the other weights take XLA's norm; each result matches a float64
+    RMSNorm and product, at 1 and 6 rows and at 64 (past FLOAT_ROWS: the f32 weight takes
+    XLA's norm and dot there, the q8_0 one the kernel's)."""
+    rng = np.random.default_rng(9)
+    cols = 512
+    fmts = ("f32", "q8_0")
+    made = [random_weight(f, 40, cols, rng) for f in fmts]
+    ws = [quant.QArray(p, f, cols, kernel=True) for (p, _), f in zip(made, fmts, strict=True)]
+    plain = rng.standard_normal((24, cols)).astype(np.float32)
+    refs = [r for _, r in made] + [plain.astype(np.float64)]
+    gain = rng.uniform(0.5, 1.5, cols).astype(np.float32)
+    eps = 1e-5
+    for rows in (1, 6, 64):
+        x = rng.standard_normal((rows, cols)).astype(np.float32) * 3.0
+        run = jax.jit(lambda x, ws, g: quant.linears(x, ws, norm=(g, eps)))
+        ys = run(x, [*ws, jnp.asarray(plain)], gain)
+        x64 = x.astype(np.float64)
+        normed = x64 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + eps) * gain
+        for y, ref in zip(ys, refs, strict=True):
+            check(y, normed, ref)
+    x = rng.standard_normal((6, cols)).astype(np.float32)
+    hlo = jax.jit(lambda x, ws, g: quant.linears(x, ws, norm=(g, eps))).lower(x, ws, gain)
+    text = hlo.as_text()
+    assert text.count("jaxinfer_qmatmul_f32") == 1 and text.count("jaxinfer_qmatmul_q8_0") == 1
+    assert "rsqrt" not in text  # the kernel weights alone: no norm left in the graph
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_weights_are_exact(fmt):
     """One-hot activations read single weights back: bit-equal to gguf-py's float32 values."""
