@@ -33,6 +33,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+using jaxinfer::lanes;
 using jaxinfer::parallel_for;
 using jaxinfer::slot;
 using jaxinfer::static_for;
@@ -502,7 +503,7 @@ __attribute__((noinline)) void tile(const F& f, const float* x, int64_t I, int64
   }
   if constexpr (F::kTail) {
     for (int64_t col = nb * F::kBlock; col < I; col += 16) {
-      __mmask16 valid = __mmask16((1u << std::min<int64_t>(16, I - col)) - 1);
+      __mmask16 valid = lanes(I - col);
       for (int r = 0; r < R; ++r) {
         __m512 w = f.tail(row[r], col, valid);
         for (int m = 0; m < MT; ++m) {
@@ -535,7 +536,7 @@ __attribute__((noinline)) void dequantize(const F& f, const int64_t* o, int64_t 
     }
     if constexpr (F::kTail)
       for (int64_t col = nb * F::kBlock; col < I; col += 16) {
-        __mmask16 valid = __mmask16((1u << std::min<int64_t>(16, I - col)) - 1);
+        __mmask16 valid = lanes(I - col);
         _mm512_mask_storeu_ps(out + col, valid, f.tail(row, col, valid));
       }
   }
@@ -564,7 +565,7 @@ __attribute__((noinline)) void dense(const float* w, int64_t stride, const float
   };
   int64_t i = 0;
   for (; i + 16 <= I; i += 16) step(i, 0xFFFF);
-  if (i < I) step(i, __mmask16((1u << (I - i)) - 1));
+  if (i < I) step(i, lanes(I - i));
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
@@ -580,7 +581,7 @@ __attribute__((noinline)) void quad(const float* w, const float* x, int64_t I, i
   __m512 acc[16];
   static_for<16>([&](auto n) { acc[n] = _mm512_setzero_ps(); });
   for (int64_t i = 0; i < I; i += 16) {  // one loop with the tail's mask
-    const __mmask16 valid = I - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (I - i)) - 1);
+    const __mmask16 valid = lanes(I - i);
     __m512 wv[4];
     static_for<4>([&](auto r) { wv[r] = _mm512_maskz_loadu_ps(valid, w + (o + r) * I + i); });
     static_for<MT>([&](auto m) {
@@ -732,7 +733,7 @@ void rms_norm(const float* x, const float* w, int64_t M, int64_t I, float eps, f
     const float* xm = x + m * I;
     __m512 acc = _mm512_setzero_ps();
     for (int64_t i = 0; i < I; i += 16) {
-      const __mmask16 valid = I - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (I - i)) - 1);
+      const __mmask16 valid = lanes(I - i);
       const __m512 v = _mm512_maskz_loadu_ps(valid, xm + i);
       acc = _mm512_fmadd_ps(v, v, acc);
     }

@@ -3,11 +3,15 @@
 
 #include <immintrin.h>
 
+#include <cstdint>
 #include <utility>
 
 #define INLINE inline __attribute__((always_inline))
 
 namespace jaxinfer {
+
+// The first min(n, 16) of 16 lanes (n >= 0): a row's tail in masked loads.
+INLINE __mmask16 lanes(int64_t n) { return __mmask16((1u << (n < 16 ? n : 16)) - 1); }
 
 template <class F, int... G>
 INLINE void static_for_impl(F&& f, std::integer_sequence<int, G...>) {
