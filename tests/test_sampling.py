@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from conftest import GOLDEN
 
-from jaxinfer.sampling import PENALTY_WINDOW, SamplingParams, SamplingRows, sample
+from jaxinfer.sampling import PENALTY_WINDOW, SamplingParams, SamplingRows, argmax, sample
 
 FREE = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
 
@@ -79,6 +79,79 @@ def test_filters_match_llamacpp_chain(temperature, top_k, top_p, min_p):
     freq = np.bincount(drawn, minlength=V) / B
     # 4096 draws: a binomial frequency's standard deviation is at most 0.008
     assert np.abs(freq - want).max() < 0.04
+
+
+def _draw_many(logits, params, B=4096):
+    rows = SamplingRows.stack([SamplingRows.row(params, seed, []) for seed in range(B)], B)
+    window = np.full((B, PENALTY_WINDOW), -1, np.int32)
+    return np.asarray(jax.jit(sample)(np.tile(logits, (B, 1)), window, rows, np.zeros(B, np.int32)))
+
+
+@pytest.mark.parametrize(
+    "scale, temperature, top_k, top_p, min_p",
+    [
+        (3.0, 1.0, 40, 0.95, 0.05),  # llama.cpp's defaults
+        (3.0, 0.8, 0, 0.9, 0.0),  # a nucleus among the highest 128
+        (0.5, 1.0, 0, 0.999, 0.0),  # a nucleus of most of the vocabulary
+        (1.0, 1.5, 0, 1.0, 0.0),  # no filter
+        (1.0, 1.2, 300, 1.0, 0.0),  # top-k past the highest 128
+        (0.5, 0.7, 0, 1.0, 0.01),  # min-p keeping most of the vocabulary
+    ],
+)
+def test_filters_match_llamacpp_chain_over_a_large_vocabulary(
+    scale, temperature, top_k, top_p, min_p
+):
+    """V = 2000: the filters keep a few tokens or most of them. The empirical CDF of 4096
+    draws (tokens in descending logit order) against the chain's: by the DKW inequality a
+    deviation over 0.04 has probability below 1e-5."""
+    rng = np.random.default_rng(1)
+    V = 2000
+    logits = (rng.normal(size=V) * scale).astype(np.float32)
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    drawn = _draw_many(logits, params)
+    allowed, want = _np_chain(logits.astype(np.float64), temperature, top_k, top_p, min_p)
+    assert set(drawn.tolist()) <= set(np.flatnonzero(allowed).tolist())
+    order = np.argsort(-logits, kind="stable")
+    rank = np.empty(V, np.int64)
+    rank[order] = np.arange(V)
+    cdf = np.cumsum(np.bincount(rank[drawn], minlength=V)) / len(drawn)
+    assert np.abs(cdf - np.cumsum(want[order])).max() < 0.04
+
+
+def test_a_row_draws_the_same_token_in_any_batch():
+    """A row's draw depends on its own logits, values, seed and position only, whichever way
+    the other rows of its batch are drawn (from their highest logits, after a sort of the
+    vocabulary, over all of it, greedily)."""
+    rng = np.random.default_rng(2)
+    V = 2000
+    cases = [
+        (3.0, SamplingParams(temperature=1.0, seed=5)),
+        (0.5, SamplingParams(temperature=1.0, top_k=0, top_p=0.999, min_p=0.0, seed=6)),
+        (1.0, SamplingParams(temperature=1.5, top_k=0, top_p=1.0, min_p=0.0, seed=7)),
+        (1.0, SamplingParams(temperature=0.0, seed=8)),
+        (3.0, SamplingParams(temperature=0.7, top_k=8, seed=9, repeat_penalty=1.3)),
+    ]
+    logits = np.stack([rng.normal(size=V) * scale for scale, _ in cases]).astype(np.float32)
+    window = np.full((len(cases), PENALTY_WINDOW), -1, np.int32)
+    window[:, :3] = np.argsort(-logits, axis=-1)[:, :3]  # the best three were seen
+    rows = [SamplingRows.row(p, p.seed, []) for _, p in cases]
+    positions = np.arange(len(cases), dtype=np.int32) + 40
+    draw = jax.jit(sample)
+    together = np.asarray(draw(logits, window, SamplingRows.stack(rows, len(rows)), positions))
+    for b in range(len(cases)):
+        alone = draw(logits[b : b + 1], window[b : b + 1], SamplingRows.stack([rows[b]], 1),
+                     positions[b : b + 1])  # fmt: skip
+        assert int(np.asarray(alone)[0]) == int(together[b]), b
+
+
+def test_argmax_is_numpys():
+    """The first maximum of each row, the first NaN where there is one (np.argmax's rule)."""
+    rng = np.random.default_rng(3)
+    x = rng.integers(-3, 4, size=(64, 300)).astype(np.float32)  # many ties
+    x[5] = -np.inf
+    x[6, [17, 200]] = np.nan
+    x[7, -1] = np.inf
+    np.testing.assert_array_equal(np.asarray(jax.jit(argmax)(x)), np.argmax(x, axis=-1))
 
 
 @pytest.mark.parametrize(
