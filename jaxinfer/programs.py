@@ -28,7 +28,7 @@ from . import gdn, speculative
 from .gdn import RecurrentState
 from .kvcache import KVConfig, KVView
 from .placement import Runner
-from .sampling import PENALTY_WINDOW, SamplingRows, accept, sample
+from .sampling import PENALTY_WINDOW, SamplingRows, accept, argmax, sample
 from .speculative import SpecConfig
 
 I32 = np.int32
@@ -244,7 +244,7 @@ def programs(
                 )
                 h, draft_kv = draft.forward(draft_params, token[:, None], view, draft_kv)
                 logits = draft.head(draft_params, h[:, 0])[:, : spec.vocab or None]
-                new = jnp.argmax(logits, axis=-1).astype(I32)
+                new = argmax(logits)
                 # (step K only feeds the draft's cache its last draft: nothing is written)
                 drafts = jnp.where(jnp.arange(K)[None] == t, new[:, None], drafts)
                 return new, drafts, draft_kv
@@ -298,7 +298,7 @@ def programs(
                 # The model's state of the last kept token: the next call starts from it.
                 mtp_kv[1] = gdn.put(mtp_kv[1], (hidden[rows, last],), state.slot)
                 g = g[rows, last]  # [B, D]
-                first = jnp.argmax(runner.head(params, g), axis=-1).astype(I32)
+                first = argmax(runner.head(params, g))
                 drafts = jnp.where(jnp.arange(K)[None] == 0, first[:, None], 0)
 
                 def chain(k, carry):  # row start + length - 1 + k: (its own output, draft k)
@@ -306,7 +306,7 @@ def programs(
                     view = KVView(table, start + length - 1 + k, live.astype(I32), None)
                     g, mtp_kv = mtp_rows(params, mtp_kv, g[:, None], token[:, None], view)
                     g = g[:, 0]
-                    token = jnp.argmax(runner.head(params, g), axis=-1).astype(I32)
+                    token = argmax(runner.head(params, g))
                     drafts = jnp.where(jnp.arange(K)[None] == k, token[:, None], drafts)
                     return g, token, drafts, mtp_kv
 
