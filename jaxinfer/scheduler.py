@@ -205,7 +205,7 @@ class Scheduler:
             self.perf.spec_steps += steps
         generated = 0
         for b, active in enumerate(rows):
-            new = [int(t) for t in ids[b] if t >= 0]
+            new = [t for t in ids[b].tolist() if t >= 0]
             if not new:
                 continue
             generated += len(new)
@@ -224,12 +224,13 @@ class Scheduler:
         rows and table are the ones already sent (a table changes once a page): a steady call
         sends nothing to the devices (each transfer costs ~0.1 ms on the host here)."""
         last_rows, state, sampling, (host_table, table) = self._last
-        if rows != last_rows:  # rows joined or left: the device state is rebuilt here
+        new_table = self._table(list(rows), batch)
+        if rows != last_rows:  # rows joined or left: the device state is rebuilt, in one put
             state = self._host_state(rows, batch)
             sampling = SamplingRows.stack([a.state.sampling for a in rows], batch)
-            sampling = self.executor.put(sampling)
-        new_table = self._table(list(rows), batch)
-        if host_table is None or not np.array_equal(new_table, host_table):
+            host_table = new_table
+            state, sampling, table = self.executor.put((state, sampling, new_table))
+        elif not np.array_equal(new_table, host_table):
             host_table, table = new_table, self.executor.put(new_table)
         self._last = (rows, state, sampling, (host_table, table))
         return state, sampling, table
