@@ -85,6 +85,22 @@ def test_matches_reference(fmt, rows):
         check(y, x[:m], ref)
 
 
+def test_float_weights_past_the_cache():
+    """An f32 weight over the kernel's cached-weight size (2^18 values) at every M: tiles of
+    four weight rows from the quarters of each thread's range, then the 0-3 rows left over
+    (O = 1031 rows in chunks of 128-129; I = 300, a ragged tail)."""
+    rng = np.random.default_rng(11)
+    parts, ref = random_weight("f32", 1031, 300, rng)
+    x = rng.standard_normal((max(MS), 300)).astype(np.float32)
+
+    @jax.jit
+    def products(x, parts):
+        return [qkernel.matmul(x[:m], "f32", parts, 1031) for m in MS]
+
+    for m, y in zip(MS, products(x, parts), strict=True):
+        check(y, x[:m], ref)
+
+
 @pytest.mark.parametrize("fmt", ["f32", "q8_0", "q4_k"])
 def test_several_weights_in_one_call(fmt):
     """Weights sharing an input in one call (QKV, gate/up): each result matches its own

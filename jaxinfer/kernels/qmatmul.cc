@@ -607,6 +607,7 @@ constexpr int64_t kQuadValues = int64_t{1} << 18;
 // M = 2..8: two weight rows per tile (halving the loads of x per FMA; loads, not FMAs, were
 // the limit at M = 8): rows i and i + half of the range, two sequential streams that the
 // prefetchers follow (adjacent rows, 768 B apart and read interleaved, halved q8_0's speed).
+// Float weights: four rows per tile, from the quarters (below); from cache, quad().
 // M > 8: each row pair dequantized once into a buffer, then plain float tiles of 8
 // activation rows over it (fused tiles would dequantize it again for every 8 rows), the
 // activation rows in blocks that stay in L2 (512 KiB of x) while the weight passes over
@@ -635,6 +636,33 @@ void rows(const F& f, const float* x, int64_t M, int64_t I, int64_t O, int64_t l
         }
       for (; o < hi; ++o)  // the last rows of an odd range, one weight row at a time
         for (int64_t m = 0; m < M; ++m) tile<F, 1, 1>(f, x + m * I, I, O, o, 0, y + m * O);
+      return;
+    }
+  if constexpr (std::is_same_v<F, Full>)
+    if (M <= 8) {
+      // Float rows from DRAM at 2-8 rows: four weight rows per tile, from the four quarters
+      // of the range (four streams), each against the x rows four at a time, the groups one
+      // after the other so that the weight rows come again from L1. A chain of 24 products
+      // of 86M shapes (151 MB) at 2 / 4 / 8 rows ran 1.15x / 1.26x / 1.26x faster than with
+      // two weight rows per tile (4 rows: 20.7 -> 26.1 GB/s; one row: 22.9 GB/s).
+      const int64_t quarter = (hi - lo) / 4;
+      auto groups = [&](int64_t o, int64_t step, auto r) {
+        constexpr int R = decltype(r)::value;
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+          const float* xm = x + m0 * I;
+          float* ym = y + m0 * O;
+          switch (std::min<int64_t>(4, M - m0)) {
+            case 1: tile<F, R, 1>(f, xm, I, O, o, step, ym); break;
+            case 2: tile<F, R, 2>(f, xm, I, O, o, step, ym); break;
+            case 3: tile<F, R, 3>(f, xm, I, O, o, step, ym); break;
+            default: tile<F, R, 4>(f, xm, I, O, o, step, ym); break;
+          }
+        }
+      };
+      using Four = std::integral_constant<int, 4>;
+      using One = std::integral_constant<int, 1>;
+      for (int64_t o = lo; o < lo + quarter; ++o) groups(o, quarter, Four{});
+      for (int64_t o = lo + 4 * quarter; o < hi; ++o) groups(o, 0, One{});  // the last 0-3
       return;
     }
   const int64_t half = (hi - lo + 1) / 2;
