@@ -82,8 +82,9 @@ class Attention(nnx.Module):
         cfg = self.cfg
         B, T, _ = x.shape
         K, G, H = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
-        # q [B, T, N*H], k and v [B, T, K*H]
-        q, k, v = linears(x, [self.wq[...], self.wk[...], self.wv[...]], norm=norm)
+        # q [B, T, N*H], k and v [B, T, K*H]; the output gate [B, T, N*H] shares their input
+        ws = [self.wq[...], self.wk[...], self.wv[...]]
+        q, k, v, *gate = linears(x, ws + ([self.wgate[...]] if cfg.attn_gate else []), norm=norm)
         if cfg.qkv_bias:
             q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
         q = q.reshape(B, T, K * G, H)  # [B, T, N, H]
@@ -98,8 +99,7 @@ class Attention(nnx.Module):
         out, kv = kvcache.update(q, k, v, kv, view, cfg.sliding_window)  # [B, T, K, G, H]
         out = out.reshape(B, T, K * G * H).astype(x.dtype)  # [B, T, N*H]
         if cfg.attn_gate:
-            gate = linear(x if norm is None else rms_norm(x, *norm), self.wgate[...])  # [B, T, N*H]
-            out = out * jax.nn.sigmoid(gate)
+            out = out * jax.nn.sigmoid(gate[0])
         return linear(out, self.wo[...]), kv  # [B, T, D]
 
 
