@@ -18,15 +18,12 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from speed import LLAMA_110M
 
 import jaxinfer
 from jaxinfer.sampling import PENALTY_WINDOW, SamplingParams, SamplingRows, sample
 
 ROOT = Path(__file__).resolve().parents[1]
-LLAMA_110M = jaxinfer.ModelConfig(
-    arch="llama", d_model=768, n_layers=12, n_heads=12, n_kv_heads=12, head_dim=64,
-    d_ff=2048, vocab_size=32000, max_position=2048, name="llama-110M (random)",
-)  # fmt: skip
 MODES = {
     "greedy": dict(temperature=0.0),
     "llama.cpp defaults": dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05),

@@ -54,6 +54,12 @@ def _np_chain(logits, temperature, top_k, top_p, min_p):
     return keep, want / want.sum()
 
 
+def _draw_many(logits, params, B=4096):
+    rows = SamplingRows.stack([SamplingRows.row(params, seed, []) for seed in range(B)], B)
+    window = np.full((B, PENALTY_WINDOW), -1, np.int32)
+    return np.asarray(jax.jit(sample)(np.tile(logits, (B, 1)), window, rows, np.zeros(B, np.int32)))
+
+
 @pytest.mark.parametrize(
     "temperature, top_k, top_p, min_p",
     [
@@ -70,21 +76,12 @@ def test_filters_match_llamacpp_chain(temperature, top_k, top_p, min_p):
     V, B = 32, 4096
     logits = rng.normal(size=V).astype(np.float32) * 2
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-    rows = SamplingRows.stack([SamplingRows.row(params, seed, []) for seed in range(B)], B)
-    window = np.full((B, PENALTY_WINDOW), -1, np.int32)
-    drawn = jax.jit(sample)(np.tile(logits, (B, 1)), window, rows, np.zeros(B, np.int32))
-    drawn = np.asarray(drawn)
+    drawn = _draw_many(logits, params, B)
     allowed, want = _np_chain(logits.astype(np.float64), temperature, top_k, top_p, min_p)
     assert set(drawn.tolist()) <= set(np.flatnonzero(allowed).tolist())
     freq = np.bincount(drawn, minlength=V) / B
     # 4096 draws: a binomial frequency's standard deviation is at most 0.008
     assert np.abs(freq - want).max() < 0.04
-
-
-def _draw_many(logits, params, B=4096):
-    rows = SamplingRows.stack([SamplingRows.row(params, seed, []) for seed in range(B)], B)
-    window = np.full((B, PENALTY_WINDOW), -1, np.int32)
-    return np.asarray(jax.jit(sample)(np.tile(logits, (B, 1)), window, rows, np.zeros(B, np.int32)))
 
 
 @pytest.mark.parametrize(
