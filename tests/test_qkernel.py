@@ -88,7 +88,8 @@ def test_matches_reference(fmt, rows):
 def test_float_weights_past_the_cache():
     """An f32 weight over the kernel's cached-weight size (2^18 values) at every M: tiles of
     four weight rows from the quarters of each thread's range, then the 0-3 rows left over
-    (O = 1031 rows in chunks of 128-129; I = 300, a ragged tail)."""
+    (O = 1031 rows in chunks of 128-129; I = 300, a ragged tail). check's bound: measured at
+    most 5.2e-8 of the sum of |terms| over 5 seeds."""
     rng = np.random.default_rng(11)
     parts, ref = random_weight("f32", 1031, 300, rng)
     x = rng.standard_normal((max(MS), 300)).astype(np.float32)
