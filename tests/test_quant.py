@@ -5,6 +5,9 @@ bytes; per-channel int8 against a float64 reference; layouts, slots, strict mode
 """
 
 import json
+import os
+import shutil
+from pathlib import Path
 
 import gguf
 import jax
@@ -27,6 +30,24 @@ TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "F16", 
 Q8 = "stories260K-gguf-quant-derived/stories260K-Q8_0.gguf"
 MIXED = "stories260K-gguf-quant-derived/stories260K-mixed-quants.gguf"
 PROMPT = [1, 403, 407, 261, 378, 432, 383, 286, 261, 376]
+
+
+def test_the_kernels_build_where_they_can():
+    """A kernel that fails to build sends every product to the in-graph path (correct but
+    slow) with one warning, and test_qkernel.py skips: where it can build (g++, AVX-512 F, BW
+    and VL, the CPU backend), it must."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        flags = set()
+    if (
+        shutil.which(qkernel.COMPILER) is None
+        or not {"avx512f", "avx512bw", "avx512vl"} <= flags
+        or jax.default_backend() != "cpu"
+        or os.environ.get("JAXINFER_QKERNEL", "1") == "0"
+    ):
+        pytest.skip("no g++, AVX-512 or CPU backend here: the kernels cannot build")
+    assert qkernel.available()
 
 
 def gguf_data(name: str, rows: int, width: int, seed: int = 0) -> np.ndarray:
