@@ -1,8 +1,8 @@
-"""Quantized GGUF: jaxinfer and llama.cpp on the random 86M Llama in F32, Q8_0 and Q4_K_M.
+"""Quantized GGUF: jaxinfer and llama.cpp on the random 86M Llama in F32, Q8_0, Q4_K_M, Q5_K_M.
 
 The F32 file is vs_llamacpp.py's random 86M Llama (dim 768, 12 layers, 12 heads, ffn 2048,
-vocab 512); the Q8_0 and Q4_K_M files are made from it by llama.cpp's own quantizer through its
-C API (`llama_model_quantize` with its default parameters but the file type: what
+vocab 512); the Q8_0, Q4_K_M and Q5_K_M files are made from it by llama.cpp's own quantizer
+through its C API (`llama_model_quantize` with its default parameters but the file type: what
 `llama-quantize` does), in a temporary folder.
 
 Speed: the workers of vs_llamacpp.py (the peer runs llama.cpp's C API as llama-bench runs it;
@@ -50,8 +50,13 @@ from vs_llamacpp import (  # noqa: E402
 )
 
 # label -> llama.cpp file type (None: the F32 file as written)
-FILES = {"F32": None, "Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "Q4_K": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
-QUANTIZED = ("Q8_0", "Q4_K")
+FILES = {
+    "F32": None,
+    "Q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0",
+    "Q4_K": "LLAMA_FTYPE_MOSTLY_Q4_K_M",
+    "Q5_K": "LLAMA_FTYPE_MOSTLY_Q5_K_M",
+}
+QUANTIZED = ("Q8_0", "Q4_K", "Q5_K")
 N_CTX = 1024
 
 QUANTIZE = r"""
@@ -268,11 +273,13 @@ def report(args, info, med, pp_test, tg_test, prompt, n_greedy, minutes, load) -
         f"{ratio('jaxinfer Q4_K', 'llama.cpp Q4_K'):.2f}x | |",
         f"| device weight bytes / file tensor bytes | <= 1.1 | {wb_cell} | "
         f"{met(wb_ok, *QUANTIZED)} |",
+        f"| Q5_K decode vs llama.cpp Q5_K | recorded | "
+        f"{ratio('jaxinfer Q5_K', 'llama.cpp Q5_K'):.2f}x | |",
         f"| Q4_K decode tok/s / our own F32 | recorded | "
         f"{ratio('jaxinfer Q4_K', 'jaxinfer F32'):.2f}x | |",
         f"| F32 decode vs llama.cpp F32 | recorded | "
         f"{ratio('jaxinfer F32', 'llama.cpp F32'):.2f}x | |",
-        f"| {pp_test} vs llama.cpp (F32, Q8_0, Q4_K) | recorded | "
+        f"| {pp_test} vs llama.cpp ({', '.join(FILES)}) | recorded | "
         + ", ".join(f"{ratio(f'jaxinfer {f}', f'llama.cpp {f}', pp_test):.2f}x" for f in FILES)
         + " | |",
         f"| greedy: leading tokens of {n_greedy} matching (jaxinfer vs dequantized, vs "
