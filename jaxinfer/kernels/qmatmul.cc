@@ -320,6 +320,20 @@ struct Q5 {
   INLINE float dot(int64_t o, const float* x, const float* sums) const;
 };
 
+// The levels of 16 bytes of nibbles as floats, widened once for both halves: lo = the low
+// nibbles, hi = the high ones, each plus 16 in the lanes of its fifth-bit mask (kFifth).
+template <bool kFifth>
+INLINE void nibble_levels(const uint8_t* p, __mmask16 lo5, __mmask16 hi5, __m512& lo,
+                          __m512& hi) {
+  const __m512i z = u8x16(p);
+  __m512i l = _mm512_and_si512(z, _mm512_set1_epi32(0x0F)), h = _mm512_srli_epi32(z, 4);
+  if constexpr (kFifth) {
+    l = _mm512_mask_or_epi32(l, lo5, l, _mm512_set1_epi32(16));
+    h = _mm512_mask_or_epi32(h, hi5, h, _mm512_set1_epi32(16));
+  }
+  lo = _mm512_cvtepi32_ps(l), hi = _mm512_cvtepi32_ps(h);
+}
+
 // One row o of a Q4_0 / Q4_1 / Q5_0 / Q5_1 weight times one activation row x [I], given x's
 // sums per block (sums [I / 32]): sum_b d[b] (q_b . x_b) + sum_b c[b] sums[b], where c is the
 // block's min (Q4_1, Q5_1) or -8 d (Q4_0; -16 d, Q5_0). As k_dot below: the levels exact
@@ -330,21 +344,16 @@ INLINE float block_dot(const F& f, int64_t o, const float* x, const float* sums)
   constexpr bool kMin = std::is_same_v<F, Q4<true>> || std::is_same_v<F, Q5<true>>;
   constexpr float kOffset = kFifth ? -16.0f : -8.0f;
   const typename F::Row r = f.row(o);
-  const __m512i low4 = _mm512_set1_epi32(0x0F), sixteen = _mm512_set1_epi32(16);
   __m512 acc = _mm512_setzero_ps();
   float offsets = 0.0f;
   for (int64_t b = 0; b < f.I / 32; ++b) {
     f.prefetch(r, b + F::kAhead);
-    const __m512i z = u8x16(r.qs + 16 * b);  // values j (low nibbles) and 16 + j (high)
-    __m512i lo = _mm512_and_si512(z, low4), hi = _mm512_srli_epi32(z, 4);
-    if constexpr (kFifth) {  // bit j of the block's u32: value j's fifth bit
-      uint32_t high;
-      std::memcpy(&high, r.qh + 4 * b, 4);
-      lo = _mm512_mask_or_epi32(lo, __mmask16(high), lo, sixteen);
-      hi = _mm512_mask_or_epi32(hi, __mmask16(high >> 16), hi, sixteen);
-    }
-    __m512 part = _mm512_mul_ps(_mm512_cvtepi32_ps(lo), _mm512_loadu_ps(x + 32 * b));
-    part = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_loadu_ps(x + 32 * b + 16), part);
+    uint32_t high = 0;  // bit j: value j's fifth bit
+    if constexpr (kFifth) std::memcpy(&high, r.qh + 4 * b, 4);
+    __m512 lo, hi;  // values j (low nibbles) and 16 + j (high)
+    nibble_levels<kFifth>(r.qs + 16 * b, __mmask16(high), __mmask16(high >> 16), lo, hi);
+    __m512 part = _mm512_mul_ps(lo, _mm512_loadu_ps(x + 32 * b));
+    part = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + 32 * b + 16), part);
     const float d = h2f(r.d[b]);
     acc = _mm512_fmadd_ps(_mm512_set1_ps(d), part, acc);
     offsets += (kMin ? h2f(r.m[b]) : kOffset * d) * sums[b];
@@ -482,7 +491,6 @@ template <class F>
 INLINE float k_dot(const F& f, int64_t o, const float* x, const float* sums) {
   constexpr bool kFifth = std::is_same_v<F, Q5_K>;
   const typename F::Row r = f.row(o);
-  const __m512i low4 = _mm512_set1_epi32(0x0F), sixteen = _mm512_set1_epi32(16);
   __m512 acc = _mm512_setzero_ps();
   __m256 mins = _mm256_setzero_ps();
   for (int64_t b = 0; b < f.I / 256; ++b) {
@@ -494,18 +502,16 @@ INLINE float k_dot(const F& f, int64_t o, const float* x, const float* sums) {
     static_for<4>([&](auto c) {  // bytes [32 c, 32 c + 32): sub-blocks 2c (low), 2c + 1
       __m512 part[2];
       static_for<2>([&](auto h) {  // bytes 16 h + [0, 16): values 16 h + [0, 16) of both
-        const __m512i z = u8x16(r.qs + 128 * b + 32 * c + 16 * h);
-        __m512i lo = _mm512_and_si512(z, low4), hi = _mm512_srli_epi32(z, 4);
+        __mmask16 lo5 = 0, hi5 = 0;
         if constexpr (kFifth) {  // bit j of qh byte l: value 32 j + l's fifth bit
           const __m128i qh =
               _mm_loadu_si128(reinterpret_cast<const __m128i*>(r.qh + 32 * b + 16 * h));
-          const __mmask16 lo5 = _mm_test_epi8_mask(qh, _mm_set1_epi8(char(1 << (2 * c))));
-          const __mmask16 hi5 = _mm_test_epi8_mask(qh, _mm_set1_epi8(char(2 << (2 * c))));
-          lo = _mm512_mask_or_epi32(lo, lo5, lo, sixteen);
-          hi = _mm512_mask_or_epi32(hi, hi5, hi, sixteen);
+          lo5 = _mm_test_epi8_mask(qh, _mm_set1_epi8(char(1 << (2 * c))));
+          hi5 = _mm_test_epi8_mask(qh, _mm_set1_epi8(char(2 << (2 * c))));
         }
+        __m512 lv, hv;
+        nibble_levels<kFifth>(r.qs + 128 * b + 32 * c + 16 * h, lo5, hi5, lv, hv);
         const float* xs = xb + 64 * c + 16 * h;
-        const __m512 lv = _mm512_cvtepi32_ps(lo), hv = _mm512_cvtepi32_ps(hi);
         if constexpr (h == 0) {
           part[0] = _mm512_mul_ps(lv, _mm512_loadu_ps(xs));
           part[1] = _mm512_mul_ps(hv, _mm512_loadu_ps(xs + 32));
