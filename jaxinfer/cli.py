@@ -67,6 +67,11 @@ def _common(p: argparse.ArgumentParser) -> None:
         help="KV page pool size in tokens (default: context x max(parallel, 1))",
     )  # fmt: skip
     p.add_argument("--page-size", type=int, default=None, help="KV page size in tokens (128)")
+    p.add_argument(
+        "--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+        help="KV cache dtype (auto: the compute dtype; float16 halves a float32 model's KV "
+        "memory, as llama.cpp's default f16 cache does)",
+    )  # fmt: skip
     p.add_argument("-v", "--verbose", action="store_true", help="debug logs and tracebacks")
     p.add_argument("--compile-cache-dir", default=None, help="persistent compilation cache dir")
     p.add_argument(
@@ -164,7 +169,8 @@ def _load(args):
     options.update(_spec_options(args))
     return jaxinfer.load(
         args.model, dtype=args.dtype, max_seq_len=args.ctx_size, layout=args.layout,
-        devices=args.devices, quantize=args.quantize, **options,
+        devices=args.devices, quantize=args.quantize, kv_cache_dtype=args.kv_cache_dtype,
+        **options,
     )  # fmt: skip
 
 
@@ -223,7 +229,7 @@ def _bench(args) -> None:
         return jaxinfer.load(
             args.model, dtype=args.dtype, max_seq_len=ctx, layout=layout, devices=dev,
             batch_buckets=(slots,), graph_reuse=graph_reuse, kv_cache_tokens=ctx * slots,
-            quantize=args.quantize, **_cache_options(args),
+            quantize=args.quantize, kv_cache_dtype=args.kv_cache_dtype, **_cache_options(args),
         )  # fmt: skip
 
     def progress(row):
@@ -366,7 +372,7 @@ def _info(args) -> None:
     kv = engine.kv_stats()
     rows.append((
         "kv cache",
-        f"{kv['pages_total']} pages of {kv['page_size']} tokens "
+        f"{kv['pages_total']} pages of {kv['page_size']} tokens, {kv['dtype']} "
         f"({kv['pages_total'] * kv['page_size']} tokens, {kv['bytes_allocated'] / 2**20:.2f} MiB); "
         f"{len(engine.compile_plan())} programs in the compile plan",
     ))  # fmt: skip

@@ -388,12 +388,14 @@ class Engine:
         return stats
 
     def kv_stats(self) -> dict:
-        """The KV page pool: page_size, pages_total, pages_free (neither held nor reserved),
-        pages_in_use, pages_reserved, bytes_allocated (every layer's pools) and bytes_in_use;
+        """The KV page pool: dtype (kv_cache_dtype), page_size, pages_total, pages_free
+        (neither held nor reserved), pages_in_use, pages_reserved, bytes_allocated (every
+        layer's pools) and bytes_in_use;
         for hybrid models also the linear layers' state: state_slots (requests at once),
         state_bytes_per_slot (every linear layer's conv and recurrent state, float32) and
         state_bytes_allocated."""
-        return {**self.executor.pages.stats(), **self.executor.state_stats()}
+        stats = {"dtype": self.executor.kv_dtype, **self.executor.pages.stats()}
+        return {**stats, **self.executor.state_stats()}
 
     def weight_bytes(self) -> int:
         """Bytes the weights occupy on this process's devices together: a replicated weight

@@ -16,7 +16,7 @@ from .compile import CompileCache, Job, shapes_text
 from .config import ModelConfig
 from .errors import JaxinferError
 from .gdn import RecurrentState
-from .kvcache import KVConfig, PagePool
+from .kvcache import AttentionKV, KVConfig, PagePool
 from .placement import Placement
 from .programs import Program, programs
 from .sharding import named
@@ -75,6 +75,8 @@ class Executor:
         # Linear layers' state per slot (a pipeline slot holds one per stage); the rest is pages.
         caches = self.runner.caches + (draft_runner.caches if draft else ())
         linear = [c for c in caches if isinstance(c, RecurrentState)]
+        attention = [c for c in caches if isinstance(c, AttentionKV)]
+        self.kv_dtype = np.dtype(attention[0].dtype).name if attention else None
         self.state_slot_bytes = sum(c.slot_bytes() for c in linear) * self.runner.stages + sum(
             c.slot_bytes() for c in self.runner.mtp_caches if isinstance(c, HiddenState)
         )

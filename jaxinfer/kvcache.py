@@ -61,7 +61,8 @@ class KVConfig:
 
 @dataclass(frozen=True)
 class AttentionKV:
-    """The cache of one attention layer: K and V pools [P, K, H, page] in the compute dtype."""
+    """The cache of one attention layer: K and V pools [P, K, H, page] in the KV cache dtype
+    (the engine's kv_cache_dtype; by default the compute dtype)."""
 
     n_kv_heads: int
     head_dim: int
@@ -135,10 +136,12 @@ def write(pools, k, v, view: KVView):
 
 def update(q, k, v, pools, view: KVView, window: int | None = None):
     """The chunk's k, v [B, T, K, H] written into the pools, then its queries q [B, T, K, G, H]
-    attended (see `attend`) -> (out [B, T, K, G, H] float32, pools). On float32 pools whole on
-    a CPU device (view.kernel) this is one kernel call (qkernel.attend) that writes in place
-    and reads each row's live keys where they lie."""
-    if view.kernel and pools[0].dtype == jnp.float32 and qkernel.available():
+    attended (see `attend`) -> (out [B, T, K, G, H] float32, pools). On pools whole on a CPU
+    device (view.kernel) of a dtype the kernel reads (float32, float16, bfloat16) this is one
+    kernel call (qkernel.attend) that writes in place and reads each row's live keys where
+    they lie."""
+    kernel_reads = str(pools[0].dtype) in qkernel.ATTEND_POOLS
+    if view.kernel and kernel_reads and qkernel.available():
         q, k, v = (a.astype(jnp.float32) for a in (q, k, v))
         made = qkernel.attend(q, k, v, pools, view.table, view.start, view.length, window)
         return varying_like(made, pools[0])  # a custom call's results vary over nothing

@@ -69,6 +69,18 @@ def _dtype(name: str):
     return DTYPES[name]
 
 
+def _kv_dtype(name: str, compute):
+    """The KV pools' dtype: "auto" is the compute dtype; a 16-bit cache under float32 compute
+    halves the KV memory and the bytes attention reads (llama.cpp's default is float16)."""
+    if name == "auto":
+        return compute
+    if name not in DTYPES:
+        raise JaxinferError(
+            f"kv_cache_dtype {name!r} is not supported; use auto or one of {', '.join(DTYPES)}"
+        )
+    return DTYPES[name]
+
+
 def quantizing(read: Reader, how: str, compute) -> Reader:
     """The reader under a `quantize` choice (QUANTIZE) and the compute dtype: 16-bit float
     tensors stay 16-bit (as QArrays) only under float32 compute; else they are plain weights
@@ -92,19 +104,20 @@ def quantizing(read: Reader, how: str, compute) -> Reader:
     return reader
 
 
-def place(read: Reader, cfg: ModelConfig, dtype, layout, devices) -> Placement:
+def place(read: Reader, cfg: ModelConfig, dtype, kv_dtype, layout, devices) -> Placement:
     """The model on a layout's mesh: pipeline stages when the layout splits the layers."""
     plan = load_layout(layout)
     mesh = make_mesh(plan, select_devices(devices, plan))
     rules = effective_rules(plan, mesh, cfg)
     how = place_pipeline if "layers" in rules else place_dense
-    return how(read, cfg, dtype, plan.name, mesh, rules)
+    return how(read, cfg, dtype, plan.name, mesh, rules, kv_dtype=kv_dtype)
 
 
 def load(
     model: str | Path | ModelConfig | None = None,
     *,
     dtype: str = "float32",
+    kv_cache_dtype: str = "auto",
     max_seq_len: int | None = None,
     layout: str | Path = "single",
     devices=None,
@@ -128,6 +141,8 @@ def load(
     `quantize`: "keep" (GGUF quantized tensors stay in their blocks on the device and are
     dequantized inside the compiled matmuls), "int8" (the float matrices too, as weight-only
     per-channel int8), "none" (everything dequantized at load).
+    `kv_cache_dtype`: the KV cache's dtype, "auto" (the compute dtype) or one of DTYPES; keys
+    and values are rounded to it as they are stored, and attention computes in float32.
     """
     unknown = sorted(set(options) - set(ENGINE_OPTIONS))
     if unknown:
@@ -135,6 +150,7 @@ def load(
             f"unknown load option(s) {', '.join(unknown)}; known: {', '.join(ENGINE_OPTIONS)}"
         )
     compute = _dtype(dtype)
+    kv_dtype = _kv_dtype(kv_cache_dtype, compute)
     use_persistent_cache(
         default_cache_dir() if compile_cache_dir is _DEFAULT else compile_cache_dir
     )
@@ -162,10 +178,12 @@ def load(
     bad = not isinstance(max_seq_len, int) or isinstance(max_seq_len, bool)
     if bad or max_seq_len < 2:
         raise JaxinferError(f"max_seq_len = {max_seq_len!r} is invalid; it must be >= 2")
-    spec, place_draft = _speculative(speculative, draft_tokens, cfg, tokenizer, compute, name)
+    spec, place_draft = _speculative(
+        speculative, draft_tokens, cfg, tokenizer, (compute, kv_dtype), name
+    )
     if cfg.mtp_layers and (spec is None or spec.method != "mtp"):
         cfg = dataclasses.replace(cfg, mtp_layers=0)  # the MTP head is built only to draft
-    placer = partial(place, read, cfg, compute)
+    placer = partial(place, read, cfg, compute, kv_dtype)
     placement = placer(layout, devices)
     draft = place_draft(layout, devices) if place_draft else None
     jax.block_until_ready((placement.params, draft.params if draft else None))
@@ -186,9 +204,10 @@ def load(
     )
 
 
-def _speculative(how, k, cfg: ModelConfig, tokenizer: Tokenizer, compute, model: str):
+def _speculative(how, k, cfg: ModelConfig, tokenizer: Tokenizer, dtypes, model: str):
     """The speculative config and, for a draft model, its placer (layout, devices) ->
-    Placement; a bad choice raises here, before anything is placed."""
+    Placement (`dtypes`: the compute and KV dtypes); a bad choice raises here, before
+    anything is placed."""
     if how is None:
         return None, None
     if how == "ngram":
@@ -222,7 +241,7 @@ def _speculative(how, k, cfg: ModelConfig, tokenizer: Tokenizer, compute, model:
             f"({tokenizer.vocab_size}); a draft must share the model's tokenizer"
         )
     return dataclasses.replace(spec, vocab=cfg.vocab_size), partial(
-        place, draft_read, draft_cfg, compute
+        place, draft_read, draft_cfg, *dtypes
     )
 
 
@@ -230,6 +249,7 @@ def generate(model_or_engine=None, prompt="", **kwargs):
     """One call: load the model (a path, or None for the built-in one) or reuse an Engine."""
     if isinstance(model_or_engine, Engine):
         return model_or_engine.generate(prompt, **kwargs)
-    names = ("dtype", "max_seq_len", "speculative", "draft_tokens", "quantize", *ENGINE_OPTIONS)
+    names = ("dtype", "kv_cache_dtype", "max_seq_len", "speculative", "draft_tokens", "quantize",
+             *ENGINE_OPTIONS)  # fmt: skip
     load_kw = {k: kwargs.pop(k) for k in names if k in kwargs}
     return load(model_or_engine, **load_kw).generate(prompt, **kwargs)

@@ -371,19 +371,22 @@ def head_logits(h: jax.Array, head) -> jax.Array:
     return linear(h, head, jnp.float32)
 
 
-def layer_cache(cfg: ModelConfig, kind: tuple[bool, bool], dtype) -> AttentionKV | RecurrentState:
-    """The typed cache of a layer of this kind: KV pages, or a linear layer's state."""
+def layer_cache(
+    cfg: ModelConfig, kind: tuple[bool, bool], kv_dtype
+) -> AttentionKV | RecurrentState:
+    """The typed cache of a layer of this kind: KV pages of `kv_dtype`, or a linear layer's
+    state (float32)."""
     if not kind[0]:
-        return AttentionKV(cfg.n_kv_heads, cfg.head_dim, dtype)
+        return AttentionKV(cfg.n_kv_heads, cfg.head_dim, kv_dtype)
     KD, VD = cfg.linear_k_heads * cfg.linear_k_dim, cfg.linear_v_heads * cfg.linear_v_dim
     return RecurrentState(
         (KD, KD, VD), cfg.conv_kernel, cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim
     )
 
 
-def cache_layers(cfg: ModelConfig, dtype) -> list[AttentionKV | RecurrentState]:
+def cache_layers(cfg: ModelConfig, kv_dtype) -> list[AttentionKV | RecurrentState]:
     """The typed cache of every layer, in layer order."""
-    return [layer_cache(cfg, cfg.kind(i), dtype) for i in range(cfg.n_layers)]
+    return [layer_cache(cfg, cfg.kind(i), kv_dtype) for i in range(cfg.n_layers)]
 
 
 def abstract_model(cfg: ModelConfig, split: ExpertSplit | None = None) -> Transformer:

@@ -115,11 +115,11 @@ def block_axes(cfg: ModelConfig, kind: Kind) -> dict[tuple, tuple]:
 
 
 def place_pipeline(
-    read: Reader, cfg: ModelConfig, dtype, name: str, mesh: Mesh, rules
+    read: Reader, cfg: ModelConfig, dtype, name: str, mesh: Mesh, rules, *, kv_dtype
 ) -> Placement:
-    """The model split into stages over the mesh's `pp` axis."""
+    """The model split into stages over the mesh's `pp` axis; KV pools of `kv_dtype`."""
     params = place_params(read, cfg, mesh, rules, dtype)
-    return Placement(name, mesh, rules, pipeline_runner(cfg, mesh, rules, dtype), params)
+    return Placement(name, mesh, rules, pipeline_runner(cfg, mesh, rules, kv_dtype), params)
 
 
 def place_params(read: Reader, cfg: ModelConfig, mesh: Mesh, rules: dict, dtype) -> dict:
@@ -203,12 +203,12 @@ def stack_slot(read: Reader, plan: StagePlan, j: int, path, shape, sharding, dty
     return for_kernel(path, array, kernel, lead=1)
 
 
-def pipeline_runner(cfg: ModelConfig, mesh: Mesh, rules: dict, dtype) -> Runner:
+def pipeline_runner(cfg: ModelConfig, mesh: Mesh, rules: dict, kv_dtype) -> Runner:
     plan = stage_plan(cfg, mesh.shape[AXIS])
     pp = plan.stages
     split = ExpertSplit.of(mesh, rules)
     block_defs = [nnx.graphdef(slot_block(cfg, kind, split)) for kind in plan.kinds]
-    caches = [layer_cache(cfg, kind, dtype) for kind in plan.kinds]
+    caches = [layer_cache(cfg, kind, kv_dtype) for kind in plan.kinds]
     manual = frozenset({AXIS})
     valid = plan.valid
 
@@ -297,7 +297,7 @@ def pipeline_runner(cfg: ModelConfig, mesh: Mesh, rules: dict, dtype) -> Runner:
         return head_logits(h, params["embed"] if cfg.tie_embeddings else params["lm_head"])
 
     mtp_def = nnx.graphdef(mtp_module(cfg, split)) if cfg.mtp_layers else None
-    mtp = mtp_caches(cfg, dtype)
+    mtp = mtp_caches(cfg, kv_dtype)
 
     def draft(params, tokens, hidden, view, kv):
         head = nnx.merge(mtp_def, params["mtp"])

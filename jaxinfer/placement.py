@@ -61,8 +61,11 @@ class Placement:
     params: dict
 
 
-def place_dense(read: Reader, cfg: ModelConfig, dtype, name: str, mesh: Mesh, rules) -> Placement:
-    """Every layer on every device of the mesh, weights placed straight into their shardings."""
+def place_dense(
+    read: Reader, cfg: ModelConfig, dtype, name: str, mesh: Mesh, rules, *, kv_dtype
+) -> Placement:
+    """Every layer on every device of the mesh, weights placed straight into their shardings;
+    KV pools of `kv_dtype`."""
     graphdef, state = nnx.split(abstract_model(cfg, ExpertSplit.of(mesh, rules)))
     shardings = param_shardings(cfg, mesh, rules)
     kernel = kernel_fits(mesh)
@@ -77,7 +80,8 @@ def place_dense(read: Reader, cfg: ModelConfig, dtype, name: str, mesh: Mesh, ru
         return for_kernel(key, to_device(host, shardings[key], arena), kernel)
 
     params = jax.tree_util.tree_map_with_path(put, nnx.to_pure_dict(state))
-    return Placement(name, mesh, rules, dense_runner(graphdef, cfg, dtype, mesh, rules), params)
+    runner = dense_runner(graphdef, cfg, kv_dtype, mesh, rules)
+    return Placement(name, mesh, rules, runner, params)
 
 
 def param_shardings(cfg: ModelConfig, mesh, rules) -> dict[tuple, NamedSharding]:
@@ -147,10 +151,10 @@ def put_quant(path: tuple, parts: dict, host: HostQuant, sharding: NamedSharding
     return QArray(out, host.fmt, host.width, kernel)
 
 
-def dense_runner(graphdef: nnx.GraphDef, cfg: ModelConfig, dtype, mesh, rules) -> Runner:
+def dense_runner(graphdef: nnx.GraphDef, cfg: ModelConfig, kv_dtype, mesh, rules) -> Runner:
     """All layers on every device of the mesh (single or tensor split)."""
-    layers = cache_layers(cfg, dtype)
-    mtp = mtp_caches(cfg, dtype)
+    layers = cache_layers(cfg, kv_dtype)
+    mtp = mtp_caches(cfg, kv_dtype)
     kernel = kernel_fits(mesh)
 
     def forward(p, tokens, view: KVView, kv):
@@ -171,11 +175,11 @@ def dense_runner(graphdef: nnx.GraphDef, cfg: ModelConfig, dtype, mesh, rules) -
     )
 
 
-def mtp_caches(cfg: ModelConfig, dtype) -> tuple:
+def mtp_caches(cfg: ModelConfig, kv_dtype) -> tuple:
     """The MTP head's caches: its attention layer's KV pools and the per-slot hidden state."""
     if not cfg.mtp_layers:
         return ()
-    return (AttentionKV(cfg.n_kv_heads, cfg.head_dim, dtype), HiddenState(cfg.d_model))
+    return (AttentionKV(cfg.n_kv_heads, cfg.head_dim, kv_dtype), HiddenState(cfg.d_model))
 
 
 def cache_shardings(layer, mesh, rules, lead: tuple = ()) -> tuple[NamedSharding, ...]:

@@ -114,22 +114,26 @@ def matmuls(x: jax.Array, fmt: str, weights, out_features, norm=None) -> list[ja
     return outs
 
 
+# The attention kernel's handler (attend_<suffix> in the library, registered as
+# jaxinfer_attend_<suffix>) by the pools' dtype, the engine's kv_cache_dtype: 16-bit pools
+# are widened to float32 as they are read.
+ATTEND_POOLS = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
 ATTEND = "jaxinfer_attend_f32"
 
 
 def attend(q, k, v, pools, table, start, length, window: int | None):
     """T tokens per row (kernels/attend.cc): writes the real ones (t < length [B]) of k, v
-    [B, T, K, H] at positions start [B] + t into the pools [P, K, H, S] float32 (in place: they
-    are aliased to the outputs), then attends q [B, T, K, G, H] float32 (scaled, rotated):
+    [B, T, K, H] at positions start [B] + t into the pools [P, K, H, S] (ATTEND_POOLS' dtypes;
+    in place: they are aliased to the outputs), then attends q [B, T, K, G, H] float32 (scaled, rotated):
     token t over the row's positions [max(0, n - window), n), n = min(start + t + 1, start +
     max(length, 1)), read through table [B, NB] -> (out [B, T, K, G, H] float32, pools)."""
     if not available():
         raise RuntimeError("the CPU kernels are not available here; ask available() first")
     pool_k, pool_v = pools
-    f32 = jax.ShapeDtypeStruct
+    like = jax.ShapeDtypeStruct
     call = jax.ffi.ffi_call(
-        ATTEND,
-        (f32(q.shape, jnp.float32), f32(pool_k.shape, jnp.float32), f32(pool_v.shape, jnp.float32)),
+        f"jaxinfer_attend_{ATTEND_POOLS[str(pool_k.dtype)]}",
+        (like(q.shape, jnp.float32), like(pool_k.shape, pool_k.dtype), like(pool_v.shape, pool_v.dtype)),
         input_output_aliases={3: 1, 4: 2},
         vmap_method="sequential",
     )
@@ -155,8 +159,9 @@ def _load() -> bool:
                 capsule = jax.ffi.pycapsule(getattr(lib, f"qmatmul_{fmt}"))
                 jax.ffi.register_ffi_target(_target(fmt), capsule, platform="cpu")
                 _served.add(fmt)
-        capsule = jax.ffi.pycapsule(lib.attend_f32)
-        jax.ffi.register_ffi_target(ATTEND, capsule, platform="cpu")
+        for suffix in ATTEND_POOLS.values():
+            capsule = jax.ffi.pycapsule(getattr(lib, f"attend_{suffix}"))
+            jax.ffi.register_ffi_target(f"jaxinfer_attend_{suffix}", capsule, platform="cpu")
     except Exception as e:  # any failure means the in-graph path, which is always correct
         log.warning("quantized CPU kernel unavailable, dequantizing in the graph: %s", e)
         return False

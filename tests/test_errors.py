@@ -146,6 +146,7 @@ def test_bad_requests_refused_engine_still_serves(stories_hf, prompt, kw, words)
     "kw, words",
     [
         (dict(dtype="float8"), "dtype"),
+        (dict(kv_cache_dtype="int4"), "kv_cache_dtype 'int4'"),
         (dict(bogus=1), "unknown load option"),
         (dict(decode_chunk=0), "decode_chunk = 0"),
         (dict(stream_chunk=0), "stream_chunk = 0"),

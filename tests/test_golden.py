@@ -36,6 +36,19 @@ def test_quantized_gguf(rel, n_match):
     assert greedy_from_bos(engine)[:n_match] == GOLDEN[:n_match]
 
 
+@pytest.mark.parametrize("kv", ["float16", "bfloat16"])
+def test_16_bit_kv_cache(kv, stories_gguf):
+    """kv_cache_dtype: keys and values stored in 16 bits (the attention kernel widens them as
+    it reads) halve the pools and keep the published greedy output."""
+    engine = jaxinfer.load(model_path("stories260K-gguf/stories260K.gguf"), kv_cache_dtype=kv,
+                           max_seq_len=512)  # fmt: skip
+    assert greedy_from_bos(engine) == GOLDEN
+    kv_stats, f32_stats = engine.kv_stats(), stories_gguf.kv_stats()
+    assert (kv_stats["dtype"], f32_stats["dtype"]) == (kv, "float32")
+    per_page = [s["bytes_allocated"] / (s["pages_total"] + 1) for s in (kv_stats, f32_stats)]
+    assert per_page[0] * 2 == per_page[1]
+
+
 def test_top5_logits_after_bos(stories_gguf):
     logits = stories_gguf.logits([1])[0]
     top = logits.argsort()[::-1][:5].tolist()

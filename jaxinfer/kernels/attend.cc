@@ -2,8 +2,9 @@
 // or a verify step's) over the paged KV cache (kvcache.py's layout), reading the row's live
 // keys in place.
 //
-// q [B, T, K, G, H] f32 (scaled, rotated), the tokens' k, v [B, T, K, H], pools [P, K, H, S]
-// f32 (positions contiguous within a page), table [B, NB] int32 page ids, start [B] int32
+// q [B, T, K, G, H] f32 (scaled, rotated), the tokens' k, v [B, T, K, H] f32, pools [P, K, H, S]
+// f32, f16 or bf16 (positions contiguous within a page; 16-bit pools are widened to f32 as they
+// are read and the tokens rounded to nearest even as they are written), table [B, NB] int32 page ids, start [B] int32
 // (the first token's position), length [B] (the row's real tokens; 0: an idle row, nothing
 // written) -> out [B, T, K, G, H] f32, pools. Token t of row b sees positions
 // [max(0, n - window), n), n = min(start + t + 1, start + max(length, 1)) (window 0: no
@@ -21,6 +22,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -73,6 +75,35 @@ INLINE __mmask16 live(int64_t c, int64_t lo, int64_t hi) {
   return __mmask16(((1u << to) - 1) & ~((1u << from) - 1));
 }
 
+// A pool's element type: how 16 positions are read as float32 lanes, and how one value is stored.
+struct F32Pool {
+  using T = float;
+  static INLINE __m512 load(const T* p) { return _mm512_loadu_ps(p); }
+  static INLINE T store(float x) { return x; }
+};
+struct F16Pool {
+  using T = uint16_t;
+  static INLINE __m512 load(const T* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  static INLINE T store(float x) {
+    return _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  }
+};
+struct BF16Pool {
+  using T = uint16_t;
+  static INLINE __m512 load(const T* p) {  // bf16 is the top half of a float32
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  static INLINE T store(float x) {  // round to nearest even; a NaN stays a (quiet) NaN
+    uint32_t u;
+    std::memcpy(&u, &x, 4);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return uint16_t((u >> 16) | 0x40);
+    return uint16_t((u + 0x7FFFu + ((u >> 16) & 1)) >> 16);
+  }
+};
+
 struct Shape {
   int64_t B, T, K, G, H, P, S, NB, window;
 };
@@ -95,9 +126,10 @@ struct Queries {
 // softmax) and are reduced at the end, 16 at a time.
 // `work`: Qp H (queries) + 16 (Qp H + 16) (value sums) + Qp S (one page's scores, then
 // weights) floats.
-template <int GT>
-void head(const Shape& d, const Queries& qs, const float* kh, const float* vh,
-          const int32_t* table, float* work) {
+template <class Pool, int GT>
+void head(const Shape& d, const Queries& qs, const typename Pool::T* kh,
+          const typename Pool::T* vh, const int32_t* table, float* work) {
+  using E = typename Pool::T;
   constexpr int HB = 4;  // head dims per value step
   const int64_t H = d.H, S = d.S, G = d.G, Q = qs.Q, Qp = (Q + GT - 1) / GT * GT;
   const int64_t stride = d.K * H * S;  // from one page of this head to the next
@@ -118,7 +150,7 @@ void head(const Shape& d, const Queries& qs, const float* kh, const float* vh,
   // rows of S positions, which the hardware prefetchers do not run ahead of.
   auto fetch = [&](int64_t j) {
     if (j * S >= n || j >= d.NB) return;
-    const float *kn = kh + page_of(j) * stride, *vn = vh + page_of(j) * stride;
+    const E *kn = kh + page_of(j) * stride, *vn = vh + page_of(j) * stride;
     const int64_t live_n = std::min(S, n - j * S);
     for (int64_t h = 0; h < H; ++h)
       for (int64_t c = 0; c < live_n; c += 16) {
@@ -128,8 +160,8 @@ void head(const Shape& d, const Queries& qs, const float* kh, const float* vh,
   };
   for (int64_t j = first / S, j0 = j; j * S < n && j < d.NB; ++j) {
     fetch(j + 1);
-    const float* kp = kh + page_of(j) * stride;  // [H, S]
-    const float* vp = vh + page_of(j) * stride;
+    const E* kp = kh + page_of(j) * stride;  // [H, S]
+    const E* vp = vh + page_of(j) * stride;
     int64_t lo[kMaxQueries], hi[kMaxQueries];  // each query's live positions in this page
     for (int64_t i = 0; i < Qp; ++i) {
       lo[i] = i < Q ? std::clamp<int64_t>(qs.lo[i] - j * S, 0, S) : 0;
@@ -147,7 +179,7 @@ void head(const Shape& d, const Queries& qs, const float* kh, const float* vh,
         __m512 qv[GT];
         static_for<GT>([&](auto t) { qv[t] = _mm512_set1_ps(qp[(g0 + t) * H + h]); });
         static_for<CB>([&](auto i) {
-          __m512 kv = _mm512_loadu_ps(kp + h * S + c + 16 * i);
+          __m512 kv = Pool::load(kp + h * S + c + 16 * i);
           asm("" : "+v"(kv));  // one load for the GT queries (gcc would load it per FMA)
           static_for<GT>([&](auto t) { sv[i][t] = _mm512_fmadd_ps(qv[t], kv, sv[i][t]); });
         });
@@ -204,7 +236,7 @@ void head(const Shape& d, const Queries& qs, const float* kh, const float* vh,
             asm("" : "+v"(w[t]));  // loaded once for the HB head dims
           });
           static_for<HB>([&](auto u) {
-            __m512 vv = _mm512_loadu_ps(vp + (h0 + u) * S + c);
+            __m512 vv = Pool::load(vp + (h0 + u) * S + c);
             asm("" : "+v"(vv));  // loaded once for the GT queries
             static_for<GT>([&](auto t) { av[u][t] = _mm512_fmadd_ps(w[t], vv, av[u][t]); });
           });
@@ -237,10 +269,11 @@ void head(const Shape& d, const Queries& qs, const float* kh, const float* vh,
 // apart) into n adjacent positions of a page. Each store stays in one line: a token at a time,
 // the H lines of a page (K and V: 64 KiB at the 86M's heads) had overflowed L1 and every
 // store missed.
-__attribute__((noinline)) void columns(const float* src, int64_t stride, float* dst, int64_t n,
-                                       int64_t H, int64_t S) {
+template <class Pool>
+__attribute__((noinline)) void columns(const float* src, int64_t stride, typename Pool::T* dst,
+                                       int64_t n, int64_t H, int64_t S) {
   for (int64_t h = 0; h < H; ++h)
-    for (int64_t i = 0; i < n; ++i) dst[h * S + i] = src[i * stride + h];
+    for (int64_t i = 0; i < n; ++i) dst[h * S + i] = Pool::store(src[i * stride + h]);
 }
 
 using F32 = ffi::Buffer<ffi::F32>;
@@ -250,10 +283,12 @@ using S32 = ffi::Buffer<ffi::S32>;
 // write nothing), so the (row, kv head) tasks never write what another reads. The pools are
 // outputs aliased to the inputs (written in place on the donated pools; when XLA hands a
 // separate output buffer, the pool is copied into it first).
-ffi::Error attend(ffi::ThreadPool pool, F32 q, F32 k_new, F32 v_new, F32 pool_k, F32 pool_v,
-                  S32 table, S32 start, S32 length, int64_t window,
-                  ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> pool_k_out,
-                  ffi::ResultBuffer<ffi::F32> pool_v_out) {
+template <class Pool, ffi::DataType D>
+ffi::Error attend(ffi::ThreadPool pool, F32 q, F32 k_new, F32 v_new, ffi::Buffer<D> pool_k,
+                  ffi::Buffer<D> pool_v, S32 table, S32 start, S32 length, int64_t window,
+                  ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<D> pool_k_out,
+                  ffi::ResultBuffer<D> pool_v_out) {
+  using E = typename Pool::T;
   auto qd = q.dimensions(), pd = pool_k.dimensions(), td = table.dimensions();
   auto same = [](auto a, auto b) { return std::equal(a.begin(), a.end(), b.begin(), b.end()); };
   const size_t B = qd.size() == 5 ? size_t(qd[0]) : 0, T = qd.size() == 5 ? size_t(qd[1]) : 0;
@@ -270,7 +305,7 @@ ffi::Error attend(ffi::ThreadPool pool, F32 q, F32 k_new, F32 v_new, F32 pool_k,
   if (d.G > kMaxQueries || d.S % 16 || d.H % 4)
     return ffi::Error::InvalidArgument("attend: needs G <= 64 queries per kv head, head dims "
                                        "a multiple of 4 and pages of a multiple of 16");
-  float *kp = pool_k_out->typed_data(), *vp = pool_v_out->typed_data();
+  E *kp = pool_k_out->typed_data(), *vp = pool_v_out->typed_data();
   if (kp != pool_k.typed_data()) std::copy_n(pool_k.typed_data(), pool_k.element_count(), kp);
   if (vp != pool_v.typed_data()) std::copy_n(pool_v.typed_data(), pool_v.element_count(), vp);
   const float *qp = q.typed_data(), *kn = k_new.typed_data(), *vn = v_new.typed_data();
@@ -292,7 +327,7 @@ ffi::Error attend(ffi::ThreadPool pool, F32 q, F32 k_new, F32 v_new, F32 pool_k,
     if (capacity < need) work.reset(new float[capacity = need]);
     for (int64_t task = lo; task < hi; ++task) {
       const int64_t b = task / d.K, k = task % d.K, first = sp[b];
-      float *kh = kp + k * d.H * d.S, *vh = vp + k * d.H * d.S;
+      E *kh = kp + k * d.H * d.S, *vh = vp + k * d.H * d.S;
       const int64_t real = first >= 0 ? std::min<int64_t>(lp[b], d.T) : 0;
       for (int64_t t = 0, n; t < real; t += n) {
         // this task's head of the row's tokens [t, t + n), at their positions in one page
@@ -300,8 +335,8 @@ ffi::Error attend(ffi::ThreadPool pool, F32 q, F32 k_new, F32 v_new, F32 pool_k,
         n = std::min({real - t, d.S - pos % d.S, int64_t{16}});
         const int64_t at = std::clamp<int64_t>(tp[b * d.NB + j], 0, d.P - 1) * d.K * d.H * d.S;
         const int64_t from = ((b * d.T + t) * d.K + k) * d.H;
-        columns(kn + from, d.K * d.H, kh + at + pos % d.S, n, d.H, d.S);
-        columns(vn + from, d.K * d.H, vh + at + pos % d.S, n, d.H, d.S);
+        columns<Pool>(kn + from, d.K * d.H, kh + at + pos % d.S, n, d.H, d.S);
+        columns<Pool>(vn + from, d.K * d.H, vh + at + pos % d.S, n, d.H, d.S);
       }
       const int64_t last = first + std::max<int32_t>(lp[b], 1);  // past the row's last key
       for (int64_t t0 = 0; t0 < d.T; t0 += tile) {
@@ -319,31 +354,39 @@ ffi::Error attend(ffi::ThreadPool pool, F32 q, F32 k_new, F32 v_new, F32 pool_k,
           qs.lo[i] = d.window > 0 ? std::max<int64_t>(0, qs.n[i] - d.window) : 0;
         }
         if (qs.Q == 1)
-          head<1>(d, qs, kh, vh, tp + b * d.NB, work.get());
+          head<Pool, 1>(d, qs, kh, vh, tp + b * d.NB, work.get());
         else if (qs.Q == 2)
-          head<2>(d, qs, kh, vh, tp + b * d.NB, work.get());
+          head<Pool, 2>(d, qs, kh, vh, tp + b * d.NB, work.get());
         else
-          head<4>(d, qs, kh, vh, tp + b * d.NB, work.get());
+          head<Pool, 4>(d, qs, kh, vh, tp + b * d.NB, work.get());
       }
     }
   });
   return ffi::Error::Success();
 }
 
+// One handler per pool type (the pools' dtype is the engine's kv_cache_dtype); past the
+// first argument of type D the chain is dependent, hence `.template`.
+template <ffi::DataType D>
+auto bind() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<F32>()             // q
+      .Arg<F32>()             // k_new
+      .Arg<F32>()             // v_new
+      .Arg<ffi::Buffer<D>>()  // pool_k
+      .template Arg<ffi::Buffer<D>>()  // pool_v
+      .template Arg<S32>()             // table
+      .template Arg<S32>()             // start
+      .template Arg<S32>()             // length
+      .template Attr<int64_t>("window")
+      .template Ret<F32>()              // out
+      .template Ret<ffi::Buffer<D>>()   // pool_k
+      .template Ret<ffi::Buffer<D>>();  // pool_v
+}
+
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(attend_f32, attend,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<F32>()  // q
-                                  .Arg<F32>()  // k_new
-                                  .Arg<F32>()  // v_new
-                                  .Arg<F32>()  // pool_k
-                                  .Arg<F32>()  // pool_v
-                                  .Arg<S32>()  // table
-                                  .Arg<S32>()  // start
-                                  .Arg<S32>()  // length
-                                  .Attr<int64_t>("window")
-                                  .Ret<F32>()   // out
-                                  .Ret<F32>()   // pool_k
-                                  .Ret<F32>());  // pool_v
+XLA_FFI_DEFINE_HANDLER_SYMBOL(attend_f32, (attend<F32Pool, ffi::F32>), bind<ffi::F32>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(attend_f16, (attend<F16Pool, ffi::F16>), bind<ffi::F16>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(attend_bf16, (attend<BF16Pool, ffi::BF16>), bind<ffi::BF16>());
