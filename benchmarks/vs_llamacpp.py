@@ -17,7 +17,8 @@ is taken out of the wall time, leaving 127 decodes for 127 tokens.
 The parent sends both workers the same tests in turn, round after round (the first round is a
 warm-up and dropped), and runs llama-bench itself once per round when it is found (on PATH or
 `--llama-bench PATH`, e.g. built from llama-cpp-python's vendored llama.cpp with cmake): the
-table shows all three, medians over the rounds, and jaxinfer's ratio to each.
+table shows all three, medians over the rounds, and jaxinfer's ratio to each. A third worker
+runs jaxinfer with `kv_cache_dtype="float16"`, the K/V cache llama.cpp keeps.
 
 Usage: python benchmarks/vs_llamacpp.py [-r 5] [--threads 2] [--llama-bench PATH]
 Writes benchmarks/results/vs_llamacpp.md.
@@ -327,33 +328,38 @@ def main():
         "Each round runs every test on the C-API peer and on jaxinfer, then llama-bench itself "
         "once" + (" (`-r 1`)." if bench else " (not found: its column is empty)."),
         "",
-        "| model | test | llama-bench t/s | peer t/s | jaxinfer t/s | vs llama-bench | vs peer |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| model | test | llama-bench t/s | peer t/s | jaxinfer t/s | vs llama-bench | vs peer "
+        "| jaxinfer KV f16 t/s | KV f16 vs llama-bench |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     with tempfile.TemporaryDirectory() as tmp:
         llama86 = write_random_gguf(Path(tmp) / "86m.gguf", **LLAMA_86M)
         for label, path in [("stories260K", STORIES), ("llama-86M (random)", llama86)]:
             peer = Worker(PEER, str(path), str(args.threads), str(n_ctx))
             ours = Worker(OURS, str(path), str(args.threads), str(n_ctx), str(args.tree), "{}")
-            runs = {name: ([], [], []) for name in TESTS}
+            f16 = json.dumps({"kv_cache_dtype": "float16"})
+            half = Worker(OURS, str(path), str(args.threads), str(n_ctx), str(args.tree), f16)
+            runs = {name: ([], [], [], []) for name in TESTS}
             try:
                 for round_ in range(args.rounds + 1):
                     for name, cmd in TESTS.items():
-                        theirs, mine = peer(**cmd), ours(**cmd)
+                        theirs, mine, mine16 = peer(**cmd), ours(**cmd), half(**cmd)
                         if round_:
                             runs[name][0].append(theirs)
                             runs[name][1].append(mine)
+                            runs[name][3].append(mine16)
                     if bench and round_:
                         for name, value in llama_bench(bench, path, args.threads).items():
                             runs[name][2].append(value)
             finally:
                 peer.close()
                 ours.close()
-            for name, (theirs, mine, tool) in runs.items():
-                t, m = statistics.median(theirs), statistics.median(mine)
+                half.close()
+            for name, (theirs, mine, tool, mine16) in runs.items():
+                t, m, h = (statistics.median(x) for x in (theirs, mine, mine16))
                 b = statistics.median(tool) if tool else float("nan")
                 lines.append(f"| {label} | {name} | {b:.1f} | {t:.1f} | {m:.1f} | {m / b:.2f}x | "
-                             f"{m / t:.2f}x |")  # fmt: skip
+                             f"{m / t:.2f}x | {h:.1f} | {h / b:.2f}x |")  # fmt: skip
                 print(lines[-1], flush=True)
     out = ROOT / "benchmarks" / "results" / "vs_llamacpp.md"
     out.write_text("\n".join(lines) + "\n")
