@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax import lax
 
 from . import gdn, kvcache, moe, quant
 from .config import ModelConfig, rope_inv_freq
@@ -39,9 +40,22 @@ def _param(rngs: nnx.Rngs, shape, axes, scale=0.02, init_one=False) -> nnx.Param
 
 def rope_table(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
     """cos, sin [B, T, 1, R/2] of rotate-half RoPE over R dims at positions [B, T] (once per
-    forward)."""
-    angle = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, H/2]
-    return jnp.cos(angle)[:, :, None, :], jnp.sin(angle)[:, :, None, :]
+    forward).
+
+    On CPU the table is made inside a conditional whose two branches are this same table: XLA
+    CPU otherwise fuses cos and sin into every layer's q and k rotation and recomputes them
+    there (24 sincos per 86M program), and it does not fuse across a conditional (86M pp512
+    1.08x, interleaved; the same logits). A one-branch switch or a constant predicate would be
+    simplified away. Elsewhere the plain table: an accelerator reads a conditional's predicate
+    on the host."""
+
+    def table(p):
+        angle = p[..., None].astype(jnp.float32) * inv_freq  # [B, T, H/2]
+        return jnp.cos(angle)[:, :, None, :], jnp.sin(angle)[:, :, None, :]
+
+    if jax.default_backend() != "cpu":
+        return table(positions)
+    return lax.cond(positions[0, 0] >= 0, table, table, positions)
 
 
 def rope(x: jax.Array, table: tuple[jax.Array, jax.Array]) -> jax.Array:
