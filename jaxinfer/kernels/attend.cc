@@ -174,18 +174,18 @@ void head(const Shape& d, const Queries& qs, const typename Pool::T* kh,
       constexpr int CB = decltype(cb)::value;
       __m512 sv[CB][GT];
       static_for<CB>(
-          [&](auto i) { static_for<GT>([&](auto t) { sv[i][t] = _mm512_setzero_ps(); }); });
+          [&](auto i) UNROLLED { static_for<GT>([&](auto t) UNROLLED { sv[i][t] = _mm512_setzero_ps(); }); });
       for (int64_t h = 0; h < H; ++h) {
         __m512 qv[GT];
-        static_for<GT>([&](auto t) { qv[t] = _mm512_set1_ps(qp[(g0 + t) * H + h]); });
-        static_for<CB>([&](auto i) {
+        static_for<GT>([&](auto t) UNROLLED { qv[t] = _mm512_set1_ps(qp[(g0 + t) * H + h]); });
+        static_for<CB>([&](auto i) UNROLLED {
           __m512 kv = Pool::load(kp + h * S + c + 16 * i);
           asm("" : "+v"(kv));  // one load for the GT queries (gcc would load it per FMA)
-          static_for<GT>([&](auto t) { sv[i][t] = _mm512_fmadd_ps(qv[t], kv, sv[i][t]); });
+          static_for<GT>([&](auto t) UNROLLED { sv[i][t] = _mm512_fmadd_ps(qv[t], kv, sv[i][t]); });
         });
       }
-      static_for<CB>([&](auto i) {
-        static_for<GT>([&](auto t) {
+      static_for<CB>([&](auto i) UNROLLED {
+        static_for<GT>([&](auto t) UNROLLED {
           const __mmask16 keep = live(c + 16 * i, lo[g0 + t], hi[g0 + t]);
           _mm512_storeu_ps(s + (g0 + t) * S + c + 16 * i,
                            _mm512_mask_mov_ps(_mm512_set1_ps(-1e30f), keep, sv[i][t]));
@@ -222,8 +222,8 @@ void head(const Shape& d, const Queries& qs, const typename Pool::T* kh,
     for (int64_t g0 = 0; g0 < Qp; g0 += GT)
       for (int64_t h0 = 0; h0 < H; h0 += HB) {
         __m512 av[HB][GT];
-        static_for<HB>([&](auto u) {
-          static_for<GT>([&](auto t) {
+        static_for<HB>([&](auto u) UNROLLED {
+          static_for<GT>([&](auto t) UNROLLED {
             av[u][t] = j == j0 ? _mm512_setzero_ps()
                                : _mm512_mul_ps(_mm512_loadu_ps(acc + ((g0 + t) * H + h0 + u) * 16),
                                                _mm512_set1_ps(scale[g0 + t]));
@@ -231,18 +231,18 @@ void head(const Shape& d, const Queries& qs, const typename Pool::T* kh,
         });
         for (int64_t c = c0; c < c1; c += 16) {
           __m512 w[GT];
-          static_for<GT>([&](auto t) {
+          static_for<GT>([&](auto t) UNROLLED {
             w[t] = _mm512_loadu_ps(s + (g0 + t) * S + c);
             asm("" : "+v"(w[t]));  // loaded once for the HB head dims
           });
-          static_for<HB>([&](auto u) {
+          static_for<HB>([&](auto u) UNROLLED {
             __m512 vv = Pool::load(vp + (h0 + u) * S + c);
             asm("" : "+v"(vv));  // loaded once for the GT queries
-            static_for<GT>([&](auto t) { av[u][t] = _mm512_fmadd_ps(w[t], vv, av[u][t]); });
+            static_for<GT>([&](auto t) UNROLLED { av[u][t] = _mm512_fmadd_ps(w[t], vv, av[u][t]); });
           });
         }
-        static_for<HB>([&](auto u) {
-          static_for<GT>([&](auto t) {
+        static_for<HB>([&](auto u) UNROLLED {
+          static_for<GT>([&](auto t) UNROLLED {
             _mm512_storeu_ps(acc + ((g0 + t) * H + h0 + u) * 16, av[u][t]);
           });
         });
@@ -252,11 +252,11 @@ void head(const Shape& d, const Queries& qs, const typename Pool::T* kh,
   // the last group's spill past it lands in acc's first vector, already read)
   for (int64_t f = 0; f < Q * H; f += 16) {
     __m512 v[16];
-    static_for<16>([&](auto u) { v[u] = _mm512_loadu_ps(acc + (f + u) * 16); });
+    static_for<16>([&](auto u) UNROLLED { v[u] = _mm512_loadu_ps(acc + (f + u) * 16); });
     const __m512 sums = sums16(v);
-    static_for<4>([&](auto m) {
+    static_for<4>([&](auto m) UNROLLED {
       const __m128 four = _mm512_extractf32x4_ps(sums, m);  // v[slot(0..3, m)]
-      static_for<4>([&](auto r) { qp[f + slot(r, m)] = _mm_cvtss_f32(_mm_permute_ps(four, r)); });
+      static_for<4>([&](auto r) UNROLLED { qp[f + slot(r, m)] = _mm_cvtss_f32(_mm_permute_ps(four, r)); });
     });
   }
   for (int64_t i = 0; i < Q; ++i) {

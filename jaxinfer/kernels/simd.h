@@ -7,6 +7,11 @@
 #include <utility>
 
 #define INLINE inline __attribute__((always_inline))
+// For the bodies handed to static_for, `[&](auto i) UNROLLED { ... }`: inlined before gcc's
+// scalar replacement runs, so that the register arrays they index stay registers. Without it
+// attend.cc's head() kept its 16 score accumulators in registers but also stored all of them
+// to the stack on every step of the head-dim loop (16 stores per 16 FMAs).
+#define UNROLLED __attribute__((always_inline))
 
 namespace jaxinfer {
 
