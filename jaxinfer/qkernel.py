@@ -123,17 +123,18 @@ ATTEND = "jaxinfer_attend_f32"
 
 def attend(q, k, v, pools, table, start, length, window: int | None):
     """T tokens per row (kernels/attend.cc): writes the real ones (t < length [B]) of k, v
-    [B, T, K, H] at positions start [B] + t into the pools [P, K, H, S] (ATTEND_POOLS' dtypes;
-    in place: they are aliased to the outputs), then attends q [B, T, K, G, H] float32 (scaled, rotated):
-    token t over the row's positions [max(0, n - window), n), n = min(start + t + 1, start +
-    max(length, 1)), read through table [B, NB] -> (out [B, T, K, G, H] float32, pools)."""
+    [B, T, K, H] at positions start [B] + t into the pools [P, K, H, S] (ATTEND_POOLS'
+    dtypes; in place: they are aliased to the outputs), then attends q [B, T, K, G, H]
+    float32 (scaled, rotated): token t over the row's positions [max(0, n - window), n),
+    n = min(start + t + 1, start + max(length, 1)), read through table [B, NB] -> (out
+    [B, T, K, G, H] float32, pools)."""
     if not available():
         raise RuntimeError("the CPU kernels are not available here; ask available() first")
     pool_k, pool_v = pools
     like = jax.ShapeDtypeStruct
     call = jax.ffi.ffi_call(
         f"jaxinfer_attend_{ATTEND_POOLS[str(pool_k.dtype)]}",
-        (like(q.shape, jnp.float32), like(pool_k.shape, pool_k.dtype), like(pool_v.shape, pool_v.dtype)),
+        (like(q.shape, jnp.float32), *(like(p.shape, p.dtype) for p in pools)),
         input_output_aliases={3: 1, 4: 2},
         vmap_method="sequential",
     )
