@@ -2,14 +2,14 @@
 // or a verify step's) over the paged KV cache (kvcache.py's layout), reading the row's live
 // keys in place.
 //
-// q [B, T, K, G, H] f32 (scaled, rotated), the tokens' k, v [B, T, K, H] f32, pools [P, K, H, S]
-// f32, f16 or bf16 (positions contiguous within a page; 16-bit pools are widened to f32 as they
-// are read and the tokens rounded to nearest even as they are written), table [B, NB] int32 page ids, start [B] int32
-// (the first token's position), length [B] (the row's real tokens; 0: an idle row, nothing
-// written) -> out [B, T, K, G, H] f32, pools. Token t of row b sees positions
-// [max(0, n - window), n), n = min(start + t + 1, start + max(length, 1)) (window 0: no
-// window; padding tokens t >= length see the row's last key); a row with start < 0 gets
-// zeros.
+// q [B, T, K, G, H] f32 (scaled, rotated), the tokens' k, v [B, T, K, H] f32, pools
+// [P, K, H, S] f32, f16 or bf16 (positions contiguous within a page; 16-bit pools are widened
+// to f32 as they are read and the tokens rounded to nearest even as they are written), table
+// [B, NB] int32 page ids, start [B] int32 (the first token's position), length [B] (the row's
+// real tokens; 0: an idle row, nothing written) -> out [B, T, K, G, H] f32, pools. Token t of
+// row b sees positions [max(0, n - window), n), n = min(start + t + 1, start + max(length, 1))
+// (window 0: no window; padding tokens t >= length see the row's last key); a row with
+// start < 0 gets zeros.
 //
 // XLA's form of this (kvcache._pages) copies each row's page out of the pool before its two
 // dots and runs about ten small kernels per page and layer (~7.5 us for one 128-position page
@@ -173,8 +173,9 @@ void head(const Shape& d, const Queries& qs, const typename Pool::T* kh,
     auto scores = [&](auto cb, int64_t c, int64_t g0) {
       constexpr int CB = decltype(cb)::value;
       __m512 sv[CB][GT];
-      static_for<CB>(
-          [&](auto i) UNROLLED { static_for<GT>([&](auto t) UNROLLED { sv[i][t] = _mm512_setzero_ps(); }); });
+      static_for<CB>([&](auto i) UNROLLED {
+        static_for<GT>([&](auto t) UNROLLED { sv[i][t] = _mm512_setzero_ps(); });
+      });
       for (int64_t h = 0; h < H; ++h) {
         __m512 qv[GT];
         static_for<GT>([&](auto t) UNROLLED { qv[t] = _mm512_set1_ps(qp[(g0 + t) * H + h]); });
@@ -238,7 +239,8 @@ void head(const Shape& d, const Queries& qs, const typename Pool::T* kh,
           static_for<HB>([&](auto u) UNROLLED {
             __m512 vv = Pool::load(vp + (h0 + u) * S + c);
             asm("" : "+v"(vv));  // loaded once for the GT queries
-            static_for<GT>([&](auto t) UNROLLED { av[u][t] = _mm512_fmadd_ps(w[t], vv, av[u][t]); });
+            static_for<GT>(
+                [&](auto t) UNROLLED { av[u][t] = _mm512_fmadd_ps(w[t], vv, av[u][t]); });
           });
         }
         static_for<HB>([&](auto u) UNROLLED {
@@ -256,7 +258,9 @@ void head(const Shape& d, const Queries& qs, const typename Pool::T* kh,
     const __m512 sums = sums16(v);
     static_for<4>([&](auto m) UNROLLED {
       const __m128 four = _mm512_extractf32x4_ps(sums, m);  // v[slot(0..3, m)]
-      static_for<4>([&](auto r) UNROLLED { qp[f + slot(r, m)] = _mm_cvtss_f32(_mm_permute_ps(four, r)); });
+      static_for<4>([&](auto r) UNROLLED {
+        qp[f + slot(r, m)] = _mm_cvtss_f32(_mm_permute_ps(four, r));
+      });
     });
   }
   for (int64_t i = 0; i < Q; ++i) {
@@ -371,10 +375,10 @@ template <ffi::DataType D>
 auto bind() {
   return ffi::Ffi::Bind()
       .Ctx<ffi::ThreadPool>()
-      .Arg<F32>()             // q
-      .Arg<F32>()             // k_new
-      .Arg<F32>()             // v_new
-      .Arg<ffi::Buffer<D>>()  // pool_k
+      .Arg<F32>()                      // q
+      .Arg<F32>()                      // k_new
+      .Arg<F32>()                      // v_new
+      .Arg<ffi::Buffer<D>>()           // pool_k
       .template Arg<ffi::Buffer<D>>()  // pool_v
       .template Arg<S32>()             // table
       .template Arg<S32>()             // start
