@@ -63,22 +63,17 @@ def builtin_config(vocab_size: int) -> ModelConfig:
     )  # fmt: skip
 
 
-def _dtype(name: str):
+def _dtype(name: str, option: str = "dtype", also: tuple[str, ...] = ()):
     if name not in DTYPES:
-        raise JaxinferError(f"dtype {name!r} is not supported; use one of {', '.join(DTYPES)}")
+        known = ", ".join((*also, *DTYPES))
+        raise JaxinferError(f"{option} {name!r} is not supported; use one of {known}")
     return DTYPES[name]
 
 
 def _kv_dtype(name: str, compute):
     """The KV pools' dtype: "auto" is the compute dtype; a 16-bit cache under float32 compute
     halves the KV memory and the bytes attention reads (llama.cpp's default is float16)."""
-    if name == "auto":
-        return compute
-    if name not in DTYPES:
-        raise JaxinferError(
-            f"kv_cache_dtype {name!r} is not supported; use auto or one of {', '.join(DTYPES)}"
-        )
-    return DTYPES[name]
+    return compute if name == "auto" else _dtype(name, "kv_cache_dtype", ("auto",))
 
 
 def quantizing(read: Reader, how: str, compute) -> Reader:

@@ -118,7 +118,13 @@ def matmuls(x: jax.Array, fmt: str, weights, out_features, norm=None) -> list[ja
 # jaxinfer_attend_<suffix>) by the pools' dtype, the engine's kv_cache_dtype: 16-bit pools
 # are widened to float32 as they are read.
 ATTEND_POOLS = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
-ATTEND = "jaxinfer_attend_f32"
+
+
+def _attend_target(dtype: str) -> str:
+    return f"jaxinfer_attend_{ATTEND_POOLS[dtype]}"
+
+
+ATTEND = _attend_target("float32")
 
 
 def attend(q, k, v, pools, table, start, length, window: int | None):
@@ -133,7 +139,7 @@ def attend(q, k, v, pools, table, start, length, window: int | None):
     pool_k, pool_v = pools
     like = jax.ShapeDtypeStruct
     call = jax.ffi.ffi_call(
-        f"jaxinfer_attend_{ATTEND_POOLS[str(pool_k.dtype)]}",
+        _attend_target(str(pool_k.dtype)),
         (like(q.shape, jnp.float32), *(like(p.shape, p.dtype) for p in pools)),
         input_output_aliases={3: 1, 4: 2},
         vmap_method="sequential",
@@ -160,9 +166,9 @@ def _load() -> bool:
                 capsule = jax.ffi.pycapsule(getattr(lib, f"qmatmul_{fmt}"))
                 jax.ffi.register_ffi_target(_target(fmt), capsule, platform="cpu")
                 _served.add(fmt)
-        for suffix in ATTEND_POOLS.values():
+        for dtype, suffix in ATTEND_POOLS.items():
             capsule = jax.ffi.pycapsule(getattr(lib, f"attend_{suffix}"))
-            jax.ffi.register_ffi_target(f"jaxinfer_attend_{suffix}", capsule, platform="cpu")
+            jax.ffi.register_ffi_target(_attend_target(dtype), capsule, platform="cpu")
     except Exception as e:  # any failure means the in-graph path, which is always correct
         log.warning("quantized CPU kernel unavailable, dequantizing in the graph: %s", e)
         return False
