@@ -32,14 +32,14 @@ def write_checkpoint(folder: Path) -> int:
     from safetensors.numpy import save_file
     from speed import LLAMA_110M
 
-    from jaxinfer.checkpoint import tensor_names
+    from jaxinfer.formats.checkpoint import tensor_names
 
     cfg = LLAMA_110M
     rng = np.random.default_rng(0)
     tensors = {}
     from flax import nnx
 
-    from jaxinfer.model import abstract_model
+    from jaxinfer.model.transformer import abstract_model
 
     for path, var in nnx.to_flat_state(nnx.state(abstract_model(cfg))):
         shape = var.get_value().shape

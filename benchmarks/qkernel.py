@@ -1,4 +1,4 @@
-"""The quantized matmul kernel (jaxinfer/qkernel.py) against float32 weights and in-graph
+"""The quantized matmul kernel (jaxinfer/kernels/cpu.py) against float32 weights and in-graph
 dequantize + dot: one jitted chain of 24 products over alternating [2048, 768] / [768, 2048]
 weights (86M-model shapes), M activation rows. Medians of N calls, variants interleaved.
 Writes benchmarks/results/qkernel.md. Usage: python benchmarks/qkernel.py [-n 15] [--quick]
@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from jaxinfer import qkernel, quant
+from jaxinfer.kernels import cpu as qkernel
+from jaxinfer.ops import quant
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = [(2048, 768), (768, 2048)] * 12  # [O, I] of the chain's 24 weights

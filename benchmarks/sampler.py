@@ -21,7 +21,7 @@ import numpy as np
 from speed import LLAMA_110M
 
 import jaxinfer
-from jaxinfer.sampling import PENALTY_WINDOW, SamplingParams, SamplingRows, sample
+from jaxinfer.ops.sampling import PENALTY_WINDOW, SamplingParams, SamplingRows, sample
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = {

@@ -9,7 +9,7 @@ import sys
 import tempfile
 
 import jaxinfer
-from jaxinfer.profiler import op_scopes, profile, summarize, trace_files
+from jaxinfer.runtime.profiler import op_scopes, profile, summarize, trace_files
 
 model = sys.argv[1] if len(sys.argv) > 1 else None
 trace_dir = sys.argv[2] if len(sys.argv) > 2 else tempfile.mkdtemp(prefix="jaxinfer-trace-")

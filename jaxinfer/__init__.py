@@ -1,6 +1,5 @@
 """jaxinfer: a JAX/XLA compiled inference stack for Llama- and Qwen-family decoders."""
 
-from .compile import RecompileEvent
 from .config import ModelConfig
 from .engine import Engine, PlannedProgram
 from .errors import (
@@ -12,8 +11,9 @@ from .errors import (
     UnsupportedModelError,
 )
 from .loader import generate, load
-from .perf import PerfStats
-from .request import Request, Result, StreamPiece
+from .runtime.compile import RecompileEvent
+from .runtime.perf import PerfStats
+from .runtime.request import Request, Result, StreamPiece
 
 __all__ = [
     "CheckpointError",

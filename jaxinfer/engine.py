@@ -18,20 +18,20 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from .buckets import ShapePlan
-from .compile import CompileCache, CompileCounts, Handle, RecompileEvent, watching
 from .config import ModelConfig
 from .errors import JaxinferError, RecompileError, RequestError
-from .executor import Executor
-from .kvcache import PAGE_SIZES, KVConfig
-from .perf import PerfStats
-from .placement import Placement
-from .profiler import profile
-from .request import Request, RequestState, StreamPiece
-from .sampling import SamplingParams, SamplingRows
-from .scheduler import Scheduler
-from .speculative import SpecConfig
-from .tokenizer import Tokenizer
+from .formats.tokenizer import Tokenizer
+from .model.kvcache import PAGE_SIZES, KVConfig
+from .ops.sampling import SamplingParams, SamplingRows
+from .parallel.placement import Placement
+from .runtime.buckets import ShapePlan
+from .runtime.compile import CompileCache, CompileCounts, Handle, RecompileEvent, watching
+from .runtime.executor import Executor
+from .runtime.perf import PerfStats
+from .runtime.profiler import profile
+from .runtime.request import Request, RequestState, StreamPiece
+from .runtime.scheduler import Scheduler
+from .runtime.speculative import SpecConfig
 
 DEFAULT_PREFILL_BUCKETS = (8, 32, 128, 512)
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8)

@@ -16,17 +16,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .checkpoint import open_checkpoint
-from .compile import default_cache_dir, use_persistent_cache
 from .config import ModelConfig
 from .engine import Engine
 from .errors import JaxinferError, UnsupportedModelError
-from .pipeline import place_pipeline
-from .placement import Placement, Reader, place_dense, random_reader
-from .quant import HostQuant, quantize_int8
-from .sharding import effective_rules, load_layout, make_mesh, select_devices
-from .speculative import SpecConfig
-from .tokenizer import Tokenizer
+from .formats.checkpoint import open_checkpoint
+from .formats.tokenizer import Tokenizer
+from .ops.quant import HostQuant, quantize_int8
+from .parallel.pipeline import place_pipeline
+from .parallel.placement import Placement, Reader, place_dense, random_reader
+from .parallel.sharding import effective_rules, load_layout, make_mesh, select_devices
+from .runtime.compile import default_cache_dir, use_persistent_cache
+from .runtime.speculative import SpecConfig
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 # keep: quantized GGUF tensors stay in block form; int8: float weights too become per-channel
@@ -48,7 +48,7 @@ _DEFAULT = object()
 
 # The built-in default model ships in the package: Karpathy's stories260K (MIT; models/LICENSE),
 # a 1.2 MB GGUF trained on TinyStories, so the main job writes a little story with no download.
-BUILTIN_MODEL = Path(__file__).parent / "models" / "stories260K.gguf"
+BUILTIN_MODEL = Path(__file__).parent / "data" / "stories260K.gguf"
 # The built-in random model, by name (benchmarks): random weights from a fixed seed over a
 # byte-level vocabulary. It produces noise, never language.
 BUILTIN_RANDOM = "builtin-random"

@@ -6,7 +6,7 @@ import re
 from conftest import model_path
 
 from jaxinfer.cli import main
-from jaxinfer.profiler import op_scopes, read_events, trace_files
+from jaxinfer.runtime.profiler import op_scopes, read_events, trace_files
 
 STORIES = "stories260K-gguf/stories260K.gguf"
 

@@ -16,7 +16,7 @@ import pytest
 from conftest import model_path
 
 import jaxinfer
-from jaxinfer.compile import RecompileError
+from jaxinfer.runtime.compile import RecompileError
 
 STORIES = "stories260K-gguf/stories260K.gguf"
 
@@ -150,7 +150,7 @@ def test_cleared_cache_gives_same_shape_events():
 def test_capacity_one_alternating_shapes_evicts():
     """The cache itself (the engine never sizes it below its plan): with room for one
     executable, two alternating shapes evict each other: same-shape recompiles."""
-    from jaxinfer.compile import CompileCache
+    from jaxinfer.runtime.compile import CompileCache
 
     cache = CompileCache(capacity=1)
     ctx = cache.context(static="toy", layout=("single",), names=[], fixed=())

@@ -28,9 +28,9 @@ from flax import nnx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jaxinfer.checkpoint import open_checkpoint
 from jaxinfer.errors import CheckpointError
-from jaxinfer.model import abstract_model
+from jaxinfer.formats.checkpoint import open_checkpoint
+from jaxinfer.model.transformer import abstract_model
 
 # d_model 16, 2 layers, vocab 300; d_ff 32 makes ffn_down's rows one Q8_0 block each, so the
 # tiny GGUF holds a quantized tensor beside F32 ones.

@@ -18,12 +18,12 @@ from conftest import F32_LOGITS_ATOL, model_path
 from test_compile import CompileCounter
 
 import jaxinfer
-from jaxinfer import gdn
-from jaxinfer.checkpoint import open_checkpoint
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import CheckpointError, LayoutError, UnsupportedModelError
-from jaxinfer.model import abstract_model
-from jaxinfer.pipeline import stage_plan
+from jaxinfer.formats.checkpoint import open_checkpoint
+from jaxinfer.model import gdn
+from jaxinfer.model.transformer import abstract_model
+from jaxinfer.parallel.pipeline import stage_plan
 
 FIXTURES = {
     "qwen3_next": "tiny-random/qwen3_next_l3f1_e8k2_mtp",

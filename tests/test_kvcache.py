@@ -10,8 +10,8 @@ import pytest
 from conftest import model_path
 
 import jaxinfer
-from jaxinfer import kvcache
-from jaxinfer.kvcache import NULL_PAGE, AttentionKV, KVConfig, KVView, PagePool
+from jaxinfer.model import kvcache
+from jaxinfer.model.kvcache import NULL_PAGE, AttentionKV, KVConfig, KVView, PagePool
 
 K, G, H = 2, 3, 8
 

@@ -62,7 +62,7 @@ def test_logits_and_greedy_match_the_float64_reference(written, arch, form):
 def test_parameter_counts_and_bytes_read_per_token(written):
     """n_params equals the placed arrays; a decode token reads the dense part and k of the E
     experts of every MoE layer (counted here from the HF config)."""
-    from jaxinfer.bench import weight_bytes, weight_bytes_read
+    from jaxinfer.cli.bench import weight_bytes, weight_bytes_read
 
     hf = written["qwen3_moe"]["config"]
     engine = jaxinfer.load(written["qwen3_moe"]["hf"], max_seq_len=32)
@@ -117,9 +117,9 @@ def test_qwen3_next_expert_block_matches_the_reference():
     layer-0 weights, loaded through the same names, against the float64 NumPy block."""
     from safetensors.numpy import load_file
 
-    from jaxinfer.checkpoint import MOE_TENSORS, tensor_names
     from jaxinfer.config import ModelConfig, hf_moe_fields
-    from jaxinfer.model import MoE
+    from jaxinfer.formats.checkpoint import MOE_TENSORS, tensor_names
+    from jaxinfer.model.transformer import MoE
 
     root = model_path("tiny-random/qwen3_next_l3f1_e8k2_mtp")
     hf = json.loads((root / "config.json").read_text())
@@ -246,7 +246,7 @@ def test_router_ties_go_to_the_lower_index(tmp_path, gap):
             w2[f"model.layers.{i}.mlp.experts.{5 if gap == 0 else 2}.{n}.weight"] *= 0
     other = R.forward(w2, cfg, PROMPT)
     assert np.abs(other - want).max() < 1e-12  # the reference never used the losing expert
-    from jaxinfer import moe
+    from jaxinfer.model import moe
 
     x = np.ones((3, 4), np.float32)
     router = np.zeros((6, 4), np.float32)

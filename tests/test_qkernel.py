@@ -11,7 +11,9 @@ from gguf.quants import dequantize as gguf_dequantize
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxinfer import qkernel, quant
+from jaxinfer.kernels import cpu as qkernel
+from jaxinfer.model import linear
+from jaxinfer.ops import quant
 
 MS = (1, 2, 3, 5, 8, 13, 64)  # decode; fused tiles (2-8); dequantized-row tiles (13, 64)
 FORMATS = tuple(quant.FORMATS)
@@ -122,7 +124,7 @@ def test_several_weights_in_one_call(fmt):
 
 
 def test_linears_groups_by_format():
-    """`quant.linears` over weights of mixed formats and a plain array: one kernel call per
+    """`linear.linears` over weights of mixed formats and a plain array: one kernel call per
     format, every result equal to its own `linear`."""
     rng = np.random.default_rng(8)
     cols = 512
@@ -131,18 +133,18 @@ def test_linears_groups_by_format():
     ws = [quant.QArray(p, f, cols, kernel=True) for (p, _), f in zip(made, fmts, strict=True)]
     plain = rng.standard_normal((24, cols)).astype(np.float32)
     x = jnp.asarray(rng.standard_normal((2, 3, cols)).astype(np.float32))
-    ys = jax.jit(quant.linears)(x, [*ws, jnp.asarray(plain)])
+    ys = jax.jit(linear.linears)(x, [*ws, jnp.asarray(plain)])
     refs = [r for _, r in made] + [plain.astype(np.float64)]
     flat = np.asarray(x).reshape(6, cols)
     for y, ref in zip(ys, refs, strict=True):
         assert y.shape == (2, 3, ref.shape[0])
         check(np.asarray(y).reshape(6, -1), flat, ref)
-    hlo = jax.jit(quant.linears).lower(x, [*ws, jnp.asarray(plain)]).as_text()
+    hlo = jax.jit(linear.linears).lower(x, [*ws, jnp.asarray(plain)]).as_text()
     assert hlo.count("jaxinfer_qmatmul_q8_0") == 1 and hlo.count("jaxinfer_qmatmul_q4_k") == 1
 
 
 def test_linears_fold_the_norm():
-    """`quant.linears(x, ws, norm=(w, eps))`: the kernel's calls normalize x's rows themselves
+    """`linear.linears(x, ws, norm=(w, eps))`: the kernel's calls normalize x's rows themselves
     (one call per format), the other weights take XLA's norm; each result matches a float64
     RMSNorm and product, at 1 and 6 rows and at 64 (past FLOAT_ROWS: the f32 weight takes
     XLA's norm and dot there, the q8_0 one the kernel's). check's bound holds with room:
@@ -158,14 +160,14 @@ def test_linears_fold_the_norm():
     eps = 1e-5
     for rows in (1, 6, 64):
         x = rng.standard_normal((rows, cols)).astype(np.float32) * 3.0
-        run = jax.jit(lambda x, ws, g: quant.linears(x, ws, norm=(g, eps)))
+        run = jax.jit(lambda x, ws, g: linear.linears(x, ws, norm=(g, eps)))
         ys = run(x, [*ws, jnp.asarray(plain)], gain)
         x64 = x.astype(np.float64)
         normed = x64 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + eps) * gain
         for y, ref in zip(ys, refs, strict=True):
             check(y, normed, ref)
     x = rng.standard_normal((6, cols)).astype(np.float32)
-    hlo = jax.jit(lambda x, ws, g: quant.linears(x, ws, norm=(g, eps))).lower(x, ws, gain)
+    hlo = jax.jit(lambda x, ws, g: linear.linears(x, ws, norm=(g, eps))).lower(x, ws, gain)
     text = hlo.as_text()
     assert text.count("jaxinfer_qmatmul_f32") == 1 and text.count("jaxinfer_qmatmul_q8_0") == 1
     assert "rsqrt" not in text  # the kernel weights alone: no norm left in the graph
@@ -236,14 +238,14 @@ def test_shard_map_per_device_rows():
 
 
 def test_linear_seam():
-    """quant.linear sends small row counts to the kernel and larger ones to the graph; both
+    """linear.linear sends small row counts to the kernel and larger ones to the graph; both
     give the same product."""
     rng = np.random.default_rng(5)
     parts, ref = random_weight("q5_k", 37, 512, rng)
     w = quant.QArray({k: jnp.asarray(v) for k, v in parts.items()}, "q5_k", 512, True)
     for rows in (1, qkernel.MAX_ROWS + 1):
         x = rng.standard_normal((rows, 512)).astype(np.float32)
-        check(jax.jit(quant.linear)(x, w), x, ref)
+        check(jax.jit(linear.linear)(x, w), x, ref)
 
 
 def attention_reference(q, pool_k, pool_v, table, start, length, window):

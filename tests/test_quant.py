@@ -23,8 +23,10 @@ from gguf.quants import dequantize as gguf_dequantize
 from safetensors.numpy import load_file
 
 import jaxinfer
-from jaxinfer import qkernel, quant
 from jaxinfer.errors import JaxinferError, LayoutError
+from jaxinfer.kernels import cpu as qkernel
+from jaxinfer.model import linear
+from jaxinfer.ops import quant
 
 TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16"]
 Q8 = "stories260K-gguf-quant-derived/stories260K-Q8_0.gguf"
@@ -87,13 +89,13 @@ def test_each_format_dequantizes_as_gguf_py_does(name):
     kernels = [False, True] if qkernel.available() else [False]
     for kernel in kernels:
         w = qarray(name, data, (rows, width), kernel)
-        got = np.asarray(jax.jit(quant.linear)(jnp.asarray(x), w))
+        got = np.asarray(jax.jit(linear.linear)(jnp.asarray(x), w))
         assert np.all(np.abs(got - ref) <= bound), (kernel, np.abs(got - ref).max())
     stacked = w.rows(lambda a: jnp.stack([a, a[::-1]]))
-    got = np.asarray(quant.linear(jnp.asarray(x), stacked.rows(lambda a: a[1])))
+    got = np.asarray(linear.linear(jnp.asarray(x), stacked.rows(lambda a: a[1])))
     assert np.all(np.abs(got - ref[:, ::-1]) <= bound)
     # embedding lookups dequantize the rows they gather
-    rows_got = np.asarray(quant.embed(w, jnp.asarray([3, 0, 3])))
+    rows_got = np.asarray(linear.embed(w, jnp.asarray([3, 0, 3])))
     np.testing.assert_array_equal(rows_got, want[[3, 0, 3]])
 
 

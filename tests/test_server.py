@@ -20,10 +20,10 @@ from conftest import model_path
 from prometheus_client.parser import text_string_to_metric_families
 
 import jaxinfer
-from jaxinfer.chat import ChatTemplate, check_messages
 from jaxinfer.cli import main
-from jaxinfer.server import Server
-from jaxinfer.tokenizer import Tokenizer
+from jaxinfer.formats.tokenizer import Tokenizer
+from jaxinfer.serve.chat import ChatTemplate, check_messages
+from jaxinfer.serve.server import Server
 
 openai = pytest.importorskip("openai")
 

@@ -13,7 +13,7 @@ from conftest import F32_LOGITS_ATOL, GOLDEN, model_path
 from test_compile import CompileCounter
 
 import jaxinfer
-from jaxinfer.quant import QArray
+from jaxinfer.ops.quant import QArray
 
 LAYOUTS = [
     ("layer", 2), ("layer", 3), ("layer", 4), ("tensor", 2), ("tensor", 4),
@@ -190,11 +190,11 @@ def test_wheel_ships_the_builtin_layouts_and_model(tmp_path):
     for layout in ("single", "layer", "tensor", "layer-tensor"):
         assert f"jaxinfer/shardings/{layout}.toml" in names
     # the built-in model and its license notice
-    assert {"jaxinfer/models/stories260K.gguf", "jaxinfer/models/LICENSE"} <= set(names)
+    assert {"jaxinfer/data/stories260K.gguf", "jaxinfer/data/LICENSE"} <= set(names)
 
 
 def test_devices_list_and_count_select_devices():
-    from jaxinfer.sharding import select_devices
+    from jaxinfer.parallel.sharding import select_devices
 
     assert select_devices(2) == jax.devices()[:2]
     assert select_devices(jax.devices()[3:5]) == jax.devices()[3:5]

@@ -18,11 +18,11 @@ from scipy.stats import chi2_contingency
 from test_compile import CompileCounter
 
 import jaxinfer
-from jaxinfer import speculative
 from jaxinfer.cli import main
 from jaxinfer.errors import JaxinferError, RequestError, UnsupportedModelError
-from jaxinfer.kvcache import KVView
-from jaxinfer.sampling import recent_window
+from jaxinfer.model.kvcache import KVView
+from jaxinfer.ops.sampling import recent_window
+from jaxinfer.runtime import speculative
 
 STORIES = "stories260K-gguf/stories260K.gguf"
 FIXTURES = {

@@ -10,7 +10,7 @@ import pytest
 from tokenizers import pre_tokenizers
 
 from jaxinfer.errors import CheckpointError, UnsupportedModelError
-from jaxinfer.tokenizer import Tokenizer
+from jaxinfer.formats.tokenizer import Tokenizer
 
 MODELS = Path(__file__).resolve().parents[1].parent / "shared" / "models"
 GGUF_PATH = MODELS / "stories260K-gguf" / "stories260K.gguf"

@@ -1,0 +1,485 @@
+"""The `jaxinfer` command: llama.cpp-style `generate`, `serve`, `bench` and `info`.
+
+User errors print one line to stderr and exit 1 (`-v` adds the traceback). Generated text goes
+to stdout as it is produced; perf stats go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+import traceback
+
+from ..errors import JaxinferError
+from ..shardings import BUILTIN
+
+
+def _ints(text: str, minimum: int = 1) -> tuple[int, ...]:
+    """Comma-separated integers >= minimum."""
+    try:
+        values = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+    if min(values) < minimum:
+        raise argparse.ArgumentTypeError(f"expected integers >= {minimum}, got {text!r}")
+    return values
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    return _ints(text, 1)
+
+
+def _int_list0(text: str) -> tuple[int, ...]:
+    """Integers >= 0 (0 skips a test, as in llama-bench)."""
+    return _ints(text, 0)
+
+
+def _devices(text: str):
+    """An int, or for bench a comma list of ints."""
+    values = _ints(text, 1)
+    return values[0] if len(values) == 1 else values
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "-m", "--model",
+        help="HF folder or .gguf file (default: the built-in stories260K; builtin-random: "
+        "the random model)",
+    )  # fmt: skip
+    p.add_argument("-c", "--ctx-size", type=int, default=None, help="context length (max_seq_len)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--quantize", default="keep", choices=["keep", "int8", "none"],
+        help="keep: GGUF quantized tensors stay in their blocks (default); int8: float weights "
+        "too, per-channel int8; none: dequantize everything at load",
+    )  # fmt: skip
+    p.add_argument(
+        "--layout", default="single",
+        help=f"{', '.join(BUILTIN)}, or a layout .toml file",
+    )  # fmt: skip
+    p.add_argument("--devices", type=_devices, default=None, help="use the first N devices")
+    p.add_argument(
+        "--kv-cache-tokens", type=int, default=None,
+        help="KV page pool size in tokens (default: context x max(parallel, 1))",
+    )  # fmt: skip
+    p.add_argument("--page-size", type=int, default=None, help="KV page size in tokens (128)")
+    p.add_argument(
+        "--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+        help="KV cache dtype (auto: the compute dtype; float16 halves a float32 model's KV "
+        "memory, as llama.cpp's default f16 cache does)",
+    )  # fmt: skip
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logs and tracebacks")
+    p.add_argument("--compile-cache-dir", default=None, help="persistent compilation cache dir")
+    p.add_argument(
+        "--no-compile-cache", action="store_true", help="disable the persistent compile cache"
+    )
+
+
+def _serving(p: argparse.ArgumentParser) -> None:
+    """Options of the commands that serve requests: prompt chunks and speculative decoding."""
+    p.add_argument(
+        "-ub", "--ubatch-size", type=_int_list, default=None,
+        help="prompt chunk sizes, comma-separated (default 8,32,128,512)",
+    )  # fmt: skip
+    p.add_argument(
+        "--spec-type", choices=["ngram", "draft", "mtp"], default=None,
+        help="speculative decoding: prompt lookup, a draft model (-md) or the MTP layer",
+    )  # fmt: skip
+    p.add_argument(
+        "--spec-draft-n-max", type=int, default=4, metavar="K", help="drafts per step (4)"
+    )
+    p.add_argument("-md", "--model-draft", default=None, help="draft model: HF folder or .gguf")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxinfer", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text from a prompt")
+    _common(g)
+    src = g.add_mutually_exclusive_group()
+    src.add_argument("-p", "--prompt", default=None, help="prompt text")
+    src.add_argument("-f", "--file", default=None, help="file with one prompt per line")
+    g.add_argument("-n", "--n-predict", type=int, default=128, help="max new tokens")
+    g.add_argument("--temp", type=float, default=0.8, help="temperature (0 = greedy)")
+    g.add_argument("--top-k", type=int, default=40)
+    g.add_argument("--top-p", type=float, default=0.95)
+    g.add_argument("--min-p", type=float, default=0.05)
+    g.add_argument("--repeat-penalty", type=float, default=1.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("-s", "--seed", type=int, default=-1, help="random seed (-1 = random)")
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
+    g.add_argument("--profile", default=None, metavar="DIR", help="write a jax profiler trace")
+    g.add_argument(
+        "-np", "--parallel", type=int, default=None,
+        help="slots: requests decoded together with continuous batching",
+    )  # fmt: skip
+    _serving(g)
+
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over the slots")
+    _common(s)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
+    s.add_argument("--port", type=int, default=8080, help="port (8080; 0 = any free port)")
+    s.add_argument(
+        "-np", "--parallel", type=int, default=4, help="slots: requests decoded together (4)"
+    )
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    s.add_argument("--alias", default=None, help="the model name the API reports")
+    s.add_argument(
+        "--chat-template-file", default=None, metavar="FILE",
+        help="a jinja chat template in place of the model's",
+    )  # fmt: skip
+    _serving(s)
+
+    b = sub.add_parser("bench", help="llama-bench style throughput")
+    _common(b)
+    b.add_argument("-p", "--n-prompt", type=_int_list0, default=(512,), help="prompt lengths")
+    b.add_argument("-n", "--n-gen", type=_int_list0, default=(128,), help="generated lengths")
+    b.add_argument("-r", "--repetitions", type=int, default=5)
+    b.add_argument("--parallel", type=_int_list, default=(1,), help="rows decoded together")
+    b.add_argument("--graph-reuse", default="on", help="on, off or on,off")
+    b.add_argument("-o", "--output", default="md", choices=["md", "json", "csv"])
+    b.add_argument("--mem-bw", type=float, default=None, help="memory bandwidth in GB/s")
+    b.add_argument("--profile", default=None, metavar="DIR", help="write a jax profiler trace")
+
+    i = sub.add_parser("info", help="describe a model")
+    _common(i)
+    return parser
+
+
+def _load(args):
+    import jaxinfer
+
+    options = {}
+    if getattr(args, "ubatch_size", None):
+        options["prefill_buckets"] = args.ubatch_size
+    options.update(_cache_options(args))
+    if getattr(args, "parallel", None) and args.command in ("generate", "serve"):
+        options["slots"] = args.parallel
+    if args.kv_cache_tokens is not None:
+        options["kv_cache_tokens"] = args.kv_cache_tokens
+    if args.page_size is not None:
+        options["page_size"] = args.page_size
+    options.update(_spec_options(args))
+    return jaxinfer.load(
+        args.model, dtype=args.dtype, max_seq_len=args.ctx_size, layout=args.layout,
+        devices=args.devices, quantize=args.quantize, kv_cache_dtype=args.kv_cache_dtype,
+        **options,
+    )  # fmt: skip
+
+
+def _spec_options(args) -> dict:
+    """--spec-type / -md as load options (-md alone means a draft model, as in llama.cpp)."""
+    how, draft = getattr(args, "spec_type", None), getattr(args, "model_draft", None)
+    if how is None and draft is None:
+        return {}
+    if how in (None, "draft"):
+        if draft is None:
+            raise JaxinferError("--spec-type draft needs a draft model: pass -md PATH")
+        how = draft
+    elif draft is not None:
+        raise JaxinferError(f"-md is for --spec-type draft; --spec-type {how} uses no draft model")
+    return {"speculative": how, "draft_tokens": args.spec_draft_n_max}
+
+
+def _sampling(args) -> dict:
+    return dict(
+        max_new_tokens=args.n_predict,
+        temperature=args.temp,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repeat_penalty=args.repeat_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        seed=None if args.seed < 0 else args.seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
+
+
+def _generate(args) -> None:
+    from ..runtime.profiler import profile
+
+    with profile(args.profile):
+        _generate_run(args)
+    if args.profile:
+        print(f"profile written to {args.profile}", file=sys.stderr)
+
+
+def _bench(args) -> None:
+    import jaxinfer
+
+    from ..runtime.profiler import profile
+    from .bench import render, run_bench
+
+    reuse = {"on": [True], "off": [False], "on,off": [True, False], "off,on": [False, True]}
+    if args.graph_reuse not in reuse:
+        raise JaxinferError(f"--graph-reuse {args.graph_reuse!r}: use on, off or on,off")
+    devices = args.devices if isinstance(args.devices, tuple) else (args.devices,)
+
+    def make_engine(layout, dev, slots, graph_reuse, need):
+        ctx = args.ctx_size or max(need, 128)
+        return jaxinfer.load(
+            args.model, dtype=args.dtype, max_seq_len=ctx, layout=layout, devices=dev,
+            batch_buckets=(slots,), graph_reuse=graph_reuse, kv_cache_tokens=ctx * slots,
+            quantize=args.quantize, kv_cache_dtype=args.kv_cache_dtype, **_cache_options(args),
+        )  # fmt: skip
+
+    def progress(row):
+        if args.verbose:
+            print(f"bench: {row.layout} {row.test} {row.ts} t/s", file=sys.stderr)
+
+    with profile(args.profile):
+        rows = run_bench(
+            make_engine, prompts=list(args.n_prompt), gens=list(args.n_gen),
+            repeats=args.repetitions, layouts=args.layout.split(","), devices=list(devices),
+            slots=list(args.parallel), graph_reuse=reuse[args.graph_reuse],
+            mem_bw=args.mem_bw * 1e9 if args.mem_bw else None, progress=progress,
+        )  # fmt: skip
+    print(render(rows, args.output))
+
+
+def _cache_options(args) -> dict:
+    if args.no_compile_cache:
+        return {"compile_cache_dir": None}
+    if args.compile_cache_dir:
+        return {"compile_cache_dir": args.compile_cache_dir}
+    return {}
+
+
+def _generate_run(args) -> None:
+    engine = _load(args)
+    print(f"model: {engine.name} [{engine.source}]", file=sys.stderr)
+    kw = _sampling(args)
+    if args.file:
+        try:
+            with open(args.file, encoding="utf-8") as f:
+                prompts = [line.rstrip("\n") for line in f if line.strip()]
+        except OSError as e:
+            raise JaxinferError(f"cannot read prompt file {args.file!r}: {e.strerror}") from None
+        if not prompts:
+            raise JaxinferError(f"prompt file {args.file!r} holds no prompts")
+        t0 = time.perf_counter()
+        requests = [engine.submit(p, **kw) for p in prompts] if engine.slots else None
+        results = [r.result() for r in requests] if requests else engine.generate(prompts, **kw)
+        wall = time.perf_counter() - t0
+        for n, result in enumerate(results):
+            print(f"--- [{n}] {prompts[n]}{result.text}  ({result.finish_reason})")
+        if requests:
+            lat = sorted(r.latency for r in requests)
+            ttft = sorted(r.time_to_first_token for r in requests if r.time_to_first_token)
+            total = sum(len(r.token_ids) for r in results)
+            print(
+                f"slots: {engine.slots}, {len(requests)} requests, {total} tokens in {wall:.2f} s "
+                f"({total / wall:.1f} tokens/s); latency p50 {_pct(lat, 50):.3f} s, "
+                f"p95 {_pct(lat, 95):.3f} s; first token p50 {_pct(ttft, 50):.3f} s",
+                file=sys.stderr,
+            )
+    else:
+        prompt = args.prompt if args.prompt is not None else "Once upon a time"
+        sys.stdout.write(prompt)
+        for piece in engine.generate(prompt, stream=True, **kw):
+            sys.stdout.write(piece.text)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+    print(engine.perf_stats(), file=sys.stderr)
+
+
+def _serve(args) -> None:
+    from ..serve.server import Server
+
+    template = None
+    if args.chat_template_file:
+        try:
+            with open(args.chat_template_file, encoding="utf-8") as f:
+                template = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise JaxinferError(f"cannot read --chat-template-file: {e}") from None
+    _positive_flag("--parallel", args.parallel)
+
+    def ready(server):
+        e = server.worker.engine
+        print(f"jaxinfer serve: ready on {server.url}/v1: {e.name} [{e.source}], "
+              f"{e.slots} slots, context {e.max_seq_len}", file=sys.stderr, flush=True)  # fmt: skip
+
+    server = Server(
+        lambda: _load(args), host=args.host, port=args.port, api_key=args.api_key,
+        alias=args.alias, chat_template=template, progress=True, on_ready=ready,
+    )  # fmt: skip
+    print(f"jaxinfer serve: listening on {server.url}; loading {args.model or 'stories260K'} "
+          "(/health answers 503 until it is ready)", file=sys.stderr, flush=True)  # fmt: skip
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn shut down gracefully, then re-raised Ctrl-C
+        print("jaxinfer serve: stopped", file=sys.stderr)
+
+
+def _positive_flag(flag: str, value: int) -> None:
+    if value < 1:
+        raise JaxinferError(f"{flag} {value} is invalid; it must be >= 1")
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    return values[min(len(values) - 1, round(q / 100 * (len(values) - 1)))]
+
+
+def _info(args) -> None:
+    import jax
+
+    engine = _load(args)
+    cfg, tok = engine.cfg, engine.tokenizer
+    scaled = cfg.rope_scaling is not None or cfg.rope_factors is not None
+    features = [f for f in ("qkv_bias", "qk_norm", "tie_embeddings") if getattr(cfg, f)]
+    rows = [
+        ("model", engine.name),
+        ("format", engine.source),
+        ("architecture", cfg.arch),
+        ("parameters", f"{cfg.n_params():,}"),
+        ("dtype", args.dtype),
+        ("layers", cfg.n_layers),
+        ("d_model", cfg.d_model),
+        ("heads / kv heads", f"{cfg.n_heads} / {cfg.n_kv_heads} (head_dim {cfg.head_dim})"),
+        ("ffn", cfg.d_ff if cfg.dense_layers or not cfg.moe else "- (experts in every layer)"),
+        *_experts_rows(cfg),
+        *_linear_rows(cfg),
+        ("vocab", cfg.vocab_size),
+        ("rope", f"theta {cfg.rope_theta:g}" + (", llama3 scaling" if scaled else "")
+         + (f", on {cfg.rope_dims} of {cfg.head_dim} dims" if cfg.rope_dims < cfg.head_dim
+            else "")),
+        ("features", ", ".join(features) or "-"),
+        ("sliding window", cfg.sliding_window or "-"),
+        ("context", f"{engine.max_seq_len} (model declares {cfg.max_position})"),
+        ("tokenizer", f"{tok.kind}; bos {tok.bos_id}, eos {list(tok.eos_ids)}"),
+        ("adds BOS", tok.add_bos),
+        ("chat template", f"{len(tok.chat_template)} characters" if tok.chat_template else "-"),
+    ]  # fmt: skip
+    mesh = ", ".join(f"{a}={n}" for a, n in engine.mesh.shape.items())
+    devices = engine.mesh.devices.size
+    rows.append(("layout", f"{engine.layout}: mesh {mesh}, {devices} device(s)"))
+    if engine.runner.description:
+        rows.append(("stages", engine.runner.description))
+    if cfg.moe:
+        rows.append(("experts live", _expert_placement(engine)))
+    kv = engine.kv_stats()
+    rows.append((
+        "kv cache",
+        f"{kv['pages_total']} pages of {kv['page_size']} tokens, {kv['dtype']} "
+        f"({kv['pages_total'] * kv['page_size']} tokens, {kv['bytes_allocated'] / 2**20:.2f} MiB); "
+        f"{len(engine.compile_plan())} programs in the compile plan",
+    ))  # fmt: skip
+    rows.append(("weights", _weight_rows(engine)))
+    if kv.get("state_bytes_per_slot"):
+        rows.append((
+            "linear state",
+            f"{kv['state_bytes_per_slot'] / 2**20:.3f} MiB per request (float32 conv + delta-rule "
+            f"state of the linear layers), {kv['state_slots']} slots, "
+            f"{kv['state_bytes_allocated'] / 2**20:.2f} MiB allocated",
+        ))  # fmt: skip
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"{key:>{width}} : {value}")
+    print("sharding plan (parameter: shape, partition spec):")
+    for path, leaf in jax.tree_util.tree_flatten_with_path(engine.params)[0]:
+        keys = (getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in path)
+        name = ".".join(str(k) for k in keys).replace(".parts.w", "")  # a one-part QArray
+        print(f"  {name}: {list(leaf.shape)} {leaf.sharding.spec}")
+
+
+def _weight_rows(engine) -> str:
+    """Device bytes of the weights, by type (quantized formats and float dtypes)."""
+    import jax
+
+    from ..engine import device_bytes
+    from ..ops.quant import QArray
+
+    by_type: dict[str, list[int]] = {}
+    leaves = jax.tree.leaves(engine.params, is_leaf=lambda x: isinstance(x, QArray))
+    for leaf in leaves:
+        if isinstance(leaf, QArray):  # a float32 weight placed for the kernel is float32
+            kind = "float32" if leaf.fmt == "f32" else leaf.fmt.upper()
+        else:
+            kind = str(leaf.dtype)
+        count, nbytes = by_type.get(kind, [0, 0])
+        by_type[kind] = [count + 1, nbytes + device_bytes(leaf)]
+    parts = ", ".join(
+        f"{kind} {n / 2**20:.2f} MiB in {c} tensors" for kind, (c, n) in sorted(by_type.items())
+    )
+    return f"{engine.weight_bytes() / 2**20:.2f} MiB on the devices ({parts})"
+
+
+def _linear_rows(cfg) -> list[tuple[str, str]]:
+    if not cfg.linear_layers:
+        return []
+    attention = [i for i in range(cfg.n_layers) if not cfg.is_linear(i)]
+    return [
+        ("linear attention", (
+            f"Gated DeltaNet in {len(cfg.linear_layers)} of {cfg.n_layers} layers (attention in "
+            f"{attention}); {cfg.linear_k_heads} key / {cfg.linear_v_heads} value heads of "
+            f"{cfg.linear_k_dim} / {cfg.linear_v_dim}, conv {cfg.conv_kernel} taps"
+        )),
+        ("attention gate", "sigmoid output gate" if cfg.attn_gate else "-"),
+    ]  # fmt: skip
+
+
+def _experts_rows(cfg) -> list[tuple[str, str]]:
+    if not cfg.moe:
+        return []
+    text = f"{cfg.n_experts}, {cfg.n_experts_used} per token, width {cfg.d_ff_expert}"
+    text += ", renormalized" if cfg.norm_topk_prob else ""
+    if cfg.d_ff_shared:
+        text += f"; shared expert width {cfg.d_ff_shared}" + (" (gated)" if cfg.shared_gate else "")
+    if cfg.dense_layers:
+        text += f"; dense layers {list(cfg.dense_layers)}"
+    return [("experts", text), ("active parameters", f"{cfg.n_active_params():,} per token")]
+
+
+def _expert_placement(engine) -> str:
+    """Which experts each device holds, read from the placed weights' shardings."""
+    import jax
+
+    layers = engine.params.get("layers") or engine.params["slots"]  # dense / pipeline
+    layers = layers.values() if isinstance(layers, dict) else layers
+    # a plain weight, or a quantized one's first part: both lead with [..., E, F]
+    leaf = jax.tree.leaves(next(layer["moe"]["w_gate"] for layer in layers if "moe" in layer))[0]
+    axis = leaf.ndim - 3  # [..., E, F, D] (pipeline slots lead with [pp])
+    held: dict[tuple[int, int], list[int]] = {}
+    for device, index in leaf.sharding.devices_indices_map(leaf.shape).items():
+        span = index[axis].indices(leaf.shape[axis])[:2]
+        held.setdefault(span, []).append(device.id)
+    if len(held) == 1:
+        return "every device holds every expert"
+    return "; ".join(
+        f"experts {a}-{b - 1} on devices {', '.join(map(str, sorted(ids)))}"
+        for (a, b), ids in sorted(held.items())
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING,
+        format="%(name)s: %(message)s",
+    )
+    for noisy in ("jax", "absl"):  # -v is for jaxinfer's own debug lines (recompiles...)
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    try:
+        commands = {"generate": _generate, "serve": _serve, "info": _info, "bench": _bench}
+        commands[args.command](args)
+    except JaxinferError as e:
+        if args.verbose:
+            traceback.print_exc()
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    return 0

@@ -1,0 +1,1 @@
+"""Checkpoint formats: Hugging Face folders and GGUF files -> config, tokenizer and tensors."""

@@ -1,0 +1,328 @@
+"""Paged KV cache: per attention layer a pool of fixed-size pages, per row a block table.
+
+Device side: each attention layer holds two pools (K and V) of shape [P, K, H, page]; a row's
+block table [NB] lists the pages holding its positions 0, page, 2 * page, ... Page 0 is the null
+page: unallocated table entries point at it and padding tokens write into it, and every read of
+it is masked by position. Host side: `PagePool` hands pages to requests as they grow, against a
+reservation taken when the request is admitted, so a running request never runs out of pages.
+
+Attention reads only the live pages of each row (online softmax, one page per row and loop
+step), so its cost grows with the tokens a row holds, not with the context length. Positions
+are contiguous inside a page ([K, H, page]), so the score and value products read keys along
+their fast axis. Dimension letters as in transformer.py; P pages, NB table entries per row, Q
+queries per kv head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax import lax
+
+from .. import kernels
+from ..ops.vma import varying_like
+
+NULL_PAGE = 0
+NULL_SLOT = 0  # the state slot padding rows read and write (gdn.py)
+AXES = ("cache_seq", "kv_heads", "head_dim", None)  # logical axes of a pool [P, K, H, page]
+PAGE_SIZES = (16, 32, 64, 128, 256)
+QUERY_TILE = 128  # queries per causal tile inside a prompt chunk (tiles skip keys above them)
+# Chunks up to this many tokens (a speculative verify: the input token and its drafts) read
+# every key from the pages with a causal mask per query, as one decode step does: fewer ops
+# than a dense block over the chunk plus the pages before it.
+PAGED_CHUNK = 16
+_MASKED = -1e30  # finite, so that a fully masked block gives exp(0) * 0 and never NaN
+
+
+@dataclass(frozen=True)
+class KVConfig:
+    """The pool geometry, the same for every attention layer."""
+
+    page_size: int  # positions per page
+    n_pages: int  # pages per layer, the null page included
+    table_width: int  # NB: block table entries per row
+    state_slots: int = 1  # per-request state slots of linear layers, the null slot included
+
+    @staticmethod
+    def plan(kv_cache_tokens: int, max_seq_len: int, page_size: int, rows: int = 1) -> KVConfig:
+        """Pages for `kv_cache_tokens`; a state slot for each of `rows` requests at once and
+        one for a scoring pass, beside the null slot."""
+        usable = -(-kv_cache_tokens // page_size)
+        return KVConfig(page_size, usable + 1, -(-max_seq_len // page_size), rows + 2)
+
+    @property
+    def usable_pages(self) -> int:
+        return self.n_pages - 1
+
+
+@dataclass(frozen=True)
+class AttentionKV:
+    """The cache of one attention layer: K and V pools [P, K, H, page] in the KV cache dtype
+    (the engine's kv_cache_dtype; by default the compute dtype)."""
+
+    n_kv_heads: int
+    head_dim: int
+    dtype: jnp.dtype
+
+    AXES = (AXES, AXES)  # logical axes of (K pool, V pool)
+
+    def shape(self, kv: KVConfig) -> tuple[int, ...]:
+        return (kv.n_pages, self.n_kv_heads, self.head_dim, kv.page_size)
+
+    def init(self, kv: KVConfig) -> tuple[jax.Array, jax.Array]:
+        shape = self.shape(kv)
+        return jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype)
+
+    def page_bytes(self, kv: KVConfig) -> int:
+        return 2 * self.n_kv_heads * self.head_dim * kv.page_size * np.dtype(self.dtype).itemsize
+
+
+@struct.dataclass
+class KVView:
+    """Where a batch of rows reads and writes: one prompt chunk or one decode token per row."""
+
+    table: jax.Array  # [B, NB] int32 page ids (NULL_PAGE where unallocated)
+    start: jax.Array  # [B] int32 position of the row's first token in this call
+    length: jax.Array  # [B] int32 tokens of this call that are real (0: an idle row)
+    # [B] int32 the row's state slot in linear layers (NULL_SLOT: padding); None inside a
+    # decode loop, whose linear caches are the rows' own states (gdn.read)
+    slot: jax.Array | None
+    # Speculative decoding keeps every token's linear state ([B, T+, ...] per row, gdn.py):
+    # pick [B] int32 is the kept state a row starts from, keep_at (int32 scalar) where the
+    # call's T new states go. None: one state per row.
+    pick: jax.Array | None = None
+    keep_at: jax.Array | None = None
+    # The pools are whole on one CPU device (placement.kernel_fits): a decode token's
+    # attention runs in the CPU kernel (kernels.attend) when it is available.
+    kernel: bool = struct.field(pytree_node=False, default=False)
+
+    def positions(self, T: int) -> jax.Array:
+        return self.start[:, None] + jnp.arange(T, dtype=jnp.int32)[None]  # [B, T]
+
+    def real(self, T: int) -> jax.Array:
+        """[B, T] bool: which of the call's T tokens per row are real (not padding)."""
+        return jnp.arange(T)[None] < self.length[:, None]
+
+
+def write(pools, k, v, view: KVView):
+    """Store k, v [B, T, K, H] at positions start + t (t < length); padding goes to the null
+    page. One token per row is an in-place update slice per row on the donated pool; a prompt
+    chunk is one scatter."""
+    pool_k, pool_v = pools
+    B, T = k.shape[:2]
+    page = pool_k.shape[-1]
+    pos = view.positions(T)  # [B, T]
+    real = view.real(T)  # [B, T]
+    block = jnp.clip(pos // page, 0, view.table.shape[1] - 1)
+    pages = jnp.where(real, jnp.take_along_axis(view.table, block, axis=1), NULL_PAGE)
+    offsets = jnp.where(real, pos % page, 0)  # [B, T]
+    k, v = k.astype(pool_k.dtype), v.astype(pool_v.dtype)
+    if T == 1:
+        zero = jnp.zeros((), jnp.int32)
+        for b in range(B):
+            at = (pages[b, 0], zero, zero, offsets[b, 0])
+            pool_k = lax.dynamic_update_slice(pool_k, k[b, 0][None, :, :, None], at)
+            pool_v = lax.dynamic_update_slice(pool_v, v[b, 0][None, :, :, None], at)
+        return pool_k, pool_v
+    # Advanced indices on axes 0 and 3 put their [B, T] dims first: updates are [B, T, K, H].
+    pool_k = pool_k.at[pages, :, :, offsets].set(k, mode="promise_in_bounds")
+    pool_v = pool_v.at[pages, :, :, offsets].set(v, mode="promise_in_bounds")
+    return pool_k, pool_v
+
+
+def update(q, k, v, pools, view: KVView, window: int | None = None):
+    """The chunk's k, v [B, T, K, H] written into the pools, then its queries q [B, T, K, G, H]
+    attended (see `attend`) -> (out [B, T, K, G, H] float32, pools). On pools whole on a CPU
+    device (view.kernel) of a dtype the kernel reads (float32, float16, bfloat16) this is one
+    kernel call (kernels.attend) that writes in place and reads each row's live keys where
+    they lie."""
+    kernel_reads = str(pools[0].dtype) in kernels.ATTEND_POOLS
+    if view.kernel and kernel_reads and kernels.available():
+        q, k, v = (a.astype(jnp.float32) for a in (q, k, v))
+        made = kernels.attend(q, k, v, pools, view.table, view.start, view.length, window)
+        return varying_like(made, pools[0])  # a custom call's results vary over nothing
+    pools = write(pools, k, v, view)
+    return attend(q, k, v, pools, view, window), pools
+
+
+def attend(q, k, v, pools, view: KVView, window: int | None = None) -> jax.Array:
+    """Causal attention of a chunk's queries over its row's cached keys and its own.
+
+    q [B, T, K, G, H] (scaled, rotated), k, v [B, T, K, H] of the chunk (already written);
+    returns [B, T, K, G, H] float32. One token per row reads every key up to and including its
+    own from the pages; a prompt chunk attends to itself densely (causal tiles) and to the
+    positions before it through the pages.
+    """
+    B, T, K, G, H = q.shape
+    qh = q.transpose(0, 2, 1, 3, 4).reshape(B, K, T * G, H)  # [B, K, Q], query t * G + g
+    q_pos = jnp.repeat(view.positions(T), G, axis=1)  # [B, Q]
+    if T == 1:
+        carry = _pages(qh, pools, view.table, q_pos, view.start + 1, _empty(B, K, G, H), window)
+    elif T <= PAGED_CHUNK:
+        n_keys = view.start + jnp.maximum(view.length, 1)
+        carry = _pages(qh, pools, view.table, q_pos, n_keys, _empty(B, K, T * G, H), window, True)
+    else:
+        carry = _chunk(qh, k, v, G, window)
+        carry = _pages(qh, pools, view.table, q_pos, view.start, carry, window)
+    m, l, acc = carry
+    out = acc / l[..., None]  # [B, K, Q, H]
+    return out.reshape(B, K, T, G, H).transpose(0, 2, 1, 3, 4)  # [B, T, K, G, H]
+
+
+def _empty(B, K, Q, H):
+    """Online softmax state: running max m, sum l [B, K, Q] and output acc [B, K, Q, H]."""
+    return (
+        jnp.full((B, K, Q), _MASKED, jnp.float32),
+        jnp.zeros((B, K, Q), jnp.float32),
+        jnp.zeros((B, K, Q, H), jnp.float32),
+    )
+
+
+def _merge(carry, s, visible, v, always_seen: bool):
+    """Fold a block of scores s [B, K, Q, S] (visible: broadcastable mask) and its values
+    v [B, K, H, S] into the online softmax state. `always_seen`: every query has seen a visible
+    key by now (its own, or key 0), so masked scores underflow to 0 on their own; otherwise
+    a query with nothing visible yet would weigh masked keys exp(0) and needs a second mask
+    (measured: that mask costs 1.5x on a prompt chunk's attention)."""
+    m, l, acc = carry
+    s = jnp.where(visible, s, _MASKED)
+    m_new = jnp.maximum(m, s.max(-1))
+    p = jnp.exp(s - m_new[..., None])  # [B, K, Q, S]
+    if not always_seen:
+        p = jnp.where(visible, p, 0.0)
+    scale = jnp.exp(m - m_new)
+    pv = jnp.einsum("BKQS,BKHS->BKQH", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return m_new, l * scale + p.sum(-1), acc * scale[..., None] + pv
+
+
+def _chunk(qh, k, v, G, window):
+    """The chunk's own keys, causal, in query tiles that skip the keys above the diagonal."""
+    B, K, Q, H = qh.shape
+    T = k.shape[1]
+    kt = k.transpose(0, 2, 3, 1)  # [B, K, H, T]
+    vt = v.transpose(0, 2, 3, 1)
+    tile = min(QUERY_TILE, T)
+    parts = []
+    for t0 in range(0, T, tile):
+        t1 = min(T, t0 + tile)
+        qt = qh[:, :, t0 * G : t1 * G]  # [B, K, (t1-t0)*G, H]
+        s = jnp.einsum(
+            "BKQH,BKHS->BKQS", qt, kt[..., :t1], preferred_element_type=jnp.float32
+        )  # [B, K, Qt, t1]
+        t_q = np.repeat(np.arange(t0, t1), G)[:, None]  # [Qt, 1] static
+        t_k = np.arange(t1)[None]  # [1, t1]
+        visible = t_k <= t_q
+        if window:
+            visible &= t_q - t_k < window
+        parts.append(_merge(_empty(B, K, qt.shape[2], H), s, visible, vt[..., :t1], True))
+    return tuple(jnp.concatenate(p, axis=2) for p in zip(*parts, strict=True))
+
+
+def _pages(qh, pools, table, q_pos, n_keys, carry, window, causal=False):
+    """Fold the keys at positions [0, n_keys[b]) of each row, read through its block table, into
+    the softmax state, one page per row and loop step; `causal`: each query only up to its own
+    position. (Measured on XLA CPU: gathering several pages per step, or pages smaller than
+    128, is slower per key than this.)"""
+    pool_k, pool_v = pools
+    B, K, Q, H = qh.shape
+    page = pool_k.shape[-1]
+    first = 0
+    if window:  # pages older than every live query's window are skipped
+        most = jnp.max(n_keys)
+        oldest = jnp.min(jnp.where(n_keys > 0, q_pos.min(-1), most))
+        first = jnp.maximum(oldest - window + 1, 0) // page
+
+    def body(j, carry):
+        ids = table[:, j]  # [B], always a valid page id (the null page where unused)
+        kb = pool_k.at[ids].get(mode="promise_in_bounds")  # [B, K, H, page]: one slice per row
+        vb = pool_v.at[ids].get(mode="promise_in_bounds")
+        s = jnp.einsum("BKQH,BKHS->BKQS", qh, kb, preferred_element_type=jnp.float32)
+        key_pos = j * page + jnp.arange(page)  # [S]
+        visible = (key_pos[None] < n_keys[:, None])[:, None, None, :]  # [B, 1, 1, S]
+        if causal:
+            visible = visible & (key_pos <= q_pos[:, None, :, None])  # [B, 1, Q, S]
+        if window:
+            visible = visible & (q_pos[:, None, :, None] - key_pos < window)
+        # Without a window, page 0 holds position 0, which every query sees (a decode step's
+        # n_keys >= 1; a prompt chunk's carry already holds its own keys).
+        return _merge(carry, s, visible, vb, always_seen=not window)
+
+    carry = varying_like(carry, pool_k)
+    return lax.fori_loop(first, -(-jnp.max(n_keys) // page), body, carry)
+
+
+class PagePool:
+    """Host bookkeeping of one KV pool: free pages, reservations, pages held per request.
+
+    A request reserves the pages it can ever need when it is admitted, then takes them as it
+    grows; finishing or cancelling returns both. Page ids are shared by every layer's pool.
+    """
+
+    def __init__(self, kv: KVConfig, page_bytes: int):
+        self.kv = kv
+        self.page_bytes = page_bytes  # all layers, K and V
+        self._free = list(range(kv.n_pages - 1, NULL_PAGE, -1))  # a stack: lowest ids first
+        self._reserved = 0  # pages promised to admitted requests but not yet taken
+
+    @property
+    def page_size(self) -> int:
+        return self.kv.page_size
+
+    def pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.kv.page_size)
+
+    def reserve(self, pages: int) -> bool:
+        """Promise `pages` to a request if they are free (beyond earlier promises)."""
+        if pages > len(self._free) - self._reserved:
+            return False
+        self._reserved += pages
+        return True
+
+    def grow(self, held: list[int], tokens: int, reserved: int) -> int:
+        """Extend `held` (in place) to cover `tokens` positions, from a reservation of
+        `reserved` pages not yet taken; returns the reservation left."""
+        want = min(self.pages_for(tokens) - len(held), reserved)
+        for _ in range(max(want, 0)):
+            held.append(self._free.pop())
+        taken = max(want, 0)
+        self._reserved -= taken
+        return reserved - taken
+
+    def release(self, held: list[int], reserved: int) -> None:
+        """Give back a request's pages and what is left of its reservation."""
+        self._free.extend(reversed(held))
+        held.clear()
+        self._reserved -= reserved
+
+    def stats(self) -> dict:
+        free = len(self._free) - self._reserved
+        in_use = self.kv.usable_pages - len(self._free)
+        return {
+            "page_size": self.kv.page_size,
+            "pages_total": self.kv.usable_pages,
+            "pages_free": free,
+            "pages_in_use": in_use,
+            "pages_reserved": self._reserved,
+            "bytes_allocated": self.kv.n_pages * self.page_bytes,
+            "bytes_in_use": in_use * self.page_bytes,
+        }
+
+
+@dataclass(frozen=True)
+class HiddenState:
+    """Per state slot, the model's final-norm hidden state [D] (float32) of the last token a
+    request kept: the MTP head's input for its next row."""
+
+    d_model: int
+
+    AXES = ((None, None),)  # logical axes of the pool [S, D]
+
+    def init(self, kv) -> tuple[jax.Array]:
+        return (jnp.zeros((kv.state_slots, self.d_model), jnp.float32),)
+
+    def slot_bytes(self) -> int:
+        return 4 * self.d_model

@@ -1,0 +1,61 @@
+"""The one matmul seam: `linear(x, w)` for a plain or quantized weight, and `embed` for lookups.
+
+Kernel weights (QArrays placed for the CPU kernel) go to it where it serves; everything else
+dequantizes inside the graph, so the model never branches on the weight's type.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import kernels
+from ..ops.norm import rms_norm
+from ..ops.quant import QArray, dequantize
+
+
+def linear(x: jax.Array, w, out_dtype=None) -> jax.Array:
+    """x [..., I] times a weight [O, I] (plain or quantized) -> [..., O] in `out_dtype`
+    (default x's dtype; a wider one is accumulated in, as preferred_element_type)."""
+    return linears(x, [w], out_dtype)[0]
+
+
+def linears(x: jax.Array, ws, out_dtype=None, norm=None) -> list[jax.Array]:
+    """`linear(x, w)` for each of the weights `ws` that share the input x (QKV, gate/up).
+    Kernel weights of one format go to the CPU kernel as one call: their products share
+    one pass over the threads. With `norm` (weight, eps) the products take `rms_norm(x,
+    *norm)`, computed in the kernel's calls where they serve."""
+    out_dtype = out_dtype or x.dtype
+    rows = int(np.prod(x.shape[:-1]))
+    outs: list = [None] * len(ws)
+    groups: dict[str, list[int]] = {}
+    for i, w in enumerate(ws):
+        if isinstance(w, QArray) and w.kernel:
+            groups.setdefault(w.fmt, []).append(i)
+    if groups:
+        flat = x.reshape(rows, x.shape[-1]).astype(jnp.float32)  # [M, I]
+    for fmt, picked in groups.items():
+        values = sum(int(np.prod(ws[i].shape[-2:])) for i in picked)
+        if kernels.serves(rows, fmt, values):
+            ys = kernels.matmuls(flat, fmt, [ws[i].parts for i in picked],
+                                 [ws[i].shape[-2] for i in picked], norm)  # fmt: skip
+            for i, y in zip(picked, ys, strict=True):  # y [M, O]
+                outs[i] = y.reshape(*x.shape[:-1], y.shape[-1]).astype(out_dtype)
+    wide = None if out_dtype == x.dtype else out_dtype
+    if norm is not None and any(out is None for out in outs):
+        x = rms_norm(x, *norm)
+    for i, w in enumerate(ws):
+        if outs[i] is None:
+            w = dequantize(w, x.dtype) if isinstance(w, QArray) else w
+            outs[i] = jnp.einsum("...I,OI->...O", x, w, preferred_element_type=wide)
+    return outs
+
+
+def embed(table, tokens: jax.Array, dtype=None) -> jax.Array:
+    """Rows of an embedding table [V, D] (plain or quantized) for tokens [...] -> [..., D]:
+    a quantized table dequantizes only the rows it gathers."""
+    if not isinstance(table, QArray):
+        return jnp.take(table, tokens, axis=0)
+    rows = table.rows(lambda a: jnp.take(a, tokens, axis=0))
+    return dequantize(rows, dtype or jnp.float32)

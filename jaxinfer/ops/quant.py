@@ -1,0 +1,354 @@
+"""Quantized weights kept compressed: GGUF block formats and per-channel int8 as `QArray`s.
+
+A `QArray` is a weight [..., O, I] held as its parts: integer values (sub-byte values packed
+as in GGUF) and per-block scales (and mins), each part [..., O, I / per] with the rows of the
+weight on its leading axes, so layouts shard every part like the weight and row operations at
+load (RoPE row order, head splits) apply to each part alike. `linear(x, w)` is the one matmul
+seam and `embed(table, tokens)` the one lookup: the model never branches on the type.
+
+Within a block, values keep GGUF's order (see `FORMATS`); K-quants' 6-bit sub-block scales
+and mins are unpacked at load (a uint8 each per 32 values: 148 bytes per 256 values of Q4_K
+instead of 144). Dequantization happens inside the compiled program. On XLA CPU a dequantized
+weight is materialized before the dot (3-10x slower than the float weight, measured), so
+small-row products there go to a custom kernel (kernels/cpu.py) that reads the blocks once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Part:
+    name: str
+    dtype: str  # numpy dtype name
+    per: int  # values of the weight's last axis per entry (0: one entry per row)
+
+
+@dataclass(frozen=True)
+class Format:
+    """A block format: `block` values share `parts`; `ggml` is its GGUF type name."""
+
+    name: str
+    block: int
+    parts: tuple[Part, ...]
+    ggml: str | None
+
+    def bytes_per_row(self, width: int) -> int:
+        return sum(
+            np.dtype(p.dtype).itemsize * (width // p.per if p.per else 1) for p in self.parts
+        )
+
+
+def _fmt(name, block, ggml, *parts) -> Format:
+    return Format(name, block, tuple(Part(*p) for p in parts), ggml)
+
+
+# Per block: q4/q5 `qs` byte j holds value j (low nibble) and j + 16 (high); Q4_K/Q5_K `qs`
+# per 64 values: byte l holds value l (low) and 32 + l (high); Q5_0/Q5_1 `qh` bit j of the
+# block's little-endian u32 is value j's fifth bit; Q5_K `qh` bit j of byte l is value
+# 32 j + l's fifth bit; Q6_K `ql` per 128 values: byte b holds value b (low) and 64 + b
+# (high), `qh` per 128 values: bits 2s..2s+1 of byte l are value 32 s + l's top two bits.
+FORMATS = {
+    f.name: f
+    for f in (
+        _fmt("q8_0", 32, "Q8_0", ("q", "int8", 1), ("d", "float16", 32)),
+        _fmt("q4_0", 32, "Q4_0", ("qs", "uint8", 2), ("d", "float16", 32)),
+        _fmt("q4_1", 32, "Q4_1", ("qs", "uint8", 2), ("d", "float16", 32), ("m", "float16", 32)),
+        _fmt("q5_0", 32, "Q5_0", ("qs", "uint8", 2), ("qh", "uint8", 8), ("d", "float16", 32)),
+        _fmt(
+            "q5_1", 32, "Q5_1",
+            ("qs", "uint8", 2), ("qh", "uint8", 8), ("d", "float16", 32), ("m", "float16", 32),
+        ),
+        _fmt(
+            "q4_k", 256, "Q4_K",
+            ("qs", "uint8", 2), ("sc", "uint8", 32), ("mn", "uint8", 32),
+            ("d", "float16", 256), ("dmin", "float16", 256),
+        ),
+        _fmt(
+            "q5_k", 256, "Q5_K",
+            ("qs", "uint8", 2), ("qh", "uint8", 8), ("sc", "uint8", 32), ("mn", "uint8", 32),
+            ("d", "float16", 256), ("dmin", "float16", 256),
+        ),
+        _fmt(
+            "q6_k", 256, "Q6_K",
+            ("ql", "uint8", 2), ("qh", "uint8", 4), ("sc", "int8", 16), ("d", "float16", 256),
+        ),
+        # weight-only per-channel int8 (`quantize="int8"` of a float checkpoint)
+        _fmt("int8", 1, None, ("q", "int8", 1), ("s", "float32", 0)),
+        # 16-bit float tensors of a quantized file kept 16-bit under float32 compute
+        _fmt("f16", 1, "F16", ("w", "float16", 1)),
+        _fmt("bf16", 1, "BF16", ("w", "bfloat16", 1)),
+        # float32 weights sent to the CPU kernel for small-row products (never from a file)
+        _fmt("f32", 1, None, ("w", "float32", 1)),
+    )
+}  # fmt: skip
+GGML_FORMATS = {f.ggml: f for f in FORMATS.values() if f.ggml}
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class QArray:
+    """A quantized weight [..., O, I] in format `fmt`: parts [..., O, I / per] whose leading
+    axes are the weight's (so slicing every part slices the weight's rows); `width` is I.
+
+    `kernel`: multiply with the CPU kernel (set at placement, where the weight's sharding is
+    known: the kernel runs on whole, unsharded weights)."""
+
+    parts: dict[str, jax.Array]
+    fmt: str = field(metadata=dict(static=True))
+    width: int = field(metadata=dict(static=True))
+    kernel: bool = field(default=False, metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (*next(iter(self.parts.values())).shape[:-1], self.width)
+
+    def __getitem__(self, key):  # nnx reads a parameter as `param[...]`
+        if key is not Ellipsis:
+            raise TypeError("a QArray is read whole (w[...]); index its parts")
+        return self
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts.values())
+
+    def rows(self, fn) -> QArray:
+        """The same weight with `fn` applied to every part's leading (row) axes, e.g.
+        `w.rows(lambda a: a[e])` for expert e; fn must keep the last axis."""
+        return QArray({k: fn(v) for k, v in self.parts.items()}, self.fmt, self.width, self.kernel)
+
+
+def is_quantized(w) -> bool:
+    return isinstance(w, QArray)
+
+
+def part_shapes(fmt: Format, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+    """Each part's shape for a weight of logical shape [..., O, I]."""
+    *lead, width = shape
+    return {p.name: (*lead, width // p.per if p.per else 1) for p in fmt.parts}
+
+
+# ---------------------------------------------------------------------------------------------
+# Dequantization inside the program (jax.numpy); the reference is gguf-py's numpy dequantize.
+
+
+def _nibbles(qs: jax.Array, group: int) -> jax.Array:
+    """Packed nibbles [..., X] -> values [..., 2 X]: per `group` values, the low nibbles of
+    group / 2 bytes, then their high nibbles."""
+    g = qs.reshape(*qs.shape[:-1], -1, group // 2)  # [..., X / (group/2), group / 2]
+    out = jnp.concatenate([g & 0xF, g >> 4], axis=-1)  # [..., n, group]
+    return out.reshape(*qs.shape[:-1], -1)
+
+
+def _bits(qh: jax.Array, width: int, count: int, byte_major: bool) -> jax.Array:
+    """`count`-bit fields of bytes [..., X] -> [..., X * 8 / count]. byte_major: fields of
+    each byte in a row (Q5_0); else per `width` bytes, field s of every byte, then s + 1."""
+    shifts = jnp.arange(0, 8, count, dtype=jnp.uint8)
+    mask = (1 << count) - 1
+    if byte_major:
+        out = (qh[..., None] >> shifts) & mask  # [..., X, 8 / count]
+    else:
+        g = qh.reshape(*qh.shape[:-1], -1, 1, width)  # [..., n, 1, width]
+        out = (g >> shifts[:, None]) & mask  # [..., n, 8 / count, width]
+    return out.reshape(*qh.shape[:-1], -1)
+
+
+def _per(scale: jax.Array, n: int) -> jax.Array:
+    """A per-block value [..., X] repeated over its n values -> [..., X * n] (float32)."""
+    return jnp.repeat(scale.astype(jnp.float32), n, axis=-1)
+
+
+def values(w: QArray) -> jax.Array:
+    """The integer values of w as float32 [..., O, I] (before scales and mins)."""
+    p = w.parts
+    f = w.fmt
+    if f in ("q8_0", "int8"):
+        return p["q"].astype(jnp.float32)
+    if f in ("f16", "bf16", "f32"):
+        return p["w"].astype(jnp.float32)
+    if f in ("q4_0", "q4_1"):
+        return _nibbles(p["qs"], 32).astype(jnp.float32)
+    if f in ("q5_0", "q5_1"):
+        q = _nibbles(p["qs"], 32) | (_bits(p["qh"], 0, 1, True) << 4)
+        return q.astype(jnp.float32)
+    if f == "q4_k":
+        return _nibbles(p["qs"], 64).astype(jnp.float32)
+    if f == "q5_k":
+        q = _nibbles(p["qs"], 64) | (_bits(p["qh"], 32, 1, False) << 4)
+        return q.astype(jnp.float32)
+    if f == "q6_k":
+        q = _nibbles(p["ql"], 128) | (_bits(p["qh"], 32, 2, False) << 4)
+        return q.astype(jnp.float32)
+    raise ValueError(f"unknown quantized format {f!r}")
+
+
+def dequantize(w: QArray, dtype=jnp.float32) -> jax.Array:
+    """w as a dense [..., O, I] array of `dtype`: each value in float32 exactly as gguf-py
+    computes it (scale products first), then cast."""
+    p, f = w.parts, w.fmt
+    q = values(w)
+    if f in ("f16", "bf16", "f32"):
+        out = q
+    elif f == "int8":
+        out = q * p["s"].astype(jnp.float32)
+    elif f in ("q8_0",):
+        out = _per(p["d"], 32) * q
+    elif f == "q4_0":
+        out = _per(p["d"], 32) * (q - 8)
+    elif f == "q5_0":
+        out = _per(p["d"], 32) * (q - 16)
+    elif f in ("q4_1", "q5_1"):
+        out = _per(p["d"], 32) * q + _per(p["m"], 32)
+    elif f in ("q4_k", "q5_k"):
+        d = jnp.repeat(p["d"].astype(jnp.float32), 8, axis=-1)  # [..., I / 32]
+        dmin = jnp.repeat(p["dmin"].astype(jnp.float32), 8, axis=-1)
+        scale = jnp.repeat(d * p["sc"].astype(jnp.float32), 32, axis=-1)
+        low = jnp.repeat(dmin * p["mn"].astype(jnp.float32), 32, axis=-1)
+        out = scale * q - low
+    elif f == "q6_k":
+        d = jnp.repeat(p["d"].astype(jnp.float32), 16, axis=-1)  # [..., I / 16]
+        out = jnp.repeat(d * p["sc"].astype(jnp.float32), 16, axis=-1) * (q - 32)
+    else:
+        raise ValueError(f"unknown quantized format {f!r}")
+    return out.astype(dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side: GGUF blocks -> parts, per-channel int8
+
+
+@dataclass(frozen=True)
+class HostQuant:
+    """A quantized weight on the host, rows in any order until `take`: parts [R, X] of the
+    file's R rows, and `index` [...lead] the file row of each logical row. Row operations
+    (reshape and swap of the leading axes, slicing them) apply to `index` alone, so the
+    checkpoint's row conversions work unchanged on quantized tensors."""
+
+    fmt: str
+    parts: dict[str, np.ndarray]
+    index: np.ndarray  # [...lead] int64
+    width: int  # I
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (*self.index.shape, self.width)
+
+    @property
+    def ndim(self) -> int:
+        return self.index.ndim + 1
+
+    @property
+    def size(self) -> int:
+        return self.index.size * self.width
+
+    def _lead(self, shape) -> tuple[int, ...]:
+        shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], tuple) else shape
+        if shape[-1] not in (self.width, -1):
+            raise NotRowOp(f"reshape to {shape} changes the quantized axis ({self.width})")
+        return shape[:-1]
+
+    def reshape(self, *shape) -> HostQuant:
+        return HostQuant(self.fmt, self.parts, self.index.reshape(self._lead(shape)), self.width)
+
+    def swapaxes(self, a: int, b: int) -> HostQuant:
+        n = self.ndim
+        if a % n == n - 1 or b % n == n - 1:
+            raise NotRowOp("a swap with the quantized axis")
+        return HostQuant(self.fmt, self.parts, self.index.swapaxes(a, b), self.width)
+
+    def __getitem__(self, key) -> HostQuant:
+        key = key if isinstance(key, tuple) else (key,)
+        if Ellipsis in key or len(key) > self.index.ndim:
+            raise NotRowOp("an index into the quantized axis")
+        return HostQuant(self.fmt, self.parts, self.index[key], self.width)
+
+    @property
+    def T(self):
+        raise NotRowOp("a transpose")
+
+    def astype(self, _dtype) -> HostQuant:  # quantized parts keep their types
+        return self
+
+    def take(self) -> dict[str, np.ndarray]:
+        """The parts in logical row order: [...lead, X] each."""
+        flat = self.index.reshape(-1)
+        whole = flat.size == len(next(iter(self.parts.values())))
+        if whole and np.array_equal(flat, np.arange(flat.size)):
+            return {k: v.reshape(*self.index.shape, -1) for k, v in self.parts.items()}
+        return {k: v[flat].reshape(*self.index.shape, -1) for k, v in self.parts.items()}
+
+
+class NotRowOp(Exception):
+    """A conversion that moves values within rows: the tensor is dequantized instead."""
+
+
+def from_gguf(ggml_type: str, data: np.ndarray, shape: tuple[int, ...]) -> HostQuant:
+    """GGUF block data (uint8 [rows, bytes per row] as gguf-py reads it) of a tensor of
+    logical shape [..., O, I] -> its parts."""
+    fmt = GGML_FORMATS[ggml_type]
+    *lead, width = shape
+    rows = int(np.prod(lead))
+    nb = width // fmt.block
+    raw = np.ascontiguousarray(data).view(np.uint8).reshape(rows, nb, -1)  # [R, nb, bytes]
+    parts = _split_blocks(fmt, raw)
+    parts = {k: v.reshape(rows, -1) for k, v in parts.items()}
+    return HostQuant(fmt.name, parts, np.arange(rows).reshape(lead), width)
+
+
+def _split_blocks(fmt: Format, raw: np.ndarray) -> dict[str, np.ndarray]:
+    """GGUF blocks [R, nb, bytes] -> parts [R, nb, per-block entries] (gguf-py quants.py's
+    field order)."""
+    f16 = lambda b: b.copy().view(np.float16)  # noqa: E731  [R, nb, 2] -> [R, nb, 1]
+    name = fmt.name
+    if name in ("f16", "bf16"):
+        return {"w": raw.view(np.dtype(fmt.parts[0].dtype))}
+    if name == "q8_0":
+        return {"d": f16(raw[..., :2]), "q": raw[..., 2:].view(np.int8)}
+    if name == "q4_0":
+        return {"d": f16(raw[..., :2]), "qs": raw[..., 2:]}
+    if name == "q4_1":
+        return {"d": f16(raw[..., :2]), "m": f16(raw[..., 2:4]), "qs": raw[..., 4:]}
+    if name == "q5_0":
+        return {"d": f16(raw[..., :2]), "qh": raw[..., 2:6], "qs": raw[..., 6:]}
+    if name == "q5_1":
+        return {"d": f16(raw[..., :2]), "m": f16(raw[..., 2:4]), "qh": raw[..., 4:8],
+                "qs": raw[..., 8:]}  # fmt: skip
+    if name in ("q4_k", "q5_k"):
+        sc, mn = _k_scales(raw[..., 4:16])
+        out = {"d": f16(raw[..., :2]), "dmin": f16(raw[..., 2:4]), "sc": sc, "mn": mn}
+        if name == "q4_k":
+            return {**out, "qs": raw[..., 16:]}
+        return {**out, "qh": raw[..., 16:48], "qs": raw[..., 48:]}
+    if name == "q6_k":
+        return {"ql": raw[..., :128], "qh": raw[..., 128:192],
+                "sc": raw[..., 192:208].view(np.int8), "d": f16(raw[..., 208:210])}  # fmt: skip
+    raise ValueError(f"no block split for {name!r}")
+
+
+def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K 12-byte packed 6-bit scales and mins [..., 12] -> sc, mn [..., 8] uint8."""
+    d, m, md = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    sc = np.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc, mn
+
+
+def quantize_int8(w: np.ndarray) -> HostQuant:
+    """Weight-only symmetric per-channel int8 of a float weight [..., O, I]: q = round(w / s),
+    s = max |w| / 127 per row (a zero row keeps s = 1)."""
+    w = np.asarray(w, np.float32)
+    amax = np.abs(w).max(axis=-1, keepdims=True)
+    s = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
+    q = np.clip(np.rint(w / s), -127, 127).astype(np.int8)
+    rows = int(np.prod(w.shape[:-1]))
+    parts = {"q": q.reshape(rows, -1), "s": s.reshape(rows, 1)}
+    return HostQuant("int8", parts, np.arange(rows).reshape(w.shape[:-1]), w.shape[-1])

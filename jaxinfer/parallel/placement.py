@@ -1,0 +1,186 @@
+"""Placement: a model laid out on a mesh, with the runner that executes it there.
+
+The dense path (one device or tensor split) lives here; the layer split lives in pipeline.py.
+Weights travel one tensor at a time from the reader into their shardings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ..config import ModelConfig
+from ..errors import LayoutError
+from ..model.kvcache import AttentionKV, HiddenState, KVConfig, KVView
+from ..model.moe import ExpertSplit
+from ..model.transformer import Transformer, abstract_model, cache_layers, param_dtype, quantizable
+from ..ops.quant import FORMATS, HostQuant, QArray
+from . import hugepages
+from .hugepages import Arena
+from .sharding import named, spec
+
+# (parameter path, shape, blocks) -> host array, or with `blocks` a HostQuant when the
+# checkpoint holds the parameter quantized
+Reader = Callable[..., np.ndarray | HostQuant]
+
+
+@dataclass(frozen=True)
+class Runner:
+    """How the model runs on its mesh: the dense model, or pipeline stages (pipeline.py)."""
+
+    forward: Callable  # (params, tokens [B,T], view, kv) -> (hidden [B,T,D], kv)
+    head: Callable  # (params, hidden [..., D]) -> float32 logits [..., V]
+    init_kv: Callable[[KVConfig], list]  # zeroed pools per layer: (K, V) or a linear state
+    kv_shardings: Callable[[], list]  # shardings matching init_kv's tree
+    caches: tuple = ()  # the cache type of each entry of init_kv's list
+    state_axis: int = 0  # the slot axis of a linear layer's cache arrays
+    stages: int = 1
+    description: str = ""  # which layers live where, for `jaxinfer info`
+    # The MTP head, when built: (params, tokens [B,T], hidden [B,T,D], view, kv) -> (g, kv),
+    # with its caches (its attention layer's pools, the per-slot hidden state), unstaged.
+    mtp: Callable | None = None
+    mtp_caches: tuple = ()
+    mtp_kv_shardings: Callable[[], list] = lambda: []
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A model laid out on a mesh: the layout, its rules, the runner and the parameters."""
+
+    layout: str
+    mesh: Mesh
+    rules: dict
+    runner: Runner
+    params: dict
+
+
+def place_dense(
+    read: Reader, cfg: ModelConfig, dtype, name: str, mesh: Mesh, rules, *, kv_dtype
+) -> Placement:
+    """Every layer on every device of the mesh, weights placed straight into their shardings;
+    KV pools of `kv_dtype`."""
+    graphdef, state = nnx.split(abstract_model(cfg, ExpertSplit.of(mesh, rules)))
+    shardings = param_shardings(cfg, mesh, rules)
+    kernel = kernel_fits(mesh)
+    arena = Arena()
+
+    def put(path, leaf):
+        key = tuple(k.key for k in path)
+        host = read(key, leaf.shape, blocks=quantizable(key))
+        if isinstance(host, HostQuant):
+            return put_quant(key, host.take(), host, shardings[key], kernel, arena=arena)
+        host = host.astype(param_dtype(key, dtype))
+        return for_kernel(key, to_device(host, shardings[key], arena), kernel)
+
+    params = jax.tree_util.tree_map_with_path(put, nnx.to_pure_dict(state))
+    runner = dense_runner(graphdef, cfg, kv_dtype, mesh, rules)
+    return Placement(name, mesh, rules, runner, params)
+
+
+def param_shardings(cfg: ModelConfig, mesh, rules) -> dict[tuple, NamedSharding]:
+    """Each parameter's sharding, from the logical axes it declared where it was created."""
+    state = nnx.state(abstract_model(cfg))
+    return {
+        path: named(mesh, spec(var.get_metadata()["axes"], rules))
+        for path, var in nnx.to_flat_state(state)
+    }
+
+
+def random_reader(cfg: ModelConfig, seed: int) -> Reader:
+    """Random weights from a fixed seed, read like a checkpoint: (path, shape) -> array."""
+    state = nnx.state(Transformer(cfg, nnx.Rngs(seed)))
+    host = {path: np.asarray(var[...]) for path, var in nnx.to_flat_state(state)}
+    return lambda path, shape, blocks=False: host[path].reshape(shape)
+
+
+def to_device(host: np.ndarray, sharding: NamedSharding, arena: Arena | None = None):
+    """A host array placed with `sharding`: on one CPU device into the arena's huge pages
+    (hugepages.py), else each device receives only its slice (on several hosts, only local
+    devices ask)."""
+    if arena is not None and hugepages.usable(sharding):
+        return arena.put(host, sharding)
+    return jax.make_array_from_callback(host.shape, sharding, lambda i: host[i])
+
+
+def kernel_fits(mesh: Mesh) -> bool:
+    """Whether products and decode attention may use the CPU kernels (kernels/cpu.py): on CPU
+    devices, when the only split axes are the ones the program runs by hand (pipeline
+    stages, expert shards), so that the kernels always see whole weights and pools."""
+    auto = [n for name, n in mesh.shape.items() if name not in ("pp", "ep")]
+    return mesh.devices.flat[0].platform == "cpu" and all(n == 1 for n in auto)
+
+
+def for_kernel(path: tuple, array: jax.Array, kernel: bool, lead: int = 0):
+    """A float32 matrix [*lead, O, I] as an "f32" QArray that the CPU kernel multiplies at the
+    row counts where it beats XLA's dot (kernels.cpu.FLOAT_ROWS: XLA CPU's dot at 2-8 rows costs
+    2-4x its one-row time); other weights (stacked experts, other dtypes) unchanged."""
+    if kernel and quantizable(path) and array.dtype == np.float32 and array.ndim == 2 + lead:
+        return QArray({"w": array}, "f32", array.shape[-1], True)
+    return array
+
+
+def put_quant(path: tuple, parts: dict, host: HostQuant, sharding: NamedSharding, kernel: bool,
+              lead: int = 0, arena: Arena | None = None) -> QArray:  # fmt: skip
+    """A quantized weight's parts (host arrays [*lead, ..., O, X]) placed with the weight's
+    sharding: each part split like the weight's rows and, for the columns, by whole blocks
+    (a split that would cut a block is refused); per-row parts keep their one column."""
+    fmt = FORMATS[host.fmt]
+    mesh, pspec = sharding.mesh, tuple(sharding.spec)
+    pspec = pspec + (None,) * (len(host.shape) + lead - len(pspec))
+    axis = pspec[-1]
+    blocks = host.width // fmt.block
+    if axis is not None and blocks % mesh.shape[axis]:
+        name = "/".join(str(k) for k in path)
+        raise LayoutError(
+            f"{name}: its {host.width} columns are {blocks} {fmt.ggml or fmt.name} blocks of "
+            f"{fmt.block}, which {axis} = {mesh.shape[axis]} would cut; use a device count "
+            f"that divides {blocks}, or the 'layer' layout"
+        )
+    out = {}
+    for k, part in parts.items():
+        whole = part.shape[-1] == 1 and host.width > 1  # a per-row scale
+        ps = P(*pspec[:-1], None if whole else axis)
+        out[k] = to_device(part, NamedSharding(mesh, ps), arena)
+    return QArray(out, host.fmt, host.width, kernel)
+
+
+def dense_runner(graphdef: nnx.GraphDef, cfg: ModelConfig, kv_dtype, mesh, rules) -> Runner:
+    """All layers on every device of the mesh (single or tensor split)."""
+    layers = cache_layers(cfg, kv_dtype)
+    mtp = mtp_caches(cfg, kv_dtype)
+    kernel = kernel_fits(mesh)
+
+    def forward(p, tokens, view: KVView, kv):
+        return nnx.merge(graphdef, p)(tokens, view.replace(kernel=kernel), kv)
+
+    def draft(p, tokens, hidden, view: KVView, kv):
+        return nnx.merge(graphdef, p).draft(tokens, hidden, view.replace(kernel=kernel), kv)
+
+    return Runner(
+        forward=forward,
+        head=lambda p, h: nnx.merge(graphdef, p).logits(h),
+        init_kv=lambda kv: [layer.init(kv) for layer in layers],
+        kv_shardings=lambda: [cache_shardings(layer, mesh, rules) for layer in layers],
+        caches=tuple(layers),
+        mtp=draft if mtp else None,
+        mtp_caches=mtp,
+        mtp_kv_shardings=lambda: [cache_shardings(c, mesh, rules) for c in mtp],
+    )
+
+
+def mtp_caches(cfg: ModelConfig, kv_dtype) -> tuple:
+    """The MTP head's caches: its attention layer's KV pools and the per-slot hidden state."""
+    if not cfg.mtp_layers:
+        return ()
+    return (AttentionKV(cfg.n_kv_heads, cfg.head_dim, kv_dtype), HiddenState(cfg.d_model))
+
+
+def cache_shardings(layer, mesh, rules, lead: tuple = ()) -> tuple[NamedSharding, ...]:
+    """The shardings of one layer's cache arrays (under `lead` leading mesh axes)."""
+    return tuple(named(mesh, P(*lead, *spec(axes, rules))) for axes in layer.AXES)

@@ -1,0 +1,73 @@
+"""Shape buckets: the few batch sizes and prompt-chunk lengths every program is compiled for.
+
+A program's shapes never depend on the context length (rows reach their KV pages through block
+tables), so the plan is small and known before serving: `cache`, `decode[B]` (with
+speculation `verify[B]` in its place) per batch bucket, `prefill[B, T]` per batch bucket and
+chunk within the prompt token budget (B x T at most the largest chunk, as llama.cpp's n_ubatch
+bounds the tokens of one prompt pass), and `score[1, T]` per chunk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import JaxinferError
+
+
+@dataclass(frozen=True)
+class ShapePlan:
+    chunks: tuple[int, ...]  # prompt chunk lengths T, ascending
+    batches: tuple[int, ...]  # batch sizes B, ascending; the last is the most rows at once
+    loop: str = "decode"  # the decode program: "decode", or "verify" with speculation
+
+    @staticmethod
+    def make(chunks, batches, slots: int | None, max_seq_len: int, loop="decode") -> ShapePlan:
+        """Chunks never longer than the context; batch buckets up to the rows served at once
+        (the slots, else the largest batch bucket), that number itself included."""
+        for name, values in (("prefill_buckets", chunks), ("batch_buckets", batches)):
+            values = tuple(values) if isinstance(values, list | tuple) else ()
+            if not values or any(
+                not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in values
+            ):
+                raise JaxinferError(
+                    f"{name} is invalid; it must be a non-empty list of integers >= 1"
+                )
+        rows = slots or max(batches)
+        chunks = tuple(sorted({min(c, max_seq_len) for c in chunks}))
+        batches = tuple(sorted({b for b in batches if b < rows} | {rows}))
+        return ShapePlan(chunks, batches, loop)
+
+    @property
+    def rows(self) -> int:
+        return self.batches[-1]
+
+    @property
+    def prompt_budget(self) -> int:
+        """Most prompt tokens (padding included) in one prefill call."""
+        return self.chunks[-1]
+
+    def rows_for(self, chunk: int) -> int:
+        """Most rows one prefill call of `chunk` tokens each can take (a batch bucket)."""
+        return max(B for B in self.batches if B * chunk <= self.prompt_budget or B == 1)
+
+    def chunk_for(self, remaining: int) -> int:
+        """The prompt chunk for `remaining` tokens: the smallest that holds them, else the
+        largest (a long prompt takes several)."""
+        return bucket_for(remaining, self.chunks)
+
+    def batch_for(self, n: int) -> int:
+        return bucket_for(n, self.batches)
+
+    def jobs(self) -> list[tuple[str, int, int]]:
+        """Every (program, B, T) serving can call."""
+        jobs = [("cache", 0, 0)]
+        jobs += [(self.loop, B, 0) for B in self.batches]
+        jobs += [("prefill", B, T) for B in self.batches for T in self.chunks
+                 if B <= self.rows_for(T)]  # fmt: skip
+        jobs += [("score", 1, T) for T in self.chunks]
+        return jobs
+
+
+def bucket_for(n: int, buckets) -> int:
+    """Smallest bucket >= n, else the largest."""
+    return next((x for x in buckets if x >= n), buckets[-1])

@@ -1,0 +1,200 @@
+"""Executor: the parameters, the programs, the compile cache and the KV page pools of a model
+on its mesh. `run(program, *inputs)` moves host inputs to the devices in one transfer, looks the
+executable up by key (compiling on a miss), threads the donated pools through the call and
+returns the other outputs. Warmup compiles the shape plan through the same keys.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import jax
+import numpy as np
+
+from ..config import ModelConfig
+from ..errors import JaxinferError
+from ..model.gdn import RecurrentState
+from ..model.kvcache import AttentionKV, HiddenState, KVConfig, PagePool
+from ..parallel.placement import Placement
+from ..parallel.sharding import named
+from .compile import CompileCache, Job, shapes_text
+from .programs import Program, programs
+from .speculative import SpecConfig
+
+
+class Executor:
+    def __init__(
+        self,
+        placement: Placement,
+        *,
+        cfg: ModelConfig,
+        dtype,
+        kv_config: KVConfig,
+        tokens_per_call: int,
+        compile_cache: CompileCache,
+        spec: SpecConfig | None = None,
+        draft: Placement | None = None,
+    ):
+        self.cfg = cfg
+        self.spec = spec
+        self.dtype = dtype
+        self.kv_config = kv_config
+        self.tokens_per_call = tokens_per_call  # C: most decode steps in one call
+        self.compile_cache = compile_cache
+        self.device_ms = 0.0  # time inside compiled decode calls (and their wait)
+        self._step_counts: dict[str, int] = {}  # step numbers of the trace annotations
+        self.adopt(placement, draft)
+
+    def adopt(self, placement: Placement, draft: Placement | None = None) -> None:
+        """Serve from `placement` (a new layout; with a draft model, the draft on the same
+        mesh): new programs, new pools, an empty page pool."""
+        self.layout = placement.layout
+        self.mesh = placement.mesh
+        self.rules = dict(placement.rules)
+        self.runner = placement.runner
+        self.params = placement.params
+        self.draft = draft
+        draft_runner = draft.runner if draft else None
+        self.programs: dict[str, Program] = programs(
+            self.runner, self.kv_config, self.tokens_per_call, self.spec, draft_runner
+        )
+        self.kv = None  # the page pools, allocated on first use
+        self._replicated = named(self.mesh)
+        self._kv_shardings = self.runner.kv_shardings() + (
+            draft_runner.kv_shardings() if draft else self.runner.mtp_kv_shardings()
+        )
+        shapes = jax.eval_shape(self.programs["cache"].fn)
+        self._kv_abstract = jax.tree.map(
+            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+            shapes,
+            self._kv_shardings,
+        )
+        total = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(shapes))
+        self._check_memory(total)
+        # Linear layers' state per slot (a pipeline slot holds one per stage); the rest is pages.
+        caches = self.runner.caches + (draft_runner.caches if draft else ())
+        linear = [c for c in caches if isinstance(c, RecurrentState)]
+        attention = [c for c in caches if isinstance(c, AttentionKV)]
+        self.kv_dtype = np.dtype(attention[0].dtype).name if attention else None
+        self.state_slot_bytes = sum(c.slot_bytes() for c in linear) * self.runner.stages + sum(
+            c.slot_bytes() for c in self.runner.mtp_caches if isinstance(c, HiddenState)
+        )
+        state_bytes = self.state_slot_bytes * self.kv_config.state_slots
+        self.pages = PagePool(self.kv_config, (total - state_bytes) // self.kv_config.n_pages)
+        # What the programs close over besides their arguments: a change here is a recompile.
+        static = (self.cfg, str(np.dtype(self.dtype)), self.tokens_per_call, self.kv_config,
+                  self.spec, draft is not None)  # fmt: skip
+        layout = (
+            self.layout,
+            tuple(self.mesh.shape.items()),
+            tuple(d.id for d in self.mesh.devices.flat),
+            tuple(sorted(self.rules.items())),
+        )
+        cc, stages = self.compile_cache, self.runner.stages
+        self._context = cc.context(
+            static, layout, ["params", "kv"], (self.model_params(), self._kv_abstract), stages
+        )
+        self._bare = cc.context(static, layout, [], (), stages)  # programs without params
+
+    def model_params(self):
+        """The programs' `params`: the model's, or (the model's, the draft's)."""
+        return self.params if self.draft is None else (self.params, self.draft.params)
+
+    def state_stats(self) -> dict:
+        """The linear layers' per-request state: bytes per slot and allocated in all."""
+        slots = self.kv_config.state_slots
+        return {
+            "state_slots": slots - 1 if self.state_slot_bytes else 0,
+            "state_bytes_per_slot": self.state_slot_bytes,
+            "state_bytes_allocated": self.state_slot_bytes * slots,
+        }
+
+    def _check_memory(self, pool_bytes: int) -> None:
+        """Refuse page pools that cannot fit the devices' memory (on CPU devices, the host's)."""
+        device = self.mesh.devices.flat[0]
+        try:
+            limit = (device.memory_stats() or {}).get("bytes_limit")
+        except Exception:  # backends without memory stats
+            limit = None
+        need = pool_bytes / self.mesh.devices.size  # spread over the mesh, at best
+        if limit is None:  # CPU devices share the host's memory
+            limit, need = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), pool_bytes
+        if need > limit:
+            gib = 2.0**30
+            raise JaxinferError(
+                f"the KV page pools need {need / gib:.1f} GiB per device (linear states included) "
+                f"but a device has {limit / gib:.1f} GiB; pass a smaller kv_cache_tokens (now "
+                f"{self.kv_config.usable_pages * self.kv_config.page_size} tokens) or -c"
+            )
+
+    # ---- calls --------------------------------------------------------------------------
+
+    def allocate(self) -> None:
+        """Allocate the page pools (zeroed, in their shardings) if they are not yet."""
+        if self.kv is None:
+            compiled = self._executable("cache", ())
+            self.kv = self._annotated("cache", compiled)
+
+    def run(self, name: str, *inputs):
+        """Call a program on host (numpy) or device inputs; returns its outputs after the pools."""
+        self.allocate()
+        args = (self.model_params(), self.kv, *self.put(inputs))
+        compiled = self._executable(name, args)
+        if name not in ("decode", "verify"):
+            outs = self._annotated(name, compiled, *args)
+        else:
+            t0 = time.perf_counter()  # device time: the executable and its wait, nothing else
+            outs = jax.block_until_ready(self._annotated(name, compiled, *args))
+            self.device_ms += (time.perf_counter() - t0) * 1e3
+        self.kv = outs[0]
+        return outs[1:]
+
+    def _executable(self, name: str, args: tuple):
+        program = self.programs[name]
+        context = self._bare if name == "cache" else self._context
+        return self.compile_cache.get(
+            name, context, program.fn, args, donate=program.donate, out=self._outputs(program)
+        )
+
+    def _annotated(self, name, compiled, *args):
+        step = self._step_counts[name] = self._step_counts.get(name, -1) + 1
+        with jax.profiler.StepTraceAnnotation(name, step_num=step):
+            return compiled(*args)
+
+    def put(self, inputs):
+        """Host arrays go to the devices in one transfer, replicated, so that every key sees
+        device shardings; device arrays pass as they are (inputs reused over several calls
+        are put once by the caller)."""
+        leaves, treedef = jax.tree_util.tree_flatten(inputs)
+        host = [i for i, x in enumerate(leaves) if isinstance(x, np.ndarray | np.generic)]
+        if host:
+            placed = jax.device_put([leaves[i] for i in host], self._replicated)
+            for i, x in zip(host, placed, strict=True):
+                leaves[i] = x
+        return jax.tree_util.tree_unflatten(treedef, leaves)
+
+    def _outputs(self, program: Program):
+        """Output shardings: the pools keep theirs, everything else is replicated."""
+        outs = tuple(self._kv_shardings if o == "kv" else self._replicated for o in program.outputs)
+        return outs[0] if len(outs) == 1 else outs
+
+    # ---- the plan -----------------------------------------------------------------------
+
+    def job(self, name: str, B: int, T: int) -> Job:
+        """The compile of program `name` at batch B and chunk T, from ShapeDtypeStructs."""
+        program = self.programs[name]
+        inputs = jax.tree.map(
+            lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=self._replicated),
+            program.inputs(B, T, self.kv_config.table_width),
+        )
+        if name == "cache":
+            args, context = inputs, self._bare
+        else:
+            args, context = (self.model_params(), self._kv_abstract, *inputs), self._context
+        label = " ".join(f"{k}={v}" for k, v in (("B", B), ("T", T)) if v)
+        return Job(name, context, program.fn, args, program.donate, self._outputs(program), label)
+
+    def describe(self, job: Job) -> str:
+        """A job's per-call argument shapes, e.g. `chunk.tokens i32[4,128] ...`."""
+        return shapes_text(job.fn, job.args, 0 if job.name == "cache" else 2)

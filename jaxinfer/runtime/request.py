@@ -1,0 +1,190 @@
+"""A request on the host: its prompt, sampling values and stops, and the text it has made.
+
+`RequestState.accept(ids)` takes the ids a compiled call produced for this request: it applies
+stop tokens, stop strings and the token budget, detokenizes incrementally, and returns the
+piece of text that can be shown (held back while it could still start a stop string).
+`Request` is the handle `Engine.submit` returns.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from ..formats.tokenizer import StreamDecoder
+from ..ops.sampling import SamplingParams
+
+
+@dataclass
+class Result:
+    text: str
+    token_ids: list[int]  # generated ids only (a final EOS / stop token included)
+    prompt_ids: list[int]
+    finish_reason: str  # "stop" (EOS, stop token or stop string), "length" or "cancelled"
+    queue_ms: float = 0.0  # from submit to admission (waiting for a slot or KV pages)
+    prompt_ms: float = 0.0  # from admission to the first new token (prefill)
+    decode_ms: float = 0.0  # from the first new token to the last
+
+
+@dataclass(frozen=True)
+class StreamPiece:
+    text: str  # newly completed text (held back while it could start a stop string)
+    token_ids: list[int]  # ids produced since the previous piece
+    finish_reason: str | None = None  # set on the last piece
+
+
+@dataclass(eq=False)
+class RequestState:
+    """One request being served, from submit to its last token."""
+
+    prompt: list[int]
+    params: SamplingParams
+    seed: int
+    stop_ids: list[int]
+    stop_strings: list[str]
+    budget: int  # new tokens allowed (max_new_tokens clipped to the context)
+    decoder: StreamDecoder
+    sampling: tuple  # its packed sampling row (SamplingRows.row), checked at submit
+    interactive: bool = False  # streamed or with stop strings: the host wakes more often
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    emitted: int = 0  # characters of `text` already streamed
+    finish: str | None = None
+    pieces: deque = field(default_factory=deque)  # delivered, not yet streamed
+    submitted_at: float = field(default_factory=time.perf_counter)
+    admitted_at: float | None = None
+    first_token_at: float | None = None
+    finished_at: float | None = None
+
+    @property
+    def need(self) -> int:
+        """KV positions it can ever write: the prompt and every generated token but the last
+        (which is never fed back)."""
+        return len(self.prompt) + max(self.budget, 1) - 1
+
+    def end(self, reason: str) -> None:
+        self.finish = reason
+        self.finished_at = time.perf_counter()
+
+    def accept(self, ids: list[int]) -> StreamPiece:
+        """Append newly generated ids; the piece they complete (maybe empty)."""
+        if self.finish or not ids:
+            return StreamPiece("", [], self.finish)
+        if self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+        piece = self._accept(ids)
+        if self.finish:
+            self.finished_at = time.perf_counter()
+        return piece
+
+    def _accept(self, ids: list[int]) -> StreamPiece:
+        if self.stop_strings:
+            new_ids = self._accept_each(ids)
+        else:  # the device already stopped at stop tokens: take the chunk whole
+            new_ids = ids[: self.budget - len(self.token_ids)]
+            hit = next((k for k, t in enumerate(new_ids) if t in self.stop_ids), None)
+            if hit is not None:
+                new_ids = new_ids[: hit + 1]
+                self.finish = "stop"
+            elif len(self.token_ids) + len(new_ids) >= self.budget:
+                self.finish = "length"
+            self.token_ids += new_ids
+            self.text += self.decoder.push(new_ids[:hit] if hit is not None else new_ids)
+            if self.finish:
+                self.text += self.decoder.flush()
+        hold = 0 if self.finish else max((len(s) for s in self.stop_strings), default=1) - 1
+        upto = max(self.emitted, len(self.text) - hold)
+        piece = self.text[self.emitted : upto]
+        self.emitted = upto
+        return StreamPiece(piece, new_ids, self.finish)
+
+    def _accept_each(self, ids: list[int]) -> list[int]:
+        """Token by token, so that a stop string ends the ids right where it completes."""
+        new_ids = []
+        for tok in ids:
+            new_ids.append(tok)
+            self.token_ids.append(tok)
+            if tok in self.stop_ids:
+                self.finish = "stop"
+                self.text += self.decoder.flush()
+                break
+            self.text += self.decoder.push([tok])
+            if self._cut_stop_string():
+                break
+            if len(self.token_ids) >= self.budget:
+                self.finish = "length"
+                self.text += self.decoder.flush()
+                break
+        return new_ids
+
+    def _cut_stop_string(self) -> bool:
+        for s in self.stop_strings:
+            at = self.text.find(s, max(0, self.emitted - len(s)))
+            if at >= 0:
+                self.text = self.text[:at]
+                self.finish = "stop"
+                return True
+        return False
+
+    def result(self) -> Result:
+        def ms(a, b):
+            return (b - a) * 1e3 if a is not None and b is not None else 0.0
+
+        return Result(
+            text=self.text,
+            token_ids=list(self.token_ids),
+            prompt_ids=list(self.prompt),
+            finish_reason=self.finish or "length",
+            queue_ms=ms(self.submitted_at, self.admitted_at),
+            prompt_ms=ms(self.admitted_at, self.first_token_at),
+            decode_ms=ms(self.first_token_at, self.finished_at),
+        )
+
+
+class Request:
+    """A submitted request: `result()` and `stream()` drive the engine until it is done."""
+
+    def __init__(self, state: RequestState, drive: Callable[[], None], cancel: Callable):
+        self.state = state
+        self._drive = drive  # one engine step
+        self._cancel = cancel
+
+    @property
+    def done(self) -> bool:
+        return self.state.finish is not None
+
+    def result(self) -> Result:
+        while not self.done:
+            self._drive()
+        return self.state.result()
+
+    def stream(self) -> Iterator[StreamPiece]:
+        """Pieces of text as they are produced. Closing the stream early (a client gone, a
+        `break`) cancels the request, so its slot and pages free at once."""
+        pieces = self.state.pieces
+        try:
+            while True:
+                while pieces:
+                    yield pieces.popleft()
+                if self.done:
+                    return
+                self._drive()
+        finally:
+            if not self.done:
+                self.cancel()
+
+    def cancel(self) -> None:
+        self._cancel(self.state)
+
+    @property
+    def latency(self) -> float | None:
+        """Seconds from submit to the last token."""
+        s = self.state
+        return None if s.finished_at is None else s.finished_at - s.submitted_at
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        s = self.state
+        return None if s.first_token_at is None else s.first_token_at - s.submitted_at

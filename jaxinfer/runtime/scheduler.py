@@ -1,0 +1,306 @@
+"""Scheduler: the one loop behind generate(), submit() and streaming.
+
+Each step admits queued requests while a row and their KV pages are free, runs one prompt
+chunk for every row still prefilling (as one batch), runs one decode call for the rows that are
+decoding, and returns what each request produced. Rows are compacted into the smallest batch
+bucket that holds them: the KV lives in pages reached through block tables and a linear
+layer's state in the request's slot, so moving a request to another row moves nothing but
+its table row and slot number. A request reserves every page it can
+need when admitted and takes them as it grows, so it never fails mid-generation; finishing or
+cancelling gives them back at once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import RequestError
+from ..model.kvcache import NULL_PAGE, NULL_SLOT, KVView
+from ..ops.sampling import PENALTY_WINDOW, SamplingRows, recent_window
+from .buckets import ShapePlan
+from .executor import Executor
+from .perf import PerfStats
+from .programs import Chunk, DecodeState
+from .request import RequestState, StreamPiece
+
+Delivery = tuple[RequestState, StreamPiece]
+
+
+@dataclass(eq=False)
+class _Active:
+    """An admitted request: its pages, its prompt progress and a host copy of its decode row."""
+
+    state: RequestState | None  # None: a scoring pass (Engine.logits)
+    reserved: int  # pages promised to it and not yet taken
+    slot: int  # its state slot in the linear layers (one per running request)
+    pages: list[int] = field(default_factory=list)  # held, in position order
+    offset: int = 0  # prompt tokens prefilled
+    decoding: bool = False
+    token: int = 0  # the next input token
+    pos: int = 0  # its position
+    left: int = 0  # tokens still allowed
+
+
+class Scheduler:
+    def __init__(
+        self,
+        executor: Executor,
+        shapes: ShapePlan,
+        perf: PerfStats,
+        clock: Callable[[], float],
+        *,
+        decode_chunk: int,
+        stream_chunk: int,
+        always_interactive: bool,
+    ):
+        self.executor = executor
+        self.shapes = shapes
+        self.perf = perf
+        self.clock = clock  # seconds, compile time excluded
+        self.decode_chunk = decode_chunk
+        self.stream_chunk = stream_chunk
+        # Slots serve requests that arrive between steps: always wake every `stream_chunk`.
+        self.always_interactive = always_interactive
+        self.queue: deque[RequestState] = deque()
+        self.running: list[_Active] = []  # in admission order
+        self._slots = list(range(shapes.rows, NULL_SLOT, -1))  # free state slots, lowest last
+        # The last decode call's rows, device state and sampling rows, and (host, device) table.
+        self._last: tuple = ((), None, None, (None, None))
+        self._step_arrays: dict[int, object] = {}
+
+    # ---- requests -----------------------------------------------------------------------
+
+    def check(self, state: RequestState) -> None:
+        """Refuse a request that could never get its pages, with the numbers."""
+        pages = self.executor.pages
+        need, total = pages.pages_for(state.need), pages.kv.usable_pages
+        if need > total:
+            raise RequestError(
+                f"the request needs {need} KV pages ({state.need} positions, "
+                f"{pages.page_size} per page) but the pool holds {total}; "
+                "lower max_new_tokens or load with a larger kv_cache_tokens"
+            )
+
+    def submit(self, state: RequestState) -> None:
+        self.check(state)
+        if state.budget <= 0:
+            state.end("length")
+        else:
+            self.queue.append(state)
+
+    def cancel(self, state: RequestState) -> None:
+        if state.finish is not None:
+            return
+        state.end("cancelled")
+        if state in self.queue:
+            self.queue.remove(state)
+        for active in self.running:
+            if active.state is state:
+                self._retire(active)
+                break
+
+    def idle(self) -> bool:
+        return not self.queue and not self.running
+
+    # ---- one step -----------------------------------------------------------------------
+
+    def step(self, deliver: Callable[[list[Delivery]], None]) -> None:
+        """Admit, one prompt chunk, one decode call. `deliver` gets the pieces each call
+        produced as soon as it returns: a first token is out before the decode call runs."""
+        self._admit()
+        for phase in (self._prefill, self._decode):
+            out: list[Delivery] = []
+            phase(out)
+            if out:
+                deliver(out)
+
+    def _admit(self) -> None:
+        pages = self.executor.pages
+        while self.queue and len(self.running) < self.shapes.rows:
+            state = self.queue[0]
+            need = pages.pages_for(state.need)
+            if not pages.reserve(need):
+                return  # it waits for pages; later requests wait behind it
+            self.queue.popleft()
+            state.admitted_at = time.perf_counter()
+            self.running.append(_Active(state, need, self._slots.pop()))
+
+    def _table(self, rows: list[_Active], batch: int) -> np.ndarray:
+        table = np.full((batch, self.executor.kv_config.table_width), NULL_PAGE, np.int32)
+        for b, active in enumerate(rows):
+            table[b, : len(active.pages)] = active.pages
+        return table
+
+    def _grow(self, active: _Active, tokens: int) -> None:
+        active.reserved = self.executor.pages.grow(active.pages, tokens, active.reserved)
+
+    def _prefill(self, out: list[Delivery]) -> None:
+        """One chunk for the oldest waiting prompt, sized to what it has left, with as many
+        other waiting prompts beside it as the prompt token budget allows."""
+        rows = [a for a in self.running if not a.decoding]
+        if not rows:
+            return
+        T = self.shapes.chunk_for(len(rows[0].state.prompt) - rows[0].offset)
+        rows = rows[: self.shapes.rows_for(T)]
+        B = self.shapes.batch_for(len(rows))
+        tokens = np.zeros((B, T), np.int32)
+        start, length, slot = (np.zeros(B, np.int32) for _ in range(3))
+        following = np.full(B, -1, np.int32)  # the prompt token after each row's chunk
+        window = np.full((B, PENALTY_WINDOW), -1, np.int32)
+        for b, active in enumerate(rows):
+            prompt = active.state.prompt
+            seg = prompt[active.offset : active.offset + T]
+            tokens[b, : len(seg)] = seg
+            start[b], length[b], slot[b] = active.offset, len(seg), active.slot
+            if active.offset + len(seg) < len(prompt):
+                following[b] = prompt[active.offset + len(seg)]
+            self._grow(active, active.offset + len(seg))
+            if active.offset + len(seg) == len(prompt):  # the chunk that samples a token
+                window[b] = recent_window(prompt)
+        chunk = Chunk(tokens, KVView(self._table(rows, B), start, length, slot), following)
+        sampling = SamplingRows.stack([a.state.sampling for a in rows], B)
+        t0 = self.clock()
+        (first,) = self.executor.run("prefill", chunk, window, sampling)
+        first = np.asarray(first)
+        self.perf.prompt_ms += (self.clock() - t0) * 1e3
+        self.perf.prompt_tokens += int(length.sum())
+        for b, active in enumerate(rows):
+            active.offset += int(length[b])
+            state = active.state
+            if active.offset < len(state.prompt):
+                continue
+            token = int(first[b])  # the prompt is in: its first new token
+            out.append((state, state.accept([token])))
+            if state.finish:
+                self._retire(active)
+                continue
+            active.decoding = True
+            active.token, active.pos, active.left = token, len(state.prompt), state.budget - 1
+
+    def _decode(self, out: list[Delivery]) -> None:
+        rows = tuple(a for a in self.running if a.decoding)
+        if not rows:
+            return
+        B = self.shapes.batch_for(len(rows))
+        n = self._tokens_per_call(rows)
+        spec = self.executor.spec
+        ahead = spec.k if spec else 0  # a speculative step writes its drafts' positions too
+        for active in rows:  # pages for every position this call may write
+            self._grow(active, min(active.pos + n + ahead, active.state.need))
+        state, sampling, table = self._inputs(rows, B)
+        t0 = self.clock()
+        state, ids, *counts = self.executor.run(
+            self.shapes.loop, state, table, sampling, self._steps(n)
+        )
+        ids = np.asarray(ids)
+        if counts:  # drafted, accepted, row steps
+            drafted, accepted, steps = (int(c) for c in np.asarray(counts[0]))
+            self.perf.draft_tokens += drafted
+            self.perf.accepted_tokens += accepted
+            self.perf.spec_steps += steps
+        generated = 0
+        for b, active in enumerate(rows):
+            new = [t for t in ids[b].tolist() if t >= 0]
+            if not new:
+                continue
+            generated += len(new)
+            active.pos += len(new)
+            active.token, active.left = new[-1], active.left - len(new)
+            out.append((active.state, active.state.accept(new)))
+            if active.state.finish:  # at a stop token, the budget or a stop string
+                self._retire(active)
+        self._last = (rows, state, sampling, self._last[3])
+        self.perf.eval_tokens += generated
+        self.perf.eval_ms += (self.clock() - t0) * 1e3
+
+    def _inputs(self, rows: tuple[_Active, ...], batch: int):
+        """The decode call's state, sampling rows and block table, on the device. While the
+        same rows decode call after call, the state is the one the last call returned and the
+        rows and table are the ones already sent (a table changes once a page): a steady call
+        sends nothing to the devices (each transfer costs ~0.1 ms on the host here)."""
+        last_rows, state, sampling, (host_table, table) = self._last
+        new_table = self._table(list(rows), batch)
+        if rows != last_rows:  # rows joined or left: the device state is rebuilt, in one put
+            state = self._host_state(rows, batch)
+            sampling = SamplingRows.stack([a.state.sampling for a in rows], batch)
+            host_table = new_table
+            state, sampling, table = self.executor.put((state, sampling, new_table))
+        elif not np.array_equal(new_table, host_table):
+            host_table, table = new_table, self.executor.put(new_table)
+        self._last = (rows, state, sampling, (host_table, table))
+        return state, sampling, table
+
+    def _steps(self, n: int):
+        """The steps argument of decode, kept on the device per value."""
+        if n not in self._step_arrays:
+            self._step_arrays[n] = self.executor.put(np.int32(n))
+        return self._step_arrays[n]
+
+    def _tokens_per_call(self, rows) -> int:
+        """Fewer tokens per call while anyone streams, has stop strings or waits to start."""
+        waiting = bool(self.queue) or any(not a.decoding for a in self.running)
+        interactive = self.always_interactive or waiting or any(a.state.interactive for a in rows)
+        return self.stream_chunk if interactive else self.decode_chunk
+
+    def _host_state(self, rows, batch: int) -> DecodeState:
+        """The decode state of `rows` from their host copies; padding rows start done."""
+        spec = self.executor.spec
+        width = spec.history if spec else 0
+        history = np.full((batch, width), -1, np.int32)
+        window = np.full((batch, PENALTY_WINDOW), -1, np.int32)
+        tokens, pos, left, slot = (np.zeros(batch, np.int32) for _ in range(4))
+        done = np.ones(batch, np.bool_)
+        for b, active in enumerate(rows):
+            state = active.state
+            # The context before the input token: the prompt and all but the last new token.
+            context = state.prompt + state.token_ids[:-1]
+            window[b] = recent_window(context)
+            if width:  # n-gram lookup: the longer history, by position mod its width
+                history[b] = recent_window(context, width)
+            tokens[b], pos[b], left[b], done[b] = active.token, active.pos, active.left, False
+            slot[b] = active.slot
+        backoff = np.zeros((batch, 2), np.int32)
+        return DecodeState(tokens, pos, left, done, window, slot, history, backoff)
+
+    def _retire(self, active: _Active) -> None:
+        self.executor.pages.release(active.pages, active.reserved)
+        active.reserved = 0
+        self.running.remove(active)
+        self._slots.append(active.slot)  # the next request in it starts from zeros
+
+    # ---- scoring ------------------------------------------------------------------------
+
+    def score(self, ids: list[int]) -> np.ndarray | None:
+        """Float32 logits [T, V] at every position of `ids`, or None while the pool lacks the
+        pages (the caller steps the running requests until they free some)."""
+        pages = self.executor.pages
+        # The scoring pass has a state slot of its own, past the requests' ones.
+        active = _Active(None, pages.pages_for(len(ids)), self.executor.kv_config.state_slots - 1)
+        if not pages.reserve(active.reserved):
+            return None
+        out = []
+        try:
+            while active.offset < len(ids):
+                T = self.shapes.chunk_for(len(ids) - active.offset)
+                seg = ids[active.offset : active.offset + T]
+                tokens = np.zeros((1, T), np.int32)
+                tokens[0, : len(seg)] = seg
+                self._grow(active, active.offset + len(seg))
+                view = KVView(
+                    self._table([active], 1),
+                    np.array([active.offset], np.int32),
+                    np.array([len(seg)], np.int32),
+                    np.array([active.slot], np.int32),
+                )
+                chunk = Chunk(tokens, view, np.full(1, -1, np.int32))
+                (logits,) = self.executor.run("score", chunk)
+                out.append(np.asarray(logits)[0, : len(seg)])
+                active.offset += len(seg)
+        finally:
+            pages.release(active.pages, active.reserved)
+        return np.concatenate(out, axis=0)

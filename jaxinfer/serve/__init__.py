@@ -1,0 +1,1 @@
+"""`jaxinfer serve`: the OpenAI-compatible HTTP server over an engine thread."""

@@ -1,0 +1,128 @@
+"""Chat templates: a model's jinja template turned into a prompt's token ids.
+
+The template comes from the checkpoint (`tokenizer_config.json` / `chat_template.jinja`, or the
+GGUF `tokenizer.chat_template`) or from the user. It is rendered the way transformers'
+`apply_chat_template` renders it: a sandboxed jinja environment with trim_blocks and
+lstrip_blocks, the `tojson` filter, `raise_exception` and `strftime_now`, and the model's
+bos_token / eos_token. The text is then tokenized as llama.cpp does: specials are parsed, and
+when the tokenizer adds BOS itself a BOS written by the template is dropped (one BOS either way).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from functools import lru_cache
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from ..errors import RequestError
+from ..formats.tokenizer import Tokenizer
+
+ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+class ChatTemplate:
+    def __init__(self, source: str, tokenizer: Tokenizer):
+        self.source = source
+        self.tokenizer = tokenizer
+        self._template = _compile(source)  # a syntax error raises RequestError here
+
+    def render(
+        self, messages: Sequence[dict], *, add_generation_prompt: bool = True, **extra
+    ) -> str:
+        """The prompt text of `messages` ([{"role", "content"}, ...], already checked)."""
+        tok = self.tokenizer
+        try:
+            return self._template.render(
+                messages=list(messages),
+                add_generation_prompt=add_generation_prompt,
+                bos_token=tok.token_text(tok.bos_id),
+                eos_token=tok.token_text(tok.eos_ids[0] if tok.eos_ids else None),
+                **extra,
+            )
+        except jinja2.TemplateError as e:
+            raise RequestError(f"the chat template failed: {_line(e)}") from None
+
+    def encode(self, messages: Sequence[dict], **extra) -> list[int]:
+        """Token ids of the rendered messages, with exactly one BOS where the model wants one."""
+        text = self.render(messages, **extra)
+        tok = self.tokenizer
+        bos = tok.token_text(tok.bos_id)
+        if tok.add_bos and bos and text.startswith(bos):  # llama.cpp: no double BOS
+            text = text[len(bos) :]
+        return tok.encode(text)
+
+
+def check_messages(messages) -> list[dict]:
+    """OpenAI chat messages as the plain dicts a template reads: content parts of type "text"
+    are joined with newlines; anything else is refused with a one-line RequestError."""
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages must be a non-empty list of {role, content} objects")
+    out = []
+    for n, message in enumerate(messages):
+        where = f"messages[{n}]"
+        if not isinstance(message, dict):
+            raise RequestError(f"{where} must be an object with role and content")
+        role, content = message.get("role"), message.get("content")
+        if role not in ROLES:
+            raise RequestError(f"{where}.role = {role!r} is invalid; use one of {', '.join(ROLES)}")
+        if isinstance(content, list):
+            content = "\n".join(_text_part(part, f"{where}.content[{k}]")
+                                for k, part in enumerate(content))  # fmt: skip
+        elif content is None and role == "assistant":
+            content = ""
+        elif not isinstance(content, str):
+            raise RequestError(f"{where}.content must be a string or a list of text parts")
+        out.append({**message, "role": role, "content": content})
+    return out
+
+
+def _text_part(part, where: str) -> str:
+    if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+        return part["text"]
+    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+    raise RequestError(f"{where} is of type {kind!r}; only text parts are supported")
+
+
+class _Generation(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` (transformers' assistant-mask tags): the body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body).set_lineno(lineno)
+
+
+@lru_cache(maxsize=8)
+def _compile(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _Generation]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateError as e:
+        raise RequestError(f"the chat template does not parse: {_line(e)}") from None
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _raise(message):
+    raise jinja2.TemplateError(message)
+
+
+def _line(error: BaseException) -> str:
+    return " ".join(str(error).split()) or type(error).__name__

@@ -1,0 +1,131 @@
+"""Prometheus metrics of a server, in llama-server's style (`jaxinfer:requests_processing`,
+`jaxinfer:slots_busy`, ...).
+
+Two kinds: what the HTTP side sees (requests by outcome, tokens, latency histograms) is
+recorded as requests finish; what the engine knows (slots, queue, KV pages, graph reuse,
+recompiles by kind, compiles) is read from a snapshot the engine thread takes for each scrape.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from ..engine import Engine
+from ..runtime.request import Result
+
+P = "jaxinfer:"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+def engine_snapshot(engine: Engine, compiles_at_ready: int) -> dict:
+    """What the engine knows now (taken on the engine thread)."""
+    stats, kv, now = engine.perf_stats(), engine.kv_stats(), engine.activity()
+    return {
+        "slots_total": engine.slots or 1,
+        "slots_busy": now["running"],
+        "requests_deferred": now["queued"],
+        "kv_pages_used": kv["pages_in_use"],
+        "kv_pages_total": kv["pages_total"],
+        "graphs_reused": stats.graphs_reused,
+        "recompiles": {
+            "same_shape": stats.recompiles_same,
+            "changed_shape": stats.recompiles_diff,
+            "sharding": stats.recompiles_sharding,
+        },
+        "programs": stats.programs,
+        "compiles_after_warmup": stats.programs + stats.untracked_compiles - compiles_at_ready,
+        "compile_seconds": stats.compile_seconds,
+        "decode_tokens": stats.eval_tokens,
+        "spec_draft_tokens": stats.draft_tokens,
+        "spec_accepted_tokens": stats.accepted_tokens,
+    }
+
+
+class Metrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        self.snapshot: dict | None = None  # None while the engine loads
+        r = self.registry
+        self.requests = Counter(
+            f"{P}requests", "Requests finished, by finish reason (stop, length, cancelled, error)",
+            ["finish_reason"], registry=r,
+        )  # fmt: skip
+        self.refused = Counter(
+            f"{P}requests_refused", "Requests refused with an HTTP error, by status code",
+            ["code"], registry=r,
+        )  # fmt: skip
+        self.prompt_tokens = Counter(f"{P}prompt_tokens", "Prompt tokens processed", registry=r)
+        self.predicted = Counter(f"{P}tokens_predicted", "Tokens generated", registry=r)
+        self.ttft = Histogram(
+            f"{P}time_to_first_token_seconds", "From arrival to the first generated token",
+            buckets=_TTFT_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.latency = Histogram(
+            f"{P}e2e_request_latency_seconds", "From arrival to the last generated token",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.queue_time = Histogram(
+            f"{P}request_queue_time_seconds", "From arrival to a free slot",
+            buckets=_TTFT_BUCKETS, registry=r,
+        )  # fmt: skip
+        r.register(_EngineCollector(self))
+
+    def finished(self, result: Result) -> None:
+        self.requests.labels(result.finish_reason).inc()
+        self.prompt_tokens.inc(len(result.prompt_ids))
+        self.predicted.inc(len(result.token_ids))
+        if result.token_ids:
+            self.ttft.observe((result.queue_ms + result.prompt_ms) / 1e3)
+            self.latency.observe((result.queue_ms + result.prompt_ms + result.decode_ms) / 1e3)
+        self.queue_time.observe(result.queue_ms / 1e3)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector:
+    """The engine snapshot as gauges and counters (nothing while the engine loads)."""
+
+    def __init__(self, metrics: Metrics):
+        self.metrics = metrics
+
+    def describe(self):
+        return []  # values exist only once the engine is up; nothing to check at register
+
+    def collect(self):
+        s = self.metrics.snapshot
+        if s is None:
+            return
+        for name, key, doc in (
+            ("slots_total", "slots_total", "Slots (requests decoded together)"),
+            ("slots_busy", "slots_busy", "Slots serving a request"),
+            ("requests_processing", "slots_busy", "Requests being processed"),
+            ("requests_deferred", "requests_deferred", "Requests waiting for a slot"),
+            ("kv_cache_pages_used", "kv_pages_used", "KV cache pages in use"),
+            ("kv_cache_pages_total", "kv_pages_total", "KV cache pages in the pool"),
+        ):
+            yield GaugeMetricFamily(f"{P}{name}", doc, value=s[key])
+        yield GaugeMetricFamily(
+            f"{P}kv_cache_usage_ratio", "KV cache pages in use / pages in the pool",
+            value=s["kv_pages_used"] / max(s["kv_pages_total"], 1),
+        )  # fmt: skip
+        for name, key, doc in (
+            ("graphs_reused", "graphs_reused", "Compiled-program calls that reused a program"),
+            ("programs_compiled", "programs", "Programs compiled (warmup included)"),
+            ("compiles_after_warmup", "compiles_after_warmup", "Compiles after warmup (want 0)"),
+            ("compile_seconds", "compile_seconds", "Seconds spent compiling"),
+            ("decode_tokens", "decode_tokens", "Tokens produced by decode calls"),
+            ("spec_draft_tokens", "spec_draft_tokens", "Speculative draft tokens verified"),
+            ("spec_accepted_tokens", "spec_accepted_tokens", "Speculative drafts accepted"),
+        ):
+            yield CounterMetricFamily(f"{P}{name}", doc, value=s[key])
+        family = CounterMetricFamily(
+            f"{P}recompiles", "Recompiles by kind (same_shape: a program that should have been "
+            "reused; changed_shape: a new bucket; sharding: a reshard)", labels=["kind"],
+        )  # fmt: skip
+        for kind, n in s["recompiles"].items():
+            family.add_metric([kind], n)
+        yield family
