@@ -21,7 +21,8 @@ import numpy as np
 from speed import LLAMA_110M
 
 import jaxinfer
-from jaxinfer.ops.sampling import PENALTY_WINDOW, SamplingParams, SamplingRows, sample
+from jaxinfer import SamplingParams
+from jaxinfer.ops.sampling import PENALTY_WINDOW, SamplingRows, sample
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = {

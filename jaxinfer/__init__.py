@@ -11,6 +11,7 @@ from .errors import (
     UnsupportedModelError,
 )
 from .loader import generate, load
+from .options import EngineOptions, SamplingParams
 from .runtime.compile import RecompileEvent
 from .runtime.perf import PerfStats
 from .runtime.request import Request, Result, StreamPiece
@@ -18,6 +19,7 @@ from .runtime.request import Request, Result, StreamPiece
 __all__ = [
     "CheckpointError",
     "Engine",
+    "EngineOptions",
     "JaxinferError",
     "LayoutError",
     "ModelConfig",
@@ -28,6 +30,7 @@ __all__ = [
     "Request",
     "RequestError",
     "Result",
+    "SamplingParams",
     "StreamPiece",
     "UnsupportedModelError",
     "generate",

@@ -16,13 +16,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from .config import ModelConfig
 from .errors import JaxinferError, RecompileError, RequestError
 from .formats.tokenizer import Tokenizer
-from .model.kvcache import PAGE_SIZES, KVConfig
-from .ops.sampling import SamplingParams, SamplingRows
+from .model.kvcache import KVConfig
+from .ops.sampling import SamplingRows
+from .options import EngineOptions, SamplingParams
 from .parallel.placement import Placement
 from .runtime.buckets import ShapePlan
 from .runtime.compile import CompileCache, CompileCounts, Handle, RecompileEvent, watching
@@ -32,10 +34,6 @@ from .runtime.profiler import profile
 from .runtime.request import Request, RequestState, StreamPiece
 from .runtime.scheduler import Scheduler
 from .runtime.speculative import SpecConfig
-
-DEFAULT_PREFILL_BUCKETS = (8, 32, 128, 512)
-DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8)
-DEFAULT_PAGE_SIZE = 128  # measured against 16 ... 256: benchmarks/results/paged_kv.md
 
 
 @dataclass(frozen=True)
@@ -48,68 +46,57 @@ class PlannedProgram:
     args: str  # e.g. "chunk.tokens i32[4,128] chunk.view.table i32[4,16] ..."
 
 
-def _positive(name: str, value, minimum: int = 1) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise JaxinferError(f"{name} = {value!r} is invalid; it must be an integer >= {minimum}")
-    return value
-
-
 class Engine:
     def __init__(
         self,
         cfg: ModelConfig,
         tokenizer: Tokenizer,
         placement: Placement,
+        options: EngineOptions | None = None,
         *,
-        dtype,
-        max_seq_len: int,
         name: str = "",
         source: str = "",
-        prefill_buckets: Sequence[int] = DEFAULT_PREFILL_BUCKETS,
-        batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS,
-        decode_chunk: int = 64,
-        stream_chunk: int = 16,
-        compile_cache_size: int | None = None,
-        strict: bool = False,
-        graph_reuse: bool = True,
         load_ms: float = 0.0,
         place: Callable[..., Placement] | None = None,
-        slots: int | None = None,
-        kv_cache_tokens: int | None = None,
-        page_size: int = DEFAULT_PAGE_SIZE,
         spec: SpecConfig | None = None,
         draft: Placement | None = None,
         place_draft: Callable[..., Placement] | None = None,
     ):
+        """An engine over a placed model; `load()` builds one. `options` are the serving
+        options (checked when made); `place(layout, devices)` re-places the model for
+        reshard(), `place_draft` the draft model."""
+        o = self.options = options or EngineOptions()
         self.cfg = cfg
         self.tokenizer = tokenizer
-        self.dtype = dtype
-        self.max_seq_len = _positive("max_seq_len", max_seq_len, 2)
+        self.dtype = jnp.dtype(o.dtype)
+        self.max_seq_len = o.max_seq_len or cfg.max_position
         self.name = name
         self.source = source  # e.g. "GGUF (Q8_0, F32)"
-        if slots is not None:
-            _positive("slots", slots)
-        self.slots = slots
-        self.decode_chunk = _positive("decode_chunk", decode_chunk)  # most tokens per call
+        self.slots = o.slots
+        self.decode_chunk = o.decode_chunk  # most tokens per call
         # Tokens per call while streaming, with stop strings, or serving slots: the host
         # wakes more often there (text to show, strings to find, requests to admit).
-        self.stream_chunk = min(_positive("stream_chunk", stream_chunk), decode_chunk)
+        self.stream_chunk = min(o.stream_chunk, o.decode_chunk)
         self.spec = spec  # speculative decoding: `verify` serves in place of `decode`
         loop = "verify" if spec else "decode"
-        self.shapes = ShapePlan.make(prefill_buckets, batch_buckets, slots, max_seq_len, loop)
-        self.kv_config = self._kv_config(kv_cache_tokens, page_size)
+        self.shapes = ShapePlan.make(
+            o.prefill_buckets, o.batch_buckets, o.slots, self.max_seq_len, loop
+        )
+        # A smaller pool is allowed: requests that could never fit are refused at submit.
+        tokens = o.kv_cache_tokens or self.max_seq_len * max(o.slots or 1, 1)
+        self.kv_config = KVConfig.plan(tokens, self.max_seq_len, o.page_size, self.shapes.rows)
         plan = len(self.shapes.jobs())
-        if compile_cache_size is None:
-            compile_cache_size = max(64, plan)
-        elif _positive("compile_cache_size", compile_cache_size) < plan:
+        if o.compile_cache_size is not None and o.compile_cache_size < plan:
             raise JaxinferError(
-                f"compile_cache_size = {compile_cache_size} is below the {plan} programs of the "
-                f"compile plan; pass at least {plan} (or leave it unset)"
+                f"compile_cache_size = {o.compile_cache_size} is below the {plan} programs of "
+                f"the compile plan; pass at least {plan} (or leave it unset)"
             )
-        self.strict = strict
-        self.compile_cache = CompileCache(capacity=compile_cache_size, reuse=graph_reuse)
+        self.strict = o.strict
+        self.compile_cache = CompileCache(
+            capacity=o.compile_cache_size or max(64, plan), reuse=o.graph_reuse
+        )
         self.executor = Executor(
-            placement, cfg=cfg, dtype=dtype, kv_config=self.kv_config,
+            placement, cfg=cfg, dtype=self.dtype, kv_config=self.kv_config,
             tokens_per_call=self.decode_chunk, compile_cache=self.compile_cache,
             spec=spec, draft=draft,
         )  # fmt: skip
@@ -119,18 +106,6 @@ class Engine:
         self._scheduler = self._new_scheduler()
         self._warm = False  # warmup() done: strict mode now refuses compiles
         self._requests = 0
-
-    def _kv_config(self, kv_cache_tokens, page_size) -> KVConfig:
-        if page_size not in PAGE_SIZES:
-            raise JaxinferError(
-                f"page_size = {page_size!r} is invalid; use one of "
-                f"{', '.join(map(str, PAGE_SIZES))}"
-            )
-        # A smaller pool is allowed: requests that could never fit are refused at submit.
-        default = self.max_seq_len * max(self.slots or 1, 1)
-        tokens = default if kv_cache_tokens is None else kv_cache_tokens
-        tokens = _positive("kv_cache_tokens", tokens)
-        return KVConfig.plan(tokens, self.max_seq_len, page_size, self.shapes.rows)
 
     def _new_scheduler(self) -> Scheduler:
         return Scheduler(
@@ -214,17 +189,11 @@ class Engine:
             )
         return ids
 
-    def _state(self, prompt, max_new_tokens, params, stop, stop_tokens, ignore_eos, stream):
+    def _state(self, prompt, params: SamplingParams, stream: bool) -> RequestState:
         """A checked request: any bad value raises here, before anything runs."""
         ids = self._ids(prompt, self.max_seq_len - 1)
-        bad = not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool)
-        if bad or max_new_tokens < 0:
-            raise RequestError(f"max_new_tokens = {max_new_tokens!r} is invalid; it must be >= 0")
-        stop_strings = [stop] if isinstance(stop, str) else list(stop or [])
-        if any(not isinstance(s, str) or not s for s in stop_strings):
-            raise RequestError("stop strings must be non-empty strings")
-        stop_ids = token_ids("stop_tokens", list(stop_tokens or []), self.cfg.vocab_size)
-        if not ignore_eos:
+        stop_ids = token_ids("stop_tokens", list(params.stop_tokens), self.cfg.vocab_size)
+        if not params.ignore_eos:
             stop_ids += [t for t in self.tokenizer.eos_ids if t not in stop_ids]
         seed = self._seed(params, ids)
         state = RequestState(
@@ -232,11 +201,11 @@ class Engine:
             params=params,
             seed=seed,
             stop_ids=stop_ids,
-            stop_strings=stop_strings,
-            budget=min(max_new_tokens, self.max_seq_len - len(ids)),
+            stop_strings=list(params.stop),
+            budget=min(params.max_new_tokens, self.max_seq_len - len(ids)),
             decoder=self.tokenizer.stream(context=ids[-4:]),
             sampling=SamplingRows.row(params, seed, stop_ids),
-            interactive=stream or bool(stop_strings),
+            interactive=stream or bool(params.stop),
         )
         self._scheduler.check(state)
         return state
@@ -255,46 +224,26 @@ class Engine:
         self,
         prompt,
         *,
-        max_new_tokens: int = 128,
-        temperature: float = 0.8,
-        top_k: int = 40,
-        top_p: float = 0.95,
-        min_p: float = 0.05,
-        repeat_penalty: float = 1.0,
-        presence_penalty: float = 0.0,
-        frequency_penalty: float = 0.0,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
-        stop_tokens: Sequence[int] | None = None,
-        ignore_eos: bool = False,
+        sampling: SamplingParams | None = None,
         stream: bool = False,
         profile_dir: str | Path | None = None,
+        **overrides,
     ):
         """Generate from one prompt (text or token ids) or a list of prompts.
 
-        Returns a Result (a list of them for a list of prompts), or with stream=True an
-        iterator of StreamPiece for a single prompt. `profile_dir` wraps the call in a jax
+        Sampling comes from `sampling` (a SamplingParams) or from keywords named like its
+        fields (`max_new_tokens=32, temperature=0`), the rest keeping SamplingParams'
+        defaults. Returns a Result (a list of them for a list of prompts), or with stream=True
+        an iterator of StreamPiece for a single prompt. `profile_dir` wraps the call in a jax
         profiler trace written there.
         """
-        params = SamplingParams(
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            min_p=min_p,
-            repeat_penalty=repeat_penalty,
-            presence_penalty=presence_penalty,
-            frequency_penalty=frequency_penalty,
-            seed=seed,
-        )
+        params = SamplingParams.make(sampling, **overrides)
         many = isinstance(prompt, list | tuple) and bool(prompt) and not isinstance(prompt[0], int)
         if stream and many:
             raise RequestError("stream=True takes a single prompt; call it once per prompt")
         prompts = list(prompt) if many else [prompt]
         # Every request is checked before any is queued: a bad one changes nothing.
-        states = [
-            self._state(p, max_new_tokens, params, stop, stop_tokens, ignore_eos, stream)
-            for p in prompts
-        ]
+        states = [self._state(p, params, stream) for p in prompts]
         requests = [self._queue(s) for s in states]
         if stream:
             return self._stream(requests[0], profile_dir)
@@ -311,19 +260,14 @@ class Engine:
         results = [r.state.result() for r in requests]
         return results if many else results[0]
 
-    def submit(self, prompt, *, stream: bool = False, **sampling) -> Request:
-        """Queue one request; it is checked at once, and a bad one raises without disturbing
-        the others. `Request.result()`, `.stream()` and `.cancel()` drive or stop it."""
-        stop, stop_tokens = sampling.pop("stop", None), sampling.pop("stop_tokens", None)
-        max_new_tokens = sampling.pop("max_new_tokens", 128)
-        ignore_eos = sampling.pop("ignore_eos", False)
-        defaults = SamplingParams()
-        unknown = set(sampling) - set(defaults.__dataclass_fields__)
-        if unknown:
-            raise RequestError(f"unknown sampling option(s): {', '.join(sorted(unknown))}")
-        params = SamplingParams(**{**defaults.__dict__, **sampling})
-        state = self._state(prompt, max_new_tokens, params, stop, stop_tokens, ignore_eos, stream)
-        return self._queue(state)
+    def submit(
+        self, prompt, *, sampling: SamplingParams | None = None, stream: bool = False, **overrides
+    ) -> Request:
+        """Queue one request (sampling as in `generate`); it is checked at once, and a bad one
+        raises without disturbing the others. `Request.result()`, `.stream()` and `.cancel()`
+        drive or stop it."""
+        params = SamplingParams.make(sampling, **overrides)
+        return self._queue(self._state(prompt, params, stream))
 
     def _queue(self, state: RequestState) -> Request:
         self._scheduler.submit(state)

@@ -7,7 +7,6 @@ the way, so the host never holds more than one weight beyond the memory-mapped f
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from functools import partial
 from pathlib import Path
@@ -22,29 +21,12 @@ from .errors import JaxinferError, UnsupportedModelError
 from .formats.checkpoint import open_checkpoint
 from .formats.tokenizer import Tokenizer
 from .ops.quant import HostQuant, quantize_int8
+from .options import EngineOptions
 from .parallel.pipeline import place_pipeline
 from .parallel.placement import Placement, Reader, place_dense, random_reader
 from .parallel.sharding import effective_rules, load_layout, make_mesh, select_devices
-from .runtime.compile import default_cache_dir, use_persistent_cache
+from .runtime.compile import use_persistent_cache
 from .runtime.speculative import SpecConfig
-
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-# keep: quantized GGUF tensors stay in block form; int8: float weights too become per-channel
-# int8; none: every weight dequantized to the compute dtype at load (the reference)
-QUANTIZE = ("keep", "int8", "none")
-ENGINE_OPTIONS = (
-    "prefill_buckets",
-    "batch_buckets",
-    "decode_chunk",
-    "stream_chunk",
-    "compile_cache_size",
-    "strict",
-    "graph_reuse",
-    "slots",
-    "kv_cache_tokens",
-    "page_size",
-)
-_DEFAULT = object()
 
 # The built-in default model ships in the package: Karpathy's stories260K (MIT; models/LICENSE),
 # a 1.2 MB GGUF trained on TinyStories, so the main job writes a little story with no download.
@@ -63,27 +45,17 @@ def builtin_config(vocab_size: int) -> ModelConfig:
     )  # fmt: skip
 
 
-def _dtype(name: str, option: str = "dtype", also: tuple[str, ...] = ()):
-    if name not in DTYPES:
-        known = ", ".join((*also, *DTYPES))
-        raise JaxinferError(f"{option} {name!r} is not supported; use one of {known}")
-    return DTYPES[name]
-
-
-def _kv_dtype(name: str, compute):
+def kv_dtype(options: EngineOptions):
     """The KV pools' dtype: "auto" is the compute dtype; a 16-bit cache under float32 compute
     halves the KV memory and the bytes attention reads (llama.cpp's default is float16)."""
-    return compute if name == "auto" else _dtype(name, "kv_cache_dtype", ("auto",))
+    auto = options.kv_cache_dtype == "auto"
+    return jnp.dtype(options.dtype if auto else options.kv_cache_dtype)
 
 
 def quantizing(read: Reader, how: str, compute) -> Reader:
     """The reader under a `quantize` choice (QUANTIZE) and the compute dtype: 16-bit float
     tensors stay 16-bit (as QArrays) only under float32 compute; else they are plain weights
     of the compute dtype."""
-    if how not in QUANTIZE:
-        raise JaxinferError(
-            f"quantize = {how!r} is not supported; use one of {', '.join(QUANTIZE)}"
-        )
     if how == "none":
         return lambda path, shape, blocks=False: read(path, shape)
     wide = np.dtype(compute).itemsize > 2
@@ -111,45 +83,20 @@ def place(read: Reader, cfg: ModelConfig, dtype, kv_dtype, layout, devices) -> P
 def load(
     model: str | Path | ModelConfig | None = None,
     *,
-    dtype: str = "float32",
-    kv_cache_dtype: str = "auto",
-    max_seq_len: int | None = None,
-    layout: str | Path = "single",
-    devices=None,
-    compile_cache_dir: str | Path | None = _DEFAULT,  # type: ignore[assignment]
-    speculative: str | Path | ModelConfig | None = None,
-    draft_tokens: int = 4,
-    quantize: str = "keep",
-    **options,
+    options: EngineOptions | None = None,
+    **short,
 ) -> Engine:
-    """Load a Hugging Face folder or a .gguf file.
+    """Load a Hugging Face folder or a .gguf file into a ready Engine.
 
     None gives the built-in model (stories260K, shipped in the package); "builtin-random" the
     built-in random model; a ModelConfig random weights of that shape (for benchmarks) with the
-    byte-level tokenizer when its vocabulary is large enough.
-    `compile_cache_dir` sets the persistent compilation cache (default: a per-user cache
-    directory or $JAXINFER_COMPILE_CACHE_DIR; None disables). `strict=True` (or
-    JAXINFER_STRICT=1) makes any compile after `warmup()` raise RecompileError.
-    `speculative` turns on speculative decoding with `draft_tokens` (K) drafts per step:
-    "ngram" (prompt lookup), "mtp" (the checkpoint's multi-token-prediction layer), or a draft
-    model with the same vocabulary (a path, or a ModelConfig for random weights).
-    `quantize`: "keep" (GGUF quantized tensors stay in their blocks on the device and are
-    dequantized inside the compiled matmuls), "int8" (the float matrices too, as weight-only
-    per-channel int8), "none" (everything dequantized at load).
-    `kv_cache_dtype`: the KV cache's dtype, "auto" (the compute dtype) or one of DTYPES; keys
-    and values are rounded to it as they are stored, and attention computes in float32.
+    byte-level tokenizer when its vocabulary is large enough. Options come as
+    `options=EngineOptions(...)` or as its fields by keyword (`slots=4`, `layout="layer"`),
+    not both; see EngineOptions for each one.
     """
-    unknown = sorted(set(options) - set(ENGINE_OPTIONS))
-    if unknown:
-        raise JaxinferError(
-            f"unknown load option(s) {', '.join(unknown)}; known: {', '.join(ENGINE_OPTIONS)}"
-        )
-    compute = _dtype(dtype)
-    kv_dtype = _kv_dtype(kv_cache_dtype, compute)
-    use_persistent_cache(
-        default_cache_dir() if compile_cache_dir is _DEFAULT else compile_cache_dir
-    )
-    options.setdefault("strict", os.environ.get("JAXINFER_STRICT", "") not in ("", "0"))
+    o = EngineOptions.make(options, **short)
+    compute = jnp.dtype(o.dtype)
+    use_persistent_cache(o.compile_cache_dir)
     t0 = time.perf_counter()
     if model is None:
         model = BUILTIN_MODEL
@@ -167,36 +114,20 @@ def load(
         cfg, tokenizer, read = ckpt.config, ckpt.tokenizer, ckpt.tensor
         source = ckpt.format
         name = "stories260K (built in)" if model == BUILTIN_MODEL else str(model)
-    read = quantizing(read, quantize, compute)
-    if max_seq_len is None:
-        max_seq_len = cfg.max_position
-    bad = not isinstance(max_seq_len, int) or isinstance(max_seq_len, bool)
-    if bad or max_seq_len < 2:
-        raise JaxinferError(f"max_seq_len = {max_seq_len!r} is invalid; it must be >= 2")
-    spec, place_draft = _speculative(
-        speculative, draft_tokens, cfg, tokenizer, (compute, kv_dtype), name
-    )
+    read = quantizing(read, o.quantize, compute)
+    dtypes = (compute, kv_dtype(o))
+    spec, place_draft = _speculative(o.speculative, o.draft_tokens, cfg, tokenizer, dtypes, name)
     if cfg.mtp_layers and (spec is None or spec.method != "mtp"):
         cfg = dataclasses.replace(cfg, mtp_layers=0)  # the MTP head is built only to draft
-    placer = partial(place, read, cfg, compute, kv_dtype)
-    placement = placer(layout, devices)
-    draft = place_draft(layout, devices) if place_draft else None
+    placer = partial(place, read, cfg, *dtypes)
+    placement = placer(o.layout, o.devices)
+    draft = place_draft(o.layout, o.devices) if place_draft else None
     jax.block_until_ready((placement.params, draft.params if draft else None))
     return Engine(
-        cfg,
-        tokenizer,
-        placement,
-        place=placer,
-        dtype=compute,
-        max_seq_len=max_seq_len,
-        name=name,
-        source=source,
-        load_ms=(time.perf_counter() - t0) * 1e3,
-        spec=spec,
-        draft=draft,
+        cfg, tokenizer, placement, o, place=placer, name=name, source=source,
+        load_ms=(time.perf_counter() - t0) * 1e3, spec=spec, draft=draft,
         place_draft=place_draft,
-        **options,
-    )
+    )  # fmt: skip
 
 
 def _speculative(how, k, cfg: ModelConfig, tokenizer: Tokenizer, dtypes, model: str):
@@ -206,7 +137,7 @@ def _speculative(how, k, cfg: ModelConfig, tokenizer: Tokenizer, dtypes, model: 
     if how is None:
         return None, None
     if how == "ngram":
-        return SpecConfig.make("ngram", k), None
+        return SpecConfig("ngram", k), None
     if how == "mtp":
         if not cfg.mtp_layers:
             raise UnsupportedModelError(
@@ -214,8 +145,8 @@ def _speculative(how, k, cfg: ModelConfig, tokenizer: Tokenizer, dtypes, model: 
                 f"blk.N.nextn.*), which {model} does not have; use speculative='ngram' or a "
                 "draft model"
             )
-        return SpecConfig.make("mtp", k), None
-    spec = SpecConfig.make("draft", k)
+        return SpecConfig("mtp", k), None
+    spec = SpecConfig("draft", k)
     if isinstance(how, ModelConfig):
         draft_cfg, draft_read = how, random_reader(how, BUILTIN_SEED + 1)
         draft_tok = tokenizer
@@ -241,10 +172,11 @@ def _speculative(how, k, cfg: ModelConfig, tokenizer: Tokenizer, dtypes, model: 
 
 
 def generate(model_or_engine=None, prompt="", **kwargs):
-    """One call: load the model (a path, or None for the built-in one) or reuse an Engine."""
+    """One call: load the model (a path, or None for the built-in one) or reuse an Engine,
+    then generate. Keywords named like EngineOptions' fields (or `options=`) go to `load`,
+    the rest to `Engine.generate`."""
     if isinstance(model_or_engine, Engine):
         return model_or_engine.generate(prompt, **kwargs)
-    names = ("dtype", "kv_cache_dtype", "max_seq_len", "speculative", "draft_tokens", "quantize",
-             *ENGINE_OPTIONS)  # fmt: skip
-    load_kw = {k: kwargs.pop(k) for k in names if k in kwargs}
+    names = {f.name for f in dataclasses.fields(EngineOptions)} | {"options"}
+    load_kw = {k: kwargs.pop(k) for k in names & set(kwargs)}
     return load(model_or_engine, **load_kw).generate(prompt, **kwargs)

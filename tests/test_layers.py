@@ -13,7 +13,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "jaxinfer"
 # `jaxinfer` is the package's __init__ (the public facade), above everything it re-exports.
 LAYERS = [
     {"errors"},
-    {"config", "options", "shardings"},
+    {"config", "shardings"},
+    {"options"},
     {"ops"},
     {"formats", "kernels"},
     {"model"},

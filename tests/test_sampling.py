@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from conftest import GOLDEN
 
-from jaxinfer.ops.sampling import PENALTY_WINDOW, SamplingParams, SamplingRows, argmax, sample
+from jaxinfer import SamplingParams
+from jaxinfer.ops.sampling import PENALTY_WINDOW, SamplingRows, argmax, sample
 
 FREE = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
 

@@ -13,7 +13,11 @@ import time
 import traceback
 
 from ..errors import JaxinferError
+from ..options import DTYPES, QUANTIZE, EngineOptions, SamplingParams
 from ..shardings import BUILTIN
+
+SAMPLING = SamplingParams()  # the defaults of every sampling flag
+ENGINE = EngineOptions()  # the defaults of every engine flag
 
 
 def _ints(text: str, minimum: int = 1) -> tuple[int, ...]:
@@ -51,14 +55,14 @@ def _common(p: argparse.ArgumentParser) -> None:
         "the random model)",
     )  # fmt: skip
     p.add_argument("-c", "--ctx-size", type=int, default=None, help="context length (max_seq_len)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default=ENGINE.dtype, choices=DTYPES)
     p.add_argument(
-        "--quantize", default="keep", choices=["keep", "int8", "none"],
+        "--quantize", default=ENGINE.quantize, choices=QUANTIZE,
         help="keep: GGUF quantized tensors stay in their blocks (default); int8: float weights "
         "too, per-channel int8; none: dequantize everything at load",
     )  # fmt: skip
     p.add_argument(
-        "--layout", default="single",
+        "--layout", default=ENGINE.layout,
         help=f"{', '.join(BUILTIN)}, or a layout .toml file",
     )  # fmt: skip
     p.add_argument("--devices", type=_devices, default=None, help="use the first N devices")
@@ -66,9 +70,12 @@ def _common(p: argparse.ArgumentParser) -> None:
         "--kv-cache-tokens", type=int, default=None,
         help="KV page pool size in tokens (default: context x max(parallel, 1))",
     )  # fmt: skip
-    p.add_argument("--page-size", type=int, default=None, help="KV page size in tokens (128)")
     p.add_argument(
-        "--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+        "--page-size", type=int, default=ENGINE.page_size,
+        help=f"KV page size in tokens ({ENGINE.page_size})",
+    )  # fmt: skip
+    p.add_argument(
+        "--kv-cache-dtype", default=ENGINE.kv_cache_dtype, choices=["auto", *DTYPES],
         help="KV cache dtype (auto: the compute dtype; float16 halves a float32 model's KV "
         "memory, as llama.cpp's default f16 cache does)",
     )  # fmt: skip
@@ -83,14 +90,19 @@ def _serving(p: argparse.ArgumentParser) -> None:
     """Options of the commands that serve requests: prompt chunks and speculative decoding."""
     p.add_argument(
         "-ub", "--ubatch-size", type=_int_list, default=None,
-        help="prompt chunk sizes, comma-separated (default 8,32,128,512)",
+        help="prompt chunk sizes, comma-separated (default "
+        f"{','.join(map(str, ENGINE.prefill_buckets))})",
     )  # fmt: skip
     p.add_argument(
         "--spec-type", choices=["ngram", "draft", "mtp"], default=None,
         help="speculative decoding: prompt lookup, a draft model (-md) or the MTP layer",
     )  # fmt: skip
     p.add_argument(
-        "--spec-draft-n-max", type=int, default=4, metavar="K", help="drafts per step (4)"
+        "--spec-draft-n-max",
+        type=int,
+        default=ENGINE.draft_tokens,
+        metavar="K",
+        help=f"drafts per step ({ENGINE.draft_tokens})",
     )
     p.add_argument("-md", "--model-draft", default=None, help="draft model: HF folder or .gguf")
 
@@ -104,14 +116,15 @@ def _parser() -> argparse.ArgumentParser:
     src = g.add_mutually_exclusive_group()
     src.add_argument("-p", "--prompt", default=None, help="prompt text")
     src.add_argument("-f", "--file", default=None, help="file with one prompt per line")
-    g.add_argument("-n", "--n-predict", type=int, default=128, help="max new tokens")
-    g.add_argument("--temp", type=float, default=0.8, help="temperature (0 = greedy)")
-    g.add_argument("--top-k", type=int, default=40)
-    g.add_argument("--top-p", type=float, default=0.95)
-    g.add_argument("--min-p", type=float, default=0.05)
-    g.add_argument("--repeat-penalty", type=float, default=1.0)
-    g.add_argument("--presence-penalty", type=float, default=0.0)
-    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    d = SAMPLING
+    g.add_argument("-n", "--n-predict", type=int, default=d.max_new_tokens, help="max new tokens")
+    g.add_argument("--temp", type=float, default=d.temperature, help="temperature (0 = greedy)")
+    g.add_argument("--top-k", type=int, default=d.top_k)
+    g.add_argument("--top-p", type=float, default=d.top_p)
+    g.add_argument("--min-p", type=float, default=d.min_p)
+    g.add_argument("--repeat-penalty", type=float, default=d.repeat_penalty)
+    g.add_argument("--presence-penalty", type=float, default=d.presence_penalty)
+    g.add_argument("--frequency-penalty", type=float, default=d.frequency_penalty)
     g.add_argument("-s", "--seed", type=int, default=-1, help="random seed (-1 = random)")
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
@@ -153,25 +166,28 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _load(args):
-    import jaxinfer
-
-    options = {}
-    if getattr(args, "ubatch_size", None):
-        options["prefill_buckets"] = args.ubatch_size
-    options.update(_cache_options(args))
-    if getattr(args, "parallel", None) and args.command in ("generate", "serve"):
-        options["slots"] = args.parallel
-    if args.kv_cache_tokens is not None:
-        options["kv_cache_tokens"] = args.kv_cache_tokens
-    if args.page_size is not None:
-        options["page_size"] = args.page_size
-    options.update(_spec_options(args))
-    return jaxinfer.load(
-        args.model, dtype=args.dtype, max_seq_len=args.ctx_size, layout=args.layout,
-        devices=args.devices, quantize=args.quantize, kv_cache_dtype=args.kv_cache_dtype,
-        **options,
+def _options(args, **overrides) -> EngineOptions:
+    """The engine options the flags give (each checked by EngineOptions)."""
+    kw = dict(
+        dtype=args.dtype, quantize=args.quantize, layout=args.layout, devices=args.devices,
+        max_seq_len=args.ctx_size, kv_cache_tokens=args.kv_cache_tokens,
+        page_size=args.page_size, kv_cache_dtype=args.kv_cache_dtype,
     )  # fmt: skip
+    if getattr(args, "ubatch_size", None):
+        kw["prefill_buckets"] = args.ubatch_size
+    if getattr(args, "parallel", None) and args.command in ("generate", "serve"):
+        kw["slots"] = args.parallel
+    if args.no_compile_cache:
+        kw["compile_cache_dir"] = None
+    elif args.compile_cache_dir:
+        kw["compile_cache_dir"] = args.compile_cache_dir
+    return EngineOptions(**{**kw, **_spec_options(args), **overrides})
+
+
+def _load(args):
+    from ..loader import load
+
+    return load(args.model, options=_options(args))
 
 
 def _spec_options(args) -> dict:
@@ -188,8 +204,8 @@ def _spec_options(args) -> dict:
     return {"speculative": how, "draft_tokens": args.spec_draft_n_max}
 
 
-def _sampling(args) -> dict:
-    return dict(
+def _sampling(args) -> SamplingParams:
+    return SamplingParams(
         max_new_tokens=args.n_predict,
         temperature=args.temp,
         top_k=args.top_k,
@@ -199,7 +215,7 @@ def _sampling(args) -> dict:
         presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty,
         seed=None if args.seed < 0 else args.seed,
-        stop=args.stop,
+        stop=tuple(args.stop or ()),
         ignore_eos=args.ignore_eos,
     )
 
@@ -214,8 +230,7 @@ def _generate(args) -> None:
 
 
 def _bench(args) -> None:
-    import jaxinfer
-
+    from ..loader import load
     from ..runtime.profiler import profile
     from .bench import render, run_bench
 
@@ -226,11 +241,11 @@ def _bench(args) -> None:
 
     def make_engine(layout, dev, slots, graph_reuse, need):
         ctx = args.ctx_size or max(need, 128)
-        return jaxinfer.load(
-            args.model, dtype=args.dtype, max_seq_len=ctx, layout=layout, devices=dev,
-            batch_buckets=(slots,), graph_reuse=graph_reuse, kv_cache_tokens=ctx * slots,
-            quantize=args.quantize, kv_cache_dtype=args.kv_cache_dtype, **_cache_options(args),
+        options = _options(
+            args, layout=layout, devices=dev, max_seq_len=ctx, batch_buckets=(slots,),
+            graph_reuse=graph_reuse, kv_cache_tokens=ctx * slots,
         )  # fmt: skip
+        return load(args.model, options=options)
 
     def progress(row):
         if args.verbose:
@@ -246,18 +261,10 @@ def _bench(args) -> None:
     print(render(rows, args.output))
 
 
-def _cache_options(args) -> dict:
-    if args.no_compile_cache:
-        return {"compile_cache_dir": None}
-    if args.compile_cache_dir:
-        return {"compile_cache_dir": args.compile_cache_dir}
-    return {}
-
-
 def _generate_run(args) -> None:
+    params = _sampling(args)  # a bad flag fails before the model loads
     engine = _load(args)
     print(f"model: {engine.name} [{engine.source}]", file=sys.stderr)
-    kw = _sampling(args)
     if args.file:
         try:
             with open(args.file, encoding="utf-8") as f:
@@ -267,8 +274,12 @@ def _generate_run(args) -> None:
         if not prompts:
             raise JaxinferError(f"prompt file {args.file!r} holds no prompts")
         t0 = time.perf_counter()
-        requests = [engine.submit(p, **kw) for p in prompts] if engine.slots else None
-        results = [r.result() for r in requests] if requests else engine.generate(prompts, **kw)
+        requests = [engine.submit(p, sampling=params) for p in prompts] if engine.slots else None
+        results = (
+            [r.result() for r in requests]
+            if requests
+            else engine.generate(prompts, sampling=params)
+        )
         wall = time.perf_counter() - t0
         for n, result in enumerate(results):
             print(f"--- [{n}] {prompts[n]}{result.text}  ({result.finish_reason})")
@@ -285,7 +296,7 @@ def _generate_run(args) -> None:
     else:
         prompt = args.prompt if args.prompt is not None else "Once upon a time"
         sys.stdout.write(prompt)
-        for piece in engine.generate(prompt, stream=True, **kw):
+        for piece in engine.generate(prompt, stream=True, sampling=params):
             sys.stdout.write(piece.text)
             sys.stdout.flush()
         sys.stdout.write("\n")

@@ -8,8 +8,6 @@ min-p on the untempered logits, then temperature on the survivors, then the draw
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from functools import partial
 
 import jax
@@ -18,6 +16,7 @@ import numpy as np
 from flax import struct
 
 from ..errors import RequestError
+from ..options import SamplingParams
 
 PENALTY_WINDOW = 64  # llama.cpp's --repeat-last-n default; the prompt tail counts too
 N_STOP_IDS = 8  # stop-token slots per row (EOS ids + user stop tokens)
@@ -36,46 +35,6 @@ FLOATS = (
 )  # fmt: skip
 INTS = ("top_k", "seed")
 _C = {name: i for i, name in enumerate(FLOATS)} | {name: i for i, name in enumerate(INTS)}
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.8  # 0 = greedy
-    top_k: int = 40  # 0 = off
-    top_p: float = 0.95  # 1 = off
-    min_p: float = 0.05  # 0 = off
-    repeat_penalty: float = 1.0  # 1 = off; divides positive logits of recent tokens
-    presence_penalty: float = 0.0  # subtracted once from every recent token's logit
-    frequency_penalty: float = 0.0  # subtracted per occurrence in the recent window
-    seed: int | None = None  # None = a fresh random seed per request
-
-    def __post_init__(self):
-        def bad(name, value, want):
-            raise RequestError(f"{name} = {value!r} is invalid; it must be {want}")
-
-        for name in FLOATS:
-            v = getattr(self, name)
-            if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v):
-                bad(name, v, "a finite number")
-        if self.temperature < 0:
-            bad("temperature", self.temperature, ">= 0 (0 = greedy)")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
-            bad("top_k", self.top_k, "an integer >= 0 (0 = off)")
-        if not 0 < self.top_p <= 1:
-            bad("top_p", self.top_p, "in (0, 1]")
-        if not 0 <= self.min_p <= 1:
-            bad("min_p", self.min_p, "in [0, 1]")
-        if self.repeat_penalty <= 0:
-            bad("repeat_penalty", self.repeat_penalty, "> 0 (1 = off)")
-        if self.seed is not None and (
-            not isinstance(self.seed, int) or isinstance(self.seed, bool)
-        ):
-            bad("seed", self.seed, "an integer or None")
-
-    def resolved_seed(self) -> int:
-        if self.seed is None or self.seed < 0:
-            return int(np.random.default_rng().integers(0, 2**31 - 1))
-        return self.seed % (2**31 - 1)
 
 
 def recent_window(ids: list[int], width: int = PENALTY_WINDOW) -> np.ndarray:

@@ -456,15 +456,6 @@ def watching(counts: CompileCounts) -> Iterator[CompileCounts]:
 # ---- the persistent compilation cache -----------------------------------------------------
 
 
-def default_cache_dir() -> Path | None:
-    """$JAXINFER_COMPILE_CACHE_DIR ("" or "off" disables), else the per-user cache dir."""
-    env = os.environ.get("JAXINFER_COMPILE_CACHE_DIR")
-    if env is not None:
-        return None if env in ("", "off", "0") else Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "jaxinfer" / "xla"
-
-
 def use_persistent_cache(directory: str | Path | None) -> None:
     """Point JAX's persistent compilation cache at `directory` (None: off), process-wide.
 

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from ..formats.tokenizer import StreamDecoder
-from ..ops.sampling import SamplingParams
+from ..options import SamplingParams
 
 
 @dataclass

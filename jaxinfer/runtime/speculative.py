@@ -30,10 +30,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from ..errors import JaxinferError
-
 METHODS = ("ngram", "draft", "mtp")
-MAX_DRAFT_TOKENS = 16
 NGRAM_HISTORY = 1024  # positions of a row's history the lookup searches
 NGRAM_MIN, NGRAM_MAX = 2, 8  # match lengths (llama.cpp's ngram-simple and vLLM's lookup use 2..)
 
@@ -43,15 +40,6 @@ class SpecConfig:
     method: str  # one of METHODS
     k: int  # draft tokens per step (K)
     vocab: int = 0  # a draft model proposes ids below this (the model's vocab_size); 0: any
-
-    @staticmethod
-    def make(method: str, k) -> SpecConfig:
-        bad = not isinstance(k, int) or isinstance(k, bool)
-        if bad or not 1 <= k <= MAX_DRAFT_TOKENS:
-            raise JaxinferError(
-                f"draft_tokens = {k!r} is invalid; it must be an integer in 1..{MAX_DRAFT_TOKENS}"
-            )
-        return SpecConfig(method, k)
 
     @property
     def history(self) -> int:

@@ -1,8 +1,8 @@
 """The OpenAI API's completion requests and responses, as plain dicts.
 
 `completion_job` / `chat_job` check a request body and turn it into a `Job`: the prompts as
-token ids, `n` choices each, and the `Engine.submit` options. Sampling values themselves are
-checked by the engine when it submits (one-line RequestErrors). The Job then shapes the answer:
+token ids, `n` choices each, and their `SamplingParams` (which check every value: one-line
+RequestErrors). The Job then shapes the answer:
 a whole response, or the chunks of a Server-Sent-Events stream.
 """
 
@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 from ..engine import token_ids as engine_token_ids
 from ..errors import RequestError
 from ..formats.tokenizer import Tokenizer
+from ..options import SamplingParams
 from ..runtime.request import Result
 from .chat import ChatTemplate, check_messages
 
-# llama.cpp's extras next to OpenAI's own fields: body key -> Engine.submit keyword
+# llama.cpp's extras next to OpenAI's own fields: body key -> SamplingParams field
 SAMPLING = {
     "temperature": "temperature",
     "top_p": "top_p",
@@ -63,7 +64,7 @@ class Job:
     chat: bool
     prompts: tuple[tuple[int, ...], ...]  # token ids
     n: int
-    options: dict  # Engine.submit keywords shared by every choice (seed apart)
+    sampling: SamplingParams  # shared by every choice (seed apart)
     stream: bool
     include_usage: bool
     model: str
@@ -74,17 +75,17 @@ class Job:
     def choices(self) -> int:
         return len(self.prompts) * self.n
 
-    def submissions(self) -> list[tuple[tuple[int, ...], dict]]:
-        """(prompt ids, submit options) per choice, in choice order; with a seed, choice i of
-        a prompt uses seed + i, so that its n samples differ."""
+    def submissions(self) -> list[tuple[tuple[int, ...], SamplingParams]]:
+        """(prompt ids, sampling) per choice, in choice order; with a seed, choice i of a
+        prompt uses seed + i, so that its n samples differ."""
         out = []
+        seed = self.sampling.seed
         for ids in self.prompts:
             for i in range(self.n):
-                opts = dict(self.options)
-                seed = opts.get("seed")
-                if _is_int(seed) and seed >= 0:  # a negative seed means random anyway
-                    opts["seed"] = seed + i
-                out.append((ids, opts))
+                if seed is not None and seed >= 0:  # a negative seed means random anyway
+                    out.append((ids, self.sampling.replace(seed=seed + i)))
+                else:
+                    out.append((ids, self.sampling))
         return out
 
     # ---- answers ------------------------------------------------------------------------
@@ -203,12 +204,12 @@ def _job(body: dict, prompts, n_ctx: int, model: str, *, chat: bool, default_max
     stop = body.get("stop")
     if stop is not None and not isinstance(stop, str | list):
         raise RequestError("stop must be a string or a list of strings")
-    options = {
-        "max_new_tokens": max_tokens,
-        "stop": stop,
-        "ignore_eos": _get(body, "ignore_eos", bool, False),
+    sampling = SamplingParams(
+        max_new_tokens=max_tokens,
+        stop=stop or (),
+        ignore_eos=_get(body, "ignore_eos", bool, False),
         **{kw: body[key] for key, kw in SAMPLING.items() if body.get(key) is not None},
-    }
+    )
     stream = _get(body, "stream", bool, False)
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict):
@@ -216,7 +217,7 @@ def _job(body: dict, prompts, n_ctx: int, model: str, *, chat: bool, default_max
     include_usage = stream and _get(stream_options, "include_usage", bool, False)
     if body.get("model") is not None and not isinstance(body["model"], str):
         raise RequestError("model must be a string")
-    return Job(chat, tuple(map(tuple, prompts)), n, options, stream, include_usage, model)
+    return Job(chat, tuple(map(tuple, prompts)), n, sampling, stream, include_usage, model)
 
 
 def _prompt_ids(prompt, tokenizer: Tokenizer, n_ctx: int, where: str) -> list[int]:

@@ -268,8 +268,8 @@ class _App:
         def submit(engine: Engine):  # on the engine thread: every choice, or none
             made = []
             try:
-                for ids, options in job.submissions():
-                    made.append(engine.submit(list(ids), stream=job.stream, **options))
+                for ids, sampling in job.submissions():
+                    made.append(engine.submit(list(ids), sampling=sampling, stream=job.stream))
             except BaseException:
                 for r in made:
                     r.cancel()

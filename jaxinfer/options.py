@@ -1,0 +1,251 @@
+"""The options: how a request samples (`SamplingParams`) and how an engine serves
+(`EngineOptions`). Both are frozen, hold every default once and check every value once, here;
+`load()`, `generate()`, the CLI and the server read them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+import os
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .config import ModelConfig
+from .errors import JaxinferError, RequestError
+
+DTYPES = ("float32", "bfloat16", "float16")  # compute and KV cache dtypes
+# keep: quantized GGUF tensors stay in block form; int8: float weights too become per-channel
+# int8; none: every weight dequantized to the compute dtype at load (the reference)
+QUANTIZE = ("keep", "int8", "none")
+PAGE_SIZES = (16, 32, 64, 128, 256)  # 128 measured fastest: benchmarks/results/paged_kv.md
+SPECULATIVE = ("ngram", "mtp")  # or a draft model: a path, or a ModelConfig (random weights)
+MAX_DRAFT_TOKENS = 16
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples and when it stops (llama.cpp's defaults: temperature 0.8,
+    top-k 40, top-p 0.95, min-p 0.05). Values travel to the device as arrays: changing them
+    compiles nothing. A bad value raises RequestError when the params are made."""
+
+    max_new_tokens: int = 128  # tokens to generate at most (the context may end it sooner)
+    temperature: float = 0.8  # 0 = greedy
+    top_k: int = 40  # 0 = off
+    top_p: float = 0.95  # 1 = off
+    min_p: float = 0.05  # 0 = off
+    repeat_penalty: float = 1.0  # 1 = off; divides positive logits of recent tokens
+    presence_penalty: float = 0.0  # subtracted once from every recent token's logit
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the recent window
+    seed: int | None = None  # None (or < 0) = a fresh random seed per request
+    stop: tuple[str, ...] = ()  # stop strings (a single string is taken as one)
+    stop_tokens: tuple[int, ...] = ()  # stop token ids, besides the tokenizer's EOS
+    ignore_eos: bool = False  # keep generating past EOS
+
+    def __post_init__(self):
+        def bad(name, want):
+            raise RequestError(f"{name} = {getattr(self, name)!r} is invalid; it must be {want}")
+
+        for name in ("temperature", "top_p", "min_p", "repeat_penalty", "presence_penalty",
+                     "frequency_penalty"):  # fmt: skip
+            if not _number(getattr(self, name)):
+                bad(name, "a finite number")
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 0:
+            bad("max_new_tokens", ">= 0")
+        if self.temperature < 0:
+            bad("temperature", ">= 0 (0 = greedy)")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            bad("top_k", "an integer >= 0 (0 = off)")
+        if not 0 < self.top_p <= 1:
+            bad("top_p", "in (0, 1]")
+        if not 0 <= self.min_p <= 1:
+            bad("min_p", "in [0, 1]")
+        if self.repeat_penalty <= 0:
+            bad("repeat_penalty", "> 0 (1 = off)")
+        if self.seed is not None and not _is_int(self.seed):
+            bad("seed", "an integer or None")
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise RequestError("stop strings must be non-empty strings")
+        try:  # numpy integers too; the engine checks them against its vocabulary
+            tokens = tuple(_index(t) for t in self.stop_tokens or ())
+        except TypeError:
+            raise RequestError(
+                f"stop_tokens must be integers; got {list(self.stop_tokens)!r:.60}"
+            ) from None
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop_tokens", tokens)
+        object.__setattr__(self, "ignore_eos", bool(self.ignore_eos))
+
+    @staticmethod
+    def make(sampling: SamplingParams | None = None, **overrides) -> SamplingParams:
+        """`sampling`, or the defaults with `overrides` (keywords named like the fields);
+        both at once, or an unknown keyword, is a RequestError."""
+        if sampling is not None and overrides:
+            raise RequestError(
+                "pass sampling=SamplingParams(...) or sampling keywords, not both "
+                f"(got {', '.join(sorted(overrides))} beside it)"
+            )
+        if sampling is not None:
+            if not isinstance(sampling, SamplingParams):
+                raise RequestError(f"sampling must be a SamplingParams, got {sampling!r:.60}")
+            return sampling
+        unknown = set(overrides) - {f.name for f in dataclasses.fields(SamplingParams)}
+        if unknown:
+            raise RequestError(f"unknown sampling option(s): {', '.join(sorted(unknown))}")
+        return SamplingParams(**overrides)
+
+    def replace(self, **changes) -> SamplingParams:
+        return dataclasses.replace(self, **changes)
+
+    def resolved_seed(self) -> int:
+        """The seed the sampler keys take (int31): a fresh random one without a seed."""
+        if self.seed is None or self.seed < 0:
+            return secrets.randbelow(2**31 - 1)
+        return self.seed % (2**31 - 1)
+
+
+def default_compile_cache_dir() -> Path | None:
+    """$JAXINFER_COMPILE_CACHE_DIR ("", "off" or "0" disables), else the per-user cache dir."""
+    env = os.environ.get("JAXINFER_COMPILE_CACHE_DIR")
+    if env is not None:
+        return None if env in ("", "off", "0") else Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "jaxinfer" / "xla"
+
+
+def _strict_from_env() -> bool:
+    return os.environ.get("JAXINFER_STRICT", "") not in ("", "0")
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Everything `load()` takes besides the model: how the weights are held and placed, the
+    context, the shape plan, the KV pool, compiles and speculation. Frozen; each value is
+    checked here, once (a one-line JaxinferError)."""
+
+    # the weights and where they live
+    dtype: str = "float32"  # compute dtype (norms, softmax and logits stay float32)
+    quantize: str = "keep"  # one of QUANTIZE
+    layout: str | Path = "single"  # a built-in layout name or a .toml path
+    devices: Any = None  # None: all devices; N: the first N; or a sequence of devices
+    # the context and the shape plan (every program is compiled for these shapes)
+    max_seq_len: int | None = None  # prompt + generated tokens; None: what the model declares
+    slots: int | None = None  # requests decoded together (continuous batching); None: batches
+    prefill_buckets: tuple[int, ...] = (8, 32, 128, 512)  # prompt chunk lengths (-ub)
+    batch_buckets: tuple[int, ...] = (1, 2, 4, 8)  # rows per call (without slots)
+    decode_chunk: int = 64  # most decode steps in one compiled call
+    stream_chunk: int = 16  # steps per call while streaming, with stop strings or slots
+    # the KV page pool
+    kv_cache_tokens: int | None = None  # pool size; None: max_seq_len x max(slots, 1)
+    page_size: int = 128  # one of PAGE_SIZES
+    kv_cache_dtype: str = "auto"  # "auto" (the compute dtype) or one of DTYPES
+    # compiles
+    compile_cache_size: int | None = None  # executables kept (LRU); None: max(64, the plan)
+    compile_cache_dir: str | Path | None = field(default_factory=default_compile_cache_dir)
+    strict: bool = field(default_factory=_strict_from_env)  # compiles after warmup() raise
+    graph_reuse: bool = True  # False rebuilds every program on every call (benchmarks)
+    # speculative decoding: "ngram", "mtp", or a draft model (a path or a ModelConfig)
+    speculative: Any = None
+    draft_tokens: int = 4  # K drafts per step, 1..MAX_DRAFT_TOKENS
+
+    def __post_init__(self):
+        def bad(name, want):
+            value = getattr(self, name)
+            raise JaxinferError(f"{name} = {value!r} is invalid; it must be {want}")
+
+        def one_of(name, allowed):
+            if getattr(self, name) not in allowed:
+                raise JaxinferError(
+                    f"{name} {getattr(self, name)!r} is not supported; use one of "
+                    f"{', '.join(allowed)}"
+                )
+
+        one_of("dtype", DTYPES)
+        one_of("kv_cache_dtype", ("auto", *DTYPES))
+        if self.quantize not in QUANTIZE:
+            raise JaxinferError(
+                f"quantize = {self.quantize!r} is not supported; use one of {', '.join(QUANTIZE)}"
+            )
+        if not isinstance(self.layout, str | Path):
+            bad("layout", "a layout name or a .toml path")
+        if self.devices is not None and not _is_int(self.devices):
+            if isinstance(self.devices, str) or not isinstance(self.devices, Sequence):
+                bad("devices", "a device count or a list of devices")
+            object.__setattr__(self, "devices", tuple(self.devices))
+        elif self.devices is not None and self.devices < 1:
+            bad("devices", "an integer >= 1")
+        if self.max_seq_len is not None and (not _is_int(self.max_seq_len) or self.max_seq_len < 2):
+            bad("max_seq_len", ">= 2")
+        for name in ("slots", "kv_cache_tokens", "compile_cache_size"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 1):
+                bad(name, "an integer >= 1")
+        for name in ("decode_chunk", "stream_chunk"):
+            if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
+                bad(name, "an integer >= 1")
+        for name in ("prefill_buckets", "batch_buckets"):
+            values = getattr(self, name)
+            values = tuple(values) if isinstance(values, list | tuple) else ()
+            if not values or any(not _is_int(v) or v < 1 for v in values):
+                raise JaxinferError(
+                    f"{name} is invalid; it must be a non-empty list of integers >= 1"
+                )
+            object.__setattr__(self, name, values)
+        if self.page_size not in PAGE_SIZES:
+            raise JaxinferError(
+                f"page_size = {self.page_size!r} is invalid; use one of "
+                f"{', '.join(map(str, PAGE_SIZES))}"
+            )
+        for name in ("strict", "graph_reuse"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, "True or False")
+        spec = self.speculative
+        if (
+            spec is not None
+            and not isinstance(spec, str | Path)
+            and not isinstance(spec, ModelConfig)
+        ):
+            bad("speculative", "'ngram', 'mtp' or a draft model's path")
+        if not _is_int(self.draft_tokens) or not 1 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
+            bad("draft_tokens", f"an integer in 1..{MAX_DRAFT_TOKENS}")
+
+    @staticmethod
+    def make(options: EngineOptions | None = None, **short) -> EngineOptions:
+        """`options`, or the defaults with the keyword short form (`slots=4`); both at once,
+        or an unknown keyword, is a JaxinferError."""
+        known = [f.name for f in dataclasses.fields(EngineOptions)]
+        unknown = sorted(set(short) - set(known))
+        if unknown:
+            raise JaxinferError(
+                f"unknown load option(s) {', '.join(unknown)}; known: {', '.join(known)}"
+            )
+        if options is not None and short:
+            raise JaxinferError(
+                "pass options=EngineOptions(...) or load keywords, not both "
+                f"(got {', '.join(sorted(short))} beside it)"
+            )
+        if options is not None and not isinstance(options, EngineOptions):
+            raise JaxinferError(f"options must be an EngineOptions, got {options!r:.60}")
+        return options if options is not None else EngineOptions(**short)
+
+    def replace(self, **changes) -> EngineOptions:
+        return dataclasses.replace(self, **changes)
+
+
+def _index(value) -> int:
+    if isinstance(value, bool):
+        raise TypeError("a bool is not a token id")
+    return operator.index(value)
