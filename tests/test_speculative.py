@@ -23,6 +23,7 @@ from jaxinfer.errors import JaxinferError, RequestError, UnsupportedModelError
 from jaxinfer.model.kvcache import KVView
 from jaxinfer.ops.sampling import recent_window
 from jaxinfer.runtime import speculative
+from jaxinfer.runtime.inputs import DecodeState
 
 STORIES = "stories260K-gguf/stories260K.gguf"
 FIXTURES = {
@@ -56,6 +57,54 @@ def perturbed(root, dest, noise=0.05, seed=0):
             weights[name] = (w + noise * w.std() * rng.standard_normal(w.shape)).astype(w.dtype)
     save_file(weights, dest / "model.safetensors", metadata={"format": "pt"})
     return dest
+
+
+# ---- the loop's pieces, alone ----------------------------------------------------------
+
+
+def test_backoff_doubles_the_wait_after_each_refused_step_and_resets_on_a_kept_draft():
+    """Written from the rule itself: after m refused verify steps in a row a row waits
+    2**min(m, BACKOFF_LOG2) - 1 steps; an accepted draft clears it; a step without drafts
+    counts the wait down."""
+    cap = (1 << speculative.BACKOFF_LOG2) - 1
+    state = jnp.zeros((1, 2), jnp.int32)
+    waits = []
+    for _ in range(6):  # six refused steps in a row
+        state = speculative.backoff(state, jnp.array([3]), jnp.array([0]))
+        waits.append(int(state[0, 1]))
+    assert waits == [1, 3, 7, 15, cap, cap]
+    state = speculative.backoff(state, jnp.array([0]), jnp.array([0]))  # no drafts: waits
+    assert state.tolist() == [[6, cap - 1]]
+    state = speculative.backoff(state, jnp.array([2]), jnp.array([1]))  # one kept: reset
+    assert state.tolist() == [[0, 0]]
+
+
+def test_advance_keeps_the_accepted_prefix_up_to_a_stop_token_and_the_budget():
+    """Three rows: one keeps its 2 accepted drafts and the model's token, one stops at a
+    stop token inside its drafts, one is done and keeps nothing; expectations by hand."""
+    B, C = 3, 8
+    s = DecodeState(
+        tokens=jnp.array([5, 6, 7]),
+        pos=jnp.array([10, 20, 30]),
+        budget=jnp.array([10, 10, 10]),
+        done=jnp.array([False, False, True]),
+        window=jnp.zeros((B, 4), jnp.int32),
+        slot=jnp.zeros(B, jnp.int32),
+        history=jnp.zeros((B, 0), jnp.int32),
+        backoff=jnp.zeros((B, 2), jnp.int32),
+    )
+    new = jnp.array([[11, 12, 13, 14], [21, 99, 23, 24], [31, 32, 33, 34]])
+    n = jnp.array([2, 3, 3])  # accepted drafts: row 1's stop token 99 is its second token
+    stops = jnp.array([[99, -1], [99, -1], [99, -1]])
+    made, out, s2, n2 = speculative.advance(
+        s, jnp.array([1, 0, 0]), jnp.full((B, C), -1), new, n, stops, s.window, s.history
+    )
+    assert made.tolist() == [4, 2, 0] and n2.tolist() == [2, 1, 0]
+    assert out[0].tolist() == [-1, 11, 12, 13, -1, -1, -1, -1]  # after its earlier token
+    assert out[1].tolist() == [21, 99, -1, -1, -1, -1, -1, -1]
+    assert out[2].tolist() == [-1] * C
+    assert s2.tokens.tolist() == [13, 99, 7] and s2.pos.tolist() == [13, 22, 30]
+    assert s2.budget.tolist() == [7, 8, 10] and s2.done.tolist() == [False, True, True]
 
 
 # ---- the lookup against a brute-force search ----------------------------------------

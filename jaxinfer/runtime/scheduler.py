@@ -24,8 +24,8 @@ from ..model.kvcache import NULL_PAGE, NULL_SLOT, KVView
 from ..ops.sampling import PENALTY_WINDOW, SamplingRows, recent_window
 from .buckets import ShapePlan
 from .executor import Executor
+from .inputs import Chunk, DecodeState
 from .perf import PerfStats
-from .programs import Chunk, DecodeState
 from .request import RequestState, StreamPiece
 
 Delivery = tuple[RequestState, StreamPiece]

@@ -1,6 +1,6 @@
 """Speculative decoding: what proposes the drafts, and how the decode loop carries them.
 
-A speculative engine decodes with `verify` (programs.py) instead of `decode`: each step of its
+A speculative engine decodes with `verify` (below) instead of `decode` (steps.py): each step of its
 loop proposes up to K drafts per row, scores the row's input token and its drafts in one
 forward of K + 1 tokens, and keeps the accepted prefix (sampling.accept). How many drafts a
 row accepts is data, never shape: the program set is the plain one with `verify[B]` in place
@@ -26,13 +26,21 @@ linear-attention layers keep every token's state during the call ([B, K + 1, ...
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from ..model import gdn
+from ..model.kvcache import KVView
+from ..ops.sampling import PENALTY_WINDOW, SamplingRows, accept, argmax, sample
+from .inputs import I32, DecodeState
+from .steps import Setup, mtp_rows, put_states, take_states
+
 METHODS = ("ngram", "draft", "mtp")
 NGRAM_HISTORY = 1024  # positions of a row's history the lookup searches
 NGRAM_MIN, NGRAM_MAX = 2, 8  # match lengths (llama.cpp's ngram-simple and vLLM's lookup use 2..)
+BACKOFF_LOG2 = 4  # a row that keeps missing drafts tries again every 2**4 = 16 steps
 
 
 @dataclass(frozen=True)
@@ -75,3 +83,249 @@ def ngram(history: jax.Array, pos: jax.Array, k: int) -> tuple[jax.Array, jax.Ar
     drafts = jnp.take_along_axis(history, follow, axis=1)
     drafts = jnp.where(jnp.arange(k)[None] < count[:, None], drafts, 0)
     return drafts.astype(jnp.int32), count.astype(jnp.int32)
+
+
+def backoff(state: jax.Array, count: jax.Array, n: jax.Array) -> jax.Array:
+    """A row whose verified drafts were all refused waits 1, 3, 7, 15 ... steps before
+    drafting again (speculation that never pays costs little); a kept draft resets.
+    state [B, 2] (verify steps in a row that kept no draft, steps left without drafting),
+    count [B] drafts the step verified, n [B] drafts it accepted -> the new state [B, 2]."""
+    miss, wait = state[:, 0], state[:, 1]
+    verified = count > 0
+    miss = jnp.where(verified, jnp.where(n > 0, 0, miss + 1), miss)
+    wait = jnp.where(verified, (1 << jnp.minimum(miss, BACKOFF_LOG2)) - 1, jnp.maximum(wait - 1, 0))
+    return jnp.stack([miss, wait], axis=1)
+
+
+def with_input(s: DecodeState) -> jax.Array:
+    """The history [B, H] with each row's input token at its position (n-gram lookup)."""
+    H = s.history.shape[1]
+    rows = jnp.arange(s.history.shape[0])
+    return s.history.at[rows, s.pos % H].set(s.tokens) if H else s.history
+
+
+def advance(s: DecodeState, made, out, new, n, stops, window, history):
+    """Keep tokens new[:, :n + 1] of each live row (of ~s.done) up to its first stop token:
+    made [B] tokens the call made so far, out [B, C + K] the call's tokens (-1 = none), new
+    [B, t] candidates, n [B] accepted drafts, stops [B, S] stop ids (-1 = unused), window
+    [B, W] and history [B, H] after the step -> made, out, the row's new state, n (what it
+    kept of its drafts, 0 for done rows)."""
+    B = new.shape[0]
+    rows = jnp.arange(B)
+    live = ~s.done
+    at = jnp.arange(new.shape[1])[None]
+    stop = jnp.any(new[..., None] == stops[:, None], axis=-1) & (at <= n[:, None])
+    hit = jnp.any(stop, axis=1)
+    n = jnp.where(live, jnp.where(hit, jnp.minimum(n, jnp.argmax(stop, axis=1)), n), 0)
+    made_now = jnp.where(live, n + 1, 0)
+    kept = (at <= n[:, None]) & live[:, None]
+    out = out.at[rows[:, None], made[:, None] + at].set(jnp.where(kept, new, -1), mode="drop")
+    budget = s.budget - made_now
+    s = s.replace(
+        tokens=jnp.where(live, new[rows, n], s.tokens),
+        pos=s.pos + made_now,
+        budget=budget,
+        done=s.done | (live & hit) | (budget <= 0),
+        window=window,
+        history=history,
+    )
+    return made + made_now, out, s, n
+
+
+class Loop(NamedTuple):
+    """What stays the same through one verify call."""
+
+    setup: Setup
+    params: Any  # the model's
+    draft_params: Any  # the draft model's (None for n-gram and MTP)
+    table: jax.Array  # [B, NB] block tables
+    sampling: SamplingRows
+
+
+def mtp_drafts(loop: Loop, live, slot, mtp_kv, hidden, tokens, start, length):
+    """The MTP head reads the rows kept since its last proposal (the model's hidden states
+    [B, t, D] and the tokens after them [B, t], from position start [B], length [B] of them),
+    drafts from the last one, then chains K - 1 steps on its own output -> drafts [B, K],
+    count [B], its kv."""
+    setup, table = loop.setup, loop.table
+    K, runner, params = setup.spec.k, setup.runner, loop.params
+    rows = jnp.arange(tokens.shape[0])
+    with jax.named_scope("draft"):
+        view = KVView(table, start, length, None)
+        g, mtp_kv = mtp_rows(setup, params, mtp_kv, hidden, tokens, view)  # [B, t, D]
+        last = jnp.clip(length - 1, 0, tokens.shape[1] - 1)
+        # The model's state of the last kept token: the next call starts from it.
+        mtp_kv[1] = gdn.put(mtp_kv[1], (hidden[rows, last],), slot)
+        g = g[rows, last]  # [B, D]
+        first = argmax(runner.head(params, g))
+        drafts = jnp.where(jnp.arange(K)[None] == 0, first[:, None], 0)
+
+        def chain(k, carry):  # row start + length - 1 + k: (its own output, draft k)
+            g, token, drafts, mtp_kv = carry
+            view = KVView(table, start + length - 1 + k, live.astype(I32), None)
+            g, mtp_kv = mtp_rows(setup, params, mtp_kv, g[:, None], token[:, None], view)
+            g = g[:, 0]
+            token = argmax(runner.head(params, g))
+            drafts = jnp.where(jnp.arange(K)[None] == k, token[:, None], drafts)
+            return g, token, drafts, mtp_kv
+
+        _, _, drafts, mtp_kv = jax.lax.fori_loop(1, K, chain, (g, first, drafts, mtp_kv))
+    return drafts, jnp.full(live.shape, K, I32), mtp_kv
+
+
+def model_drafts(loop: Loop, s: DecodeState, live, pick, draft_kv):
+    """A draft model's K greedy steps from each row's input token (step K only feeds its
+    cache the last draft) -> drafts [B, K], count [B], its kv. Its linear states start from
+    the accepted token's (`pick` [B]) and keep every token's, index T = K + 1 being the state
+    before the pending input token."""
+    setup = loop.setup
+    draft, K, axis = setup.draft, setup.spec.k, setup.runner.state_axis
+    B, T = s.tokens.shape[0], K + 1
+
+    def one(t, carry):  # the draft's greedy step t: input x_t at pos + t
+        token, drafts, draft_kv = carry
+        view = KVView(loop.table, s.pos + t, live.astype(I32), None, jnp.where(t == 0, T, t - 1), t)
+        h, draft_kv = draft.forward(loop.draft_params, token[:, None], view, draft_kv)
+        logits = draft.head(loop.draft_params, h[:, 0])[:, : setup.spec.vocab or None]
+        new = argmax(logits)
+        drafts = jnp.where(jnp.arange(K)[None] == t, new[:, None], drafts)
+        return new, drafts, draft_kv
+
+    drafts = jnp.zeros((B, K), I32)
+    draft_kv = [  # the accepted state becomes the base the draft starts from
+        tuple(
+            jax.lax.dynamic_update_slice_in_dim(
+                a, jnp.expand_dims(gdn.select(a, pick, axis), axis + 1), T, axis + 1
+            )
+            for a in c
+        ) if lin else c
+        for c, lin in zip(draft_kv, setup.linear("draft"), strict=True)
+    ]  # fmt: skip
+    # While every row backs off, the draft only reads the input token.
+    steps = jnp.where(jnp.any(live & (s.backoff[:, 1] == 0)), T, 1)
+    with jax.named_scope("draft"):
+        _, drafts, draft_kv = jax.lax.fori_loop(0, steps, one, (s.tokens, drafts, draft_kv))
+    return drafts, jnp.full((B,), K, I32), draft_kv
+
+
+def next_drafts(loop: Loop, s: DecodeState, pick, draft_kv, catch):
+    """The coming step's drafts [B, K] and count [B] (0 for done rows and rows backing off,
+    and never past a row's budget), and the proposer's kv. `catch`: for the MTP head, the
+    rows kept since its last proposal (their hidden states, next tokens, first position and
+    count)."""
+    live = ~s.done
+    method, K = loop.setup.spec.method, loop.setup.spec.k
+    if method == "ngram":
+        drafts, count = ngram(with_input(s), s.pos, K)
+    elif method == "mtp":
+        drafts, count, draft_kv = mtp_drafts(loop, live, s.slot, draft_kv, *catch)
+    else:
+        drafts, count, draft_kv = model_drafts(loop, s, live, pick, draft_kv)
+    count = jnp.where(s.backoff[:, 1] > 0, 0, count)
+    return drafts, jnp.where(live, jnp.minimum(count, s.budget - 1), 0), draft_kv
+
+
+def score_drafts(loop: Loop, s: DecodeState, kv, window, drafts, count, pick):
+    """One forward over each row's input token and its drafts (T = K + 1 tokens) and the
+    acceptance rule -> candidates [B, T], accepted n [B], hidden [B, T, D], kv, the penalty
+    windows [B, T, W] each position saw."""
+    setup, sampling = loop.setup, loop.sampling
+    runner, K = setup.runner, setup.spec.k
+    rows = jnp.arange(s.tokens.shape[0])
+    live = ~s.done
+    tokens = jnp.concatenate([s.tokens[:, None], drafts], axis=1)  # [B, T]
+    view = KVView(loop.table, s.pos, jnp.where(live, 1 + count, 0), None, pick, jnp.int32(0))
+    h, kv = runner.forward(loop.params, tokens, view, kv)  # [B, T, D]
+    windows = [window]  # the penalty window each position sees: the input token's, + drafts
+    for t in range(K):
+        at_t = (s.pos + 1 + t) % PENALTY_WINDOW
+        windows.append(windows[-1].at[rows, at_t].set(drafts[:, t]))
+    windows = jnp.stack(windows, axis=1)  # [B, T, W]
+    positions = s.pos[:, None] + 1 + jnp.arange(K + 1)[None]  # [B, T] of the tokens predicted
+    logits = runner.head(loop.params, h)  # [B, T, V]
+    new, n = accept(logits, windows, sampling, positions, drafts, count)
+    return new, n, h, kv, windows
+
+
+def step(loop: Loop, carry, speculating: bool):
+    """One step of the verify loop: score the drafts (or, with none anywhere, the plain
+    one-token forward), keep what is accepted, back off, propose the next drafts."""
+    made, kv, draft_kv, s, out, pick, counts, drafts, count = carry
+    setup, sampling = loop.setup, loop.sampling
+    B, K = s.tokens.shape[0], setup.spec.k
+    rows = jnp.arange(B)
+    window = s.window.at[rows, s.pos % PENALTY_WINDOW].set(s.tokens)
+    history = with_input(s)
+    live = ~s.done
+    if speculating:
+        with jax.named_scope("verify"):
+            new, n, h, kv, windows = score_drafts(loop, s, kv, window, drafts, count, pick)
+        H = history.shape[1]
+        if H:  # accepted drafts join the history
+            at = jnp.arange(K)[None]
+            follow = (s.pos[:, None] + 1 + at) % H  # [B, K]
+            old = jnp.take_along_axis(history, follow, axis=1)
+            history = history.at[rows[:, None], follow].set(jnp.where(at < n[:, None], drafts, old))
+        window = windows[rows, n]
+    else:  # the plain decode step
+        view = KVView(loop.table, s.pos, live.astype(I32), None, pick, jnp.int32(0))
+        h, kv = setup.runner.forward(loop.params, s.tokens[:, None], view, kv)  # [B, 1, D]
+        new = sample(setup.runner.head(loop.params, h[:, 0]), window, sampling, s.pos + 1)
+        new, n = new[:, None], jnp.zeros((B,), I32)
+    made, out, s_new, n = advance(s, made, out, new, n, sampling.stops, window, history)
+    counts = counts + jnp.stack([count.sum(), n.sum(), live.sum()])
+    s_new = s_new.replace(backoff=backoff(s.backoff, count, n))
+    catch = (h, new, s.pos, jnp.where(live, n + 1, 0))  # the rows kept now
+    drafts, count, draft_kv = next_drafts(loop, s_new, n, draft_kv, catch)
+    return made, kv, draft_kv, s_new, out, n, counts, drafts, count
+
+
+def verify(setup: Setup, params, kv, state: DecodeState, table, sampling: SamplingRows, steps):
+    """Speculative decode: while every live row has made fewer than `steps` tokens, each
+    row proposes up to K drafts, one forward scores its input token and the drafts
+    (T = K + 1 tokens), and the accepted prefix plus one token of the model's own is
+    kept. -> kv, state, out [B, C + K] (-1 where no token), counts [3] (drafts scored,
+    drafts accepted, row steps). Steps where no row has a draft run the plain one-token
+    forward."""
+    K = setup.spec.k
+    T = K + 1
+    params, kv, draft_params, draft_kv = setup.split(params, kv)
+    loop = Loop(setup, params, draft_params, table, sampling)
+    B = state.tokens.shape[0]
+    pools, draft_pools = kv, draft_kv
+    # The draft keeps one more state: index T, its state before the pending input token.
+    kv = take_states(setup, kv, state.slot, T)
+    draft_kv = take_states(setup, draft_kv, state.slot, T + 1, "draft")
+
+    def more(carry):
+        made, _, _, s, *_ = carry
+        return jnp.any(~s.done) & (jnp.max(jnp.where(s.done, 0, made)) < steps)
+
+    def drafted(carry):
+        return jnp.any(carry[-1] > 0)
+
+    def phases(carry):
+        """Plain steps while no row has a draft, then verify steps while some row has.
+        (Two loops, not a cond: XLA CPU copies every KV pool into a cond's branches.)"""
+        plain = jax.lax.while_loop(
+            lambda c: more(c) & ~drafted(c), lambda c: step(loop, c, False), carry
+        )
+        return jax.lax.while_loop(
+            lambda c: more(c) & drafted(c), lambda c: step(loop, c, True), plain
+        )
+
+    out = jnp.full((B, setup.tokens_per_call + K), -1, I32)
+    pick = jnp.zeros((B,), I32)
+    catch = None
+    if setup.runner.mtp:  # the row of the input token's predecessor, from its slot
+        (hidden,) = gdn.take(draft_kv[1], state.slot)
+        live = (~state.done).astype(I32)
+        catch = (hidden[:, None], state.tokens[:, None], state.pos - 1, live)
+    drafts, count, draft_kv = next_drafts(loop, state, pick, draft_kv, catch)
+    init = (jnp.zeros((B,), I32), kv, draft_kv, state, out, pick, jnp.zeros((3,), I32),
+            drafts, count)  # fmt: skip
+    _, kv, draft_kv, state, out, pick, counts, *_ = jax.lax.while_loop(more, phases, init)
+    kv = put_states(setup, pools, kv, state.slot, pick)
+    # The draft's state before the pending input token (index T): the next call feeds it.
+    draft_kv = put_states(setup, draft_pools, draft_kv, state.slot, jnp.full_like(pick, T), "draft")
+    return kv + draft_kv, state, out, counts

@@ -1,0 +1,60 @@
+"""The typed per-call inputs of the compiled programs, described once for warmup (abstract
+shapes) and serving (host arrays): a prompt chunk, and the decode loop's carry."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from flax import struct
+
+from ..model.kvcache import KVView
+from ..ops.sampling import PENALTY_WINDOW
+
+I32 = np.int32
+
+
+def abstract(*shape, dtype=I32) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+@struct.dataclass
+class Chunk:
+    """A prompt chunk of B rows: tokens at positions view.start + t, the first view.length real."""
+
+    tokens: jax.Array  # [B, T] int32, padding 0
+    view: KVView
+    next: jax.Array  # [B] int32 the prompt token after the chunk (-1: the prompt ends in it)
+
+    @staticmethod
+    def abstract(B: int, T: int, NB: int) -> Chunk:
+        view = KVView(abstract(B, NB), abstract(B), abstract(B), abstract(B))
+        return Chunk(abstract(B, T), view, abstract(B))
+
+
+@struct.dataclass
+class DecodeState:
+    """The decode loop's carry: what each row feeds next and how far it may go."""
+
+    tokens: jax.Array  # [B] int32, the next input token
+    pos: jax.Array  # [B] int32, its position
+    budget: jax.Array  # [B] int32, tokens still allowed
+    done: jax.Array  # [B] bool, padding rows start done
+    window: jax.Array  # [B, W] int32, recent tokens by position mod W (-1 = empty)
+    slot: jax.Array  # [B] int32, the row's state slot (linear layers; 0 = padding)
+    history: jax.Array  # [B, H] int32, tokens by position mod H for n-gram lookup (H may be 0)
+    # [B, 2] int32 speculation back-off: verify steps in a row that kept no draft, and steps
+    # left without drafting (each miss doubles the wait; speculative.backoff)
+    backoff: jax.Array
+
+    @staticmethod
+    def abstract(B: int, history: int = 0) -> DecodeState:
+        return DecodeState(
+            abstract(B),
+            abstract(B),
+            abstract(B),
+            abstract(B, dtype=np.bool_),
+            abstract(B, PENALTY_WINDOW),
+            abstract(B),
+            abstract(B, history),
+            abstract(B, 2),
+        )

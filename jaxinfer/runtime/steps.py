@@ -1,0 +1,176 @@
+"""The plain programs, as pure functions of arrays over a `Setup` (the model on one mesh):
+
+  cache()                                            -> kv                 zeroed page pools
+  prefill(params, kv, chunk, window, sampling)       -> kv, tokens [B]     one prompt chunk per row
+  decode(params, kv, state, table, sampling, steps)  -> kv, state, out [B, C]
+  score(params, kv, chunk)                           -> kv, logits [B, T, V]
+
+The page pools and linear-layer states `kv` are donated. `decode` runs up to C steps inside
+one `while_loop` and leaves early when every row is done, so the host only wakes to stream
+and check stops. No program depends on the context length: rows reach their pages through
+block tables. Speculative decoding's `verify` is in speculative.py; programs.py binds them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ..model import gdn
+from ..model.gdn import RecurrentState
+from ..model.kvcache import KVConfig, KVView
+from ..ops.sampling import PENALTY_WINDOW, SamplingRows, sample
+from ..parallel.placement import Runner
+from .inputs import I32, Chunk, DecodeState
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What every program of one model on one mesh is built over: the model's runner, what
+    proposes drafts (a draft model's runner, the MTP head, n-gram lookup or nothing), the KV
+    geometry and C, the most decode steps in one call. With a draft model, `params` is (the
+    model's, the draft's) and `kv` lists the model's layers then the draft's (one page pool,
+    one set of slots); the MTP head keeps its caches after the model's (its attention pools,
+    then the per-slot hidden state)."""
+
+    runner: Runner
+    kv_config: KVConfig
+    tokens_per_call: int
+    spec: Any = None  # speculative.SpecConfig; None: no speculation
+    draft: Runner | None = None
+
+    @property
+    def n_model(self) -> int:
+        return len(self.runner.caches)
+
+    @property
+    def caches(self) -> tuple:
+        return self.runner.caches + (self.draft.caches if self.draft else self.runner.mtp_caches)
+
+    def linear(self, of: str) -> list[bool]:
+        """Per cache of the model (`of` = "model") or of the proposer ("draft"): whether it is
+        a linear layer's state."""
+        flags = [isinstance(c, RecurrentState) for c in self.caches]
+        return flags[: self.n_model] if of == "model" else flags[self.n_model :]
+
+    def split(self, params, kv):
+        """(model params, model kv, draft params, the proposer's kv)."""
+        if self.draft is None:
+            return params, kv[: self.n_model], None, kv[self.n_model :]
+        return params[0], kv[: self.n_model], params[1], kv[self.n_model :]
+
+
+def cache(setup: Setup):
+    kv, draft = setup.kv_config, setup.draft
+    extra = draft.init_kv(kv) if draft else [c.init(kv) for c in setup.caches[setup.n_model :]]
+    return setup.runner.init_kv(kv) + extra
+
+
+def mtp_rows(setup: Setup, params, mtp_kv, hidden, tokens, view: KVView):
+    """The MTP head over rows view.start + t (hidden [B, T, D] the model's at those
+    positions, tokens [B, T] the tokens after them) -> its outputs [B, T, D], its kv."""
+    g, pools = setup.runner.mtp(params, jnp.maximum(tokens, 0), hidden, view, mtp_kv[0])
+    return g, [pools, *mtp_kv[1:]]
+
+
+def take_states(setup: Setup, kv, slot, keep: int = 0, of: str = "model"):
+    """Linear layers' states out of their slots for a loop: [B, ...] per row, or with
+    `keep` = T, T copies [B, T, ...] (speculation keeps every token's state)."""
+    axis = setup.runner.state_axis
+
+    def one(c, lin):
+        if not lin:
+            return c
+        states = gdn.take(c, slot, axis)
+        if keep:
+            states = tuple(jnp.repeat(jnp.expand_dims(s, axis + 1), keep, axis + 1)
+                           for s in states)  # fmt: skip
+        return states
+
+    return [one(c, lin) for c, lin in zip(kv, setup.linear(of), strict=True)]
+
+
+def put_states(setup: Setup, pools, kv, slot, pick=None, of: str = "model"):
+    """The loop's linear states back into their slots (with `pick` [B], each row's state
+    at that index: the accepted token's)."""
+    axis = setup.runner.state_axis
+
+    def one(p, c, lin):
+        if not lin:
+            return c
+        if pick is not None:
+            c = tuple(gdn.select(a, pick, axis) for a in c)
+        return gdn.put(p, c, slot, axis)
+
+    return [one(p, c, lin) for p, c, lin in zip(pools, kv, setup.linear(of), strict=True)]
+
+
+def prefill(setup: Setup, params, kv, chunk: Chunk, window, sampling: SamplingRows):
+    """window [B, W] of the whole prompt; samples after each row's last real token."""
+    runner, draft = setup.runner, setup.draft
+    params, kv, draft_params, draft_kv = setup.split(params, kv)
+    B, T = chunk.tokens.shape
+    h, kv = runner.forward(params, chunk.tokens, chunk.view, kv)  # [B, T, D]
+    if draft:
+        _, draft_kv = draft.forward(draft_params, chunk.tokens, chunk.view, draft_kv)
+    last = jnp.clip(chunk.view.length - 1, 0, T - 1)  # [B]
+    if runner.mtp:  # rows p pair h_p with token p + 1: the chunk's next, or the prompt's
+        following = jnp.concatenate([chunk.tokens[:, 1:], chunk.tokens[:, :1]], axis=1)
+        at_last = jnp.arange(T)[None] == last[:, None]
+        following = jnp.where(at_last, chunk.next[:, None], following)
+        rows = chunk.view.length - (chunk.next < 0)  # the prompt's last row waits
+        view = KVView(chunk.view.table, chunk.view.start, rows, None)
+        _, draft_kv = mtp_rows(setup, params, draft_kv, h, following, view)
+        hidden = (h[jnp.arange(B), last],)  # the model's state of the last prompt token
+        draft_kv[1] = gdn.put(draft_kv[1], hidden, chunk.view.slot)
+    logits = runner.head(params, h[jnp.arange(B), last])  # [B, V]
+    return kv + draft_kv, sample(logits, window, sampling, chunk.view.start + chunk.view.length)
+
+
+def decode(setup: Setup, params, kv, state: DecodeState, table, sampling: SamplingRows, steps):
+    """Up to `steps` (<= C) tokens per row; table [B, NB] covers every position written.
+    Linear layers' states leave their slots for the loop and return after it."""
+    runner = setup.runner
+    params, kv, _, draft_kv = setup.split(params, kv)
+    B = state.tokens.shape[0]
+    rows = jnp.arange(B)
+    pools = kv
+    kv = take_states(setup, kv, state.slot)
+
+    def step(carry):
+        i, kv, s, out = carry
+        # The input token joins the penalty context of the token it predicts.
+        window = s.window.at[rows, s.pos % PENALTY_WINDOW].set(s.tokens)
+        live = ~s.done
+        # Done rows write the null page and leave their linear state as it is.
+        view = KVView(table, s.pos, live.astype(I32), None)
+        h, kv = runner.forward(params, s.tokens[:, None], view, kv)  # [B, 1, D]
+        new = sample(runner.head(params, h[:, 0]), window, sampling, s.pos + 1)  # [B]
+        stop = jnp.any(new[:, None] == sampling.stops, axis=-1)
+        budget = s.budget - live
+        out = out.at[:, i].set(jnp.where(live, new, -1))
+        s = s.replace(
+            tokens=jnp.where(live, new, s.tokens),
+            pos=s.pos + live,
+            budget=budget,
+            done=s.done | stop | (budget <= 0),
+            window=window,
+        )
+        return i + 1, kv, s, out
+
+    def more(carry):
+        i, _, s, _ = carry
+        return (i < steps) & ~jnp.all(s.done)
+
+    out = jnp.full((B, setup.tokens_per_call), -1, I32)
+    _, kv, state, out = jax.lax.while_loop(more, step, (jnp.int32(0), kv, state, out))
+    return put_states(setup, pools, kv, state.slot) + draft_kv, state, out
+
+
+def score(setup: Setup, params, kv, chunk: Chunk):
+    params, kv, _, draft_kv = setup.split(params, kv)
+    h, kv = setup.runner.forward(params, chunk.tokens, chunk.view, kv)
+    return kv + draft_kv, setup.runner.head(params, h)  # [B, T, V]
