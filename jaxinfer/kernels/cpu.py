@@ -37,10 +37,7 @@ COMPILER = "g++"
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c++17", "-ffp-contract=off")
 
 # Largest activation row count the kernel serves: the crossover with XLA's dot on an in-graph
-# dequantized weight (benchmarks/results/qkernel.md; ms per 24-product chain of 86M-model
-# shapes on 2 cores, kernel vs in-graph): M = 1: q8_0 4.0 vs 51, q4_k 3.8 vs 65; M = 64:
-# 42 vs 87, 50 vs 98; M = 128: 83 vs 112, 93 vs 127; M = 256: 165 vs 172, 182 vs 183;
-# M = 512: 318 vs 282, 336 vs 293 (q6_k, q4_0 alike).
+# dequantized weight, which wins only from about 512 rows (benchmarks/results/qkernel.md).
 MAX_ROWS = 256
 MAX_WEIGHTS = 8  # weights in one call (kMaxWeights in qmatmul.cc)
 
@@ -62,12 +59,9 @@ def available() -> bool:
 
 
 # Float32 weights ("f32" QArrays) go to the kernel for 2 to FLOAT_ROWS rows, where it beats
-# XLA's own dot (ms per 24-product chain of 86M-model shapes, XLA vs kernel, interleaved):
-# M = 2: 17.0 vs 8.7; M = 4: 19.2 vs 10.1; M = 8: 19.0 vs 13.4; M = 16: 24.1 vs 16.9;
-# M = 32: 28.5 vs 26.1; M = 64: 42.3 vs 49.1. One row goes to the kernel for weights of at
-# least ONE_ROW_VALUES: XLA's one-row dot is a fused matvec, as fast on large weights (86M
-# decode 1.04x with the kernel; 1.08x with the weights on huge pages) and faster on small ones,
-# where a custom call's fixed cost shows (stories260K decode, weights <= 32k values: 0.83x).
+# XLA's own dot. One row goes to it only for weights of at least ONE_ROW_VALUES: XLA's one-row
+# dot is a fused matvec, as fast on large weights and faster on small ones, where a custom
+# call's fixed cost shows (figures: benchmarks/results/qkernel.md, "Moved from the code").
 FLOAT_ROWS = 32
 ONE_ROW_VALUES = 1 << 18
 

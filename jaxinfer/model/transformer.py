@@ -45,8 +45,8 @@ def rope_table(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, j
 
     On CPU the table is made inside a conditional whose two branches are this same table: XLA
     CPU otherwise fuses cos and sin into every layer's q and k rotation and recomputes them
-    there (24 sincos per 86M program), and it does not fuse across a conditional (86M pp512
-    1.08x, interleaved; the same logits). A one-branch switch or a constant predicate would be
+    there, and it does not fuse across a conditional (benchmarks/results/xla_cpu_findings.md,
+    "RoPE's sin/cos once per program"). A one-branch switch or a constant predicate would be
     simplified away. Elsewhere the plain table: an accelerator reads a conditional's predicate
     on the host."""
 

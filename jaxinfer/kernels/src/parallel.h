@@ -45,9 +45,9 @@ struct Job {
 constexpr int64_t kChunksPerThread = 4;  // a late task then still finds work
 
 // A pool task that finished a job stays for the next one for up to kKeepMicros: a decode step
-// calls the kernels every 10-150 us, and a woken pool thread took 40 us on average to start
-// (86M decode: it missed 1.5 of 8 chunks per call, about a fifth of the work running on one
-// core). Jobs are posted here; a staying task picks them up without a pool hand-off.
+// calls the kernels every 10-150 us, and a woken pool thread takes longer than that to start
+// (benchmarks/results/qkernel.md, "Moved from the code"). Jobs are posted here; a staying task
+// picks them up without a pool hand-off.
 constexpr int64_t kKeepMicros = 200;
 
 struct Board {
@@ -86,10 +86,8 @@ inline void stay(uint64_t seen) {
 
 // fn(lo, hi) over [0, n) in chunks of at least `min_chunk` items, on XLA's intra-op pool: the
 // caller plus num_threads - 1 tasks (those staying from earlier calls first), so that no more
-// threads run than the pool has (the caller is one of them or waits on them). With
-// num_threads tasks (3 threads on 2 cores) a 24-matvec q8_0 chain took 2.7-3.5 ms, with
-// num_threads - 1 1.7-1.8 ms, on the caller alone 3.2 ms. Staying tasks (above), against
-// tasks that return at once, interleaved end to end: 86M decode 1.09x, stories260K 1.10x.
+// threads run than the pool has (the caller is one of them or waits on them); more tasks, or
+// tasks that return at once, measured slower (benchmarks/results/qkernel.md).
 template <class Fn>
 void parallel_for(xla::ffi::ThreadPool& pool, int64_t n, int64_t min_chunk, const Fn& fn) {
   int64_t tasks = pool.num_threads() - 1;
