@@ -231,3 +231,34 @@ def test_int8_matches_a_float64_reference_of_the_rounded_weights():
 def test_bad_quantize_option_is_one_line():
     with pytest.raises(JaxinferError, match="quantize = 'int4' is not supported"):
         jaxinfer.load(model_path(Q8), quantize="int4")
+
+
+def test_the_kernel_source_declares_the_parts_of_FORMATS():
+    """The C++ kernel's part table (qmatmul.cc's SPEC lines: each format's part dtypes and
+    values per entry, in FORMATS order) and its weight limit agree with quant.FORMATS and
+    MAX_WEIGHTS, read from the source so every machine checks it, built or not."""
+    import re
+
+    source = (Path(qkernel.__file__).parent / "src" / "qmatmul.cc").read_text()
+    handlers = dict(re.findall(r"HANDLER_SYMBOL\(qmatmul_(\w+), run<([\w<>]+)>", source))
+    lists = r"(LIST\(([^)]*)\)|[\w:]+)"
+    specs = {
+        m.group(1): (m.group(2), m.group(4))
+        for m in re.finditer(rf"SPEC\(([\w<>]+),\s*{lists},\s*{lists},", source)
+    }
+    dtypes = {"S8": "int8", "U8": "uint8", "F16": "float16", "BF16": "bfloat16", "F32": "float32"}
+
+    def items(text: str) -> list[str]:
+        inner = text[5:-1] if text.startswith("LIST(") else text
+        return [x.strip() for x in inner.split(",")]
+
+    assert set(handlers) == set(quant.FORMATS)
+    for fmt, struct in handlers.items():
+        types, per = specs[struct]
+        parts = quant.FORMATS[fmt].parts
+        assert [dtypes[t.removeprefix("DataType::")] for t in items(types)] == [
+            p.dtype for p in parts
+        ], fmt
+        assert [int(x) for x in items(per)] == [p.per for p in parts], fmt
+    (limit,) = re.findall(r"constexpr size_t kMaxWeights = (\d+);", source)
+    assert int(limit) == qkernel.MAX_WEIGHTS
