@@ -23,8 +23,7 @@ import jax.numpy as jnp
 import jaxlib
 import numpy as np
 
-from ..ops.norm import rms_norm
-from ..ops.quant import FORMATS, QArray, dequantize
+from ..ops.quant import FORMATS
 
 log = logging.getLogger("jaxinfer")
 
@@ -44,7 +43,6 @@ MAX_WEIGHTS = 8  # weights in one call (kMaxWeights in qmatmul.cc)
 _lock = threading.Lock()
 _ready: bool | None = None
 _lib: ctypes.CDLL | None = None  # kept referenced: the registered handlers live in it
-_served: set[str] = set()  # formats with a handler in _lib
 
 
 def available() -> bool:
@@ -88,12 +86,6 @@ def matmuls(x: jax.Array, fmt: str, weights, out_features, norm=None) -> list[ja
     kernel, once per call."""
     if not available():
         raise RuntimeError("the quantized CPU kernel is not available here; ask serves() first")
-    if fmt not in _served:  # a format newer than the kernel
-        x = x if norm is None else rms_norm(x, *norm)
-        return [
-            jnp.einsum("MI,OI->MO", x, dequantize(QArray(parts, fmt, x.shape[1])))
-            for parts in weights
-        ]
     extra = () if norm is None else (norm[0].astype(jnp.float32),)
     eps = np.float32(0.0 if norm is None else norm[1])
     outs = []
@@ -157,10 +149,8 @@ def _load() -> bool:
             return False
         lib = ctypes.CDLL(str(_build()))
         for fmt in FORMATS:
-            if hasattr(lib, f"qmatmul_{fmt}"):
-                capsule = jax.ffi.pycapsule(getattr(lib, f"qmatmul_{fmt}"))
-                jax.ffi.register_ffi_target(_target(fmt), capsule, platform="cpu")
-                _served.add(fmt)
+            capsule = jax.ffi.pycapsule(getattr(lib, f"qmatmul_{fmt}"))  # every format has one
+            jax.ffi.register_ffi_target(_target(fmt), capsule, platform="cpu")
         for dtype, suffix in ATTEND_POOLS.items():
             capsule = jax.ffi.pycapsule(getattr(lib, f"attend_{suffix}"))
             jax.ffi.register_ffi_target(_attend_target(dtype), capsule, platform="cpu")

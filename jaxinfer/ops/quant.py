@@ -38,11 +38,6 @@ class Format:
     parts: tuple[Part, ...]
     ggml: str | None
 
-    def bytes_per_row(self, width: int) -> int:
-        return sum(
-            np.dtype(p.dtype).itemsize * (width // p.per if p.per else 1) for p in self.parts
-        )
-
 
 def _fmt(name, block, ggml, *parts) -> Format:
     return Format(name, block, tuple(Part(*p) for p in parts), ggml)
@@ -125,16 +120,6 @@ class QArray:
         """The same weight with `fn` applied to every part's leading (row) axes, e.g.
         `w.rows(lambda a: a[e])` for expert e; fn must keep the last axis."""
         return QArray({k: fn(v) for k, v in self.parts.items()}, self.fmt, self.width, self.kernel)
-
-
-def is_quantized(w) -> bool:
-    return isinstance(w, QArray)
-
-
-def part_shapes(fmt: Format, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
-    """Each part's shape for a weight of logical shape [..., O, I]."""
-    *lead, width = shape
-    return {p.name: (*lead, width // p.per if p.per else 1) for p in fmt.parts}
 
 
 # ---------------------------------------------------------------------------------------------
