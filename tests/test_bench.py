@@ -3,7 +3,7 @@
 import json
 import re
 
-from conftest import model_path
+from support.models import model_path
 
 from jaxinfer.cli import main
 from jaxinfer.runtime.profiler import op_scopes, read_events, trace_files

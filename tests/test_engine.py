@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from conftest import F32_LOGITS_ATOL, GOLDEN, model_path
+from support.models import F32_LOGITS_ATOL, GOLDEN, model_path
 
 import jaxinfer
 

@@ -5,8 +5,8 @@ import shutil
 import struct
 
 import pytest
-from checkpoints import TINY, random_weights, write_gguf, write_hf
-from conftest import GOLDEN, model_path
+from support.checkpoints import TINY, random_weights, write_gguf, write_hf
+from support.models import GOLDEN, model_path
 
 import jaxinfer
 from jaxinfer.cli import main

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import model_path
+from support.models import model_path
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 

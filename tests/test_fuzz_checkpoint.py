@@ -22,11 +22,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from checkpoints import TINY, random_weights, write_gguf, write_hf
-from conftest import model_path
 from flax import nnx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.checkpoints import TINY, random_weights, write_gguf, write_hf
+from support.models import model_path
 
 from jaxinfer.errors import CheckpointError
 from jaxinfer.formats.checkpoint import open_checkpoint

@@ -1,7 +1,7 @@
 """The real stories260K model reproduces its published greedy output from every format."""
 
 import pytest
-from conftest import GOLDEN, model_path
+from support.models import GOLDEN, model_path
 
 import jaxinfer
 

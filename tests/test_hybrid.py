@@ -8,14 +8,14 @@ from __future__ import annotations
 import json
 import random
 
-import hybrid_checkpoints as H
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import reference_hybrid as R
-from conftest import F32_LOGITS_ATOL, model_path
-from test_compile import CompileCounter
+from support import hybrid_checkpoints as H
+from support import reference_hybrid as R
+from support.compiles import CompileCounter
+from support.models import F32_LOGITS_ATOL, model_path
 
 import jaxinfer
 from jaxinfer.config import ModelConfig

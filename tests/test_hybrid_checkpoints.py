@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import json
 
-import hybrid_checkpoints as H
 import numpy as np
 import pytest
-from conftest import model_path
+from support import hybrid_checkpoints as H
+from support.models import model_path
 
 FIXTURES = {
     "qwen3_next": "tiny-random/qwen3_next_l3f1_e8k2_mtp",

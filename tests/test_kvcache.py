@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import model_path
+from support.models import model_path
 
 import jaxinfer
 from jaxinfer.model import kvcache

@@ -6,9 +6,9 @@ checkpoints.py) and loaded through the public API; logits are compared position 
 
 import numpy as np
 import pytest
-import reference
-from checkpoints import TINY, random_weights, write_gguf, write_hf
-from conftest import F32_LOGITS_ATOL
+from support import reference
+from support.checkpoints import TINY, random_weights, write_gguf, write_hf
+from support.models import F32_LOGITS_ATOL
 
 import jaxinfer
 

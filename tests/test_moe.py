@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import json
 
-import checkpoints as C
 import numpy as np
 import pytest
-import reference as R
-from conftest import F32_LOGITS_ATOL, model_path
-from test_compile import CompileCounter
+from support import checkpoints as C
+from support import reference as R
+from support.compiles import CompileCounter
+from support.models import F32_LOGITS_ATOL, model_path
 
 import jaxinfer
 from jaxinfer.errors import CheckpointError, LayoutError

@@ -14,13 +14,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import reference
-from checkpoints import TINY, random_k_blocks, random_weights, write_gguf
-from conftest import F32_LOGITS_ATOL, model_path
 from gguf import GGML_QUANT_SIZES, GGUFReader
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize as gguf_dequantize
 from safetensors.numpy import load_file
+from support import reference
+from support.checkpoints import TINY, random_k_blocks, random_weights, write_gguf
+from support.models import F32_LOGITS_ATOL, model_path
 
 import jaxinfer
 from jaxinfer.errors import JaxinferError, LayoutError

@@ -5,17 +5,13 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import checkpoints as C  # noqa: E402
-import reference as R  # noqa: E402
-from conftest import GOLDEN  # noqa: E402
+from support import checkpoints as C
+from support import reference as R
+from support.models import GOLDEN
 
 MODELS = Path(__file__).resolve().parents[1].parent / "shared" / "models"
 STORIES_HF = MODELS / "stories260K-hf-derived"

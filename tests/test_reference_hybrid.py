@@ -10,8 +10,8 @@ import json
 
 import numpy as np
 import pytest
-import reference_hybrid as RH
-from conftest import model_path
+from support import reference_hybrid as RH
+from support.models import model_path
 
 FIXTURES = [
     "tiny-random/qwen3_next_l3f1_e8k2_mtp",

@@ -5,7 +5,7 @@ untempered logits, temperature last."""
 import jax
 import numpy as np
 import pytest
-from conftest import GOLDEN
+from support.models import GOLDEN
 
 from jaxinfer import SamplingParams
 from jaxinfer.ops.sampling import PENALTY_WINDOW, SamplingRows, argmax, sample

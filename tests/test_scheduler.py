@@ -6,8 +6,8 @@ empty at the end."""
 
 import numpy as np
 import pytest
-from conftest import model_path
-from test_compile import CompileCounter
+from support.compiles import CompileCounter
+from support.models import model_path
 
 import jaxinfer
 

@@ -16,8 +16,8 @@ import threading
 import time
 
 import pytest
-from conftest import model_path
 from prometheus_client.parser import text_string_to_metric_families
+from support.models import model_path
 
 import jaxinfer
 from jaxinfer.cli import main
@@ -126,7 +126,7 @@ def test_greedy_completion_equals_engine_generate(client, stories_hf):
 def test_token_prompts_batches_and_n(client, stories_hf):
     """Token-id prompts (stories260K's published greedy ids from BOS), a list of prompts, and
     n choices: greedy choices agree; seeded sampled choices follow their seeds."""
-    from conftest import GOLDEN
+    from support.models import GOLDEN
 
     r = client.completions.create(model="x", prompt=[1], max_tokens=64, temperature=0)
     assert r.choices[0].text == stories_hf.detokenize(GOLDEN)
@@ -195,7 +195,7 @@ def test_chat_completion(client, chat_model, stories_hf):
 
 def test_gguf_chat_template_is_read(tmp_path):
     import gguf
-    from checkpoints import TINY, random_weights, write_gguf
+    from support.checkpoints import TINY, random_weights, write_gguf
 
     config = TINY["llama"]
     path = write_gguf(tmp_path / "t.gguf", config, random_weights(config), chat_template=TEMPLATE)

@@ -8,9 +8,9 @@ import zipfile
 import jax
 import numpy as np
 import pytest
-from checkpoints import TINY, random_weights, write_hf
-from conftest import F32_LOGITS_ATOL, GOLDEN, model_path
-from test_compile import CompileCounter
+from support.checkpoints import TINY, random_weights, write_hf
+from support.compiles import CompileCounter
+from support.models import F32_LOGITS_ATOL, GOLDEN, model_path
 
 import jaxinfer
 from jaxinfer.ops.quant import QArray

@@ -4,8 +4,8 @@ nothing compiles as requests come and go; cancellation and bad requests touch no
 import random
 
 import pytest
-from conftest import model_path
-from test_compile import CompileCounter
+from support.compiles import CompileCounter
+from support.models import model_path
 
 import jaxinfer
 
@@ -126,7 +126,7 @@ def test_cli_parallel_file(tmp_path, capsys):
 
 
 def test_submit_on_an_engine_without_slots():
-    from conftest import GOLDEN
+    from support.models import GOLDEN
 
     engine = load()
     request = engine.submit([1], max_new_tokens=8, temperature=0)

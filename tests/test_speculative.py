@@ -12,10 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import GOLDEN, model_path
 from safetensors.numpy import load_file, save_file
 from scipy.stats import chi2_contingency
-from test_compile import CompileCounter
+from support.compiles import CompileCounter
+from support.models import GOLDEN, model_path
 
 import jaxinfer
 from jaxinfer.cli import main

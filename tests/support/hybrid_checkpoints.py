@@ -44,8 +44,9 @@ import math
 from pathlib import Path
 
 import numpy as np
-from checkpoints import SPECIAL_TOKENS, build_tokenizer, byte_level_vocab_and_merges, write_hf
-from checkpoints import _tokenizer_config as _hf_tokenizer_config
+
+from .checkpoints import SPECIAL_TOKENS, build_tokenizer, byte_level_vocab_and_merges, write_hf
+from .checkpoints import _tokenizer_config as _hf_tokenizer_config
 
 __all__ = [
     "HYBRID_TINY",

@@ -1,0 +1,29 @@
+"""The shared tiny models (../shared/models, outside the repository) and what they publish."""
+
+from pathlib import Path
+
+import pytest
+
+MODELS = Path(__file__).resolve().parents[3] / "shared" / "models"
+STORIES = "stories260K-gguf/stories260K.gguf"
+STORIES_HF = "stories260K-hf-derived"
+STORIES_Q8 = "stories260K-gguf-quant-derived/stories260K-Q8_0.gguf"
+# Float32 logits (|logit| <= 22 here) move by up to ~2e-4 with the matmul shapes and summation
+# order (batch and chunk buckets, layouts, another CPU: a fresh clone measured 1.5e-5 where
+# 1e-5 had been assumed). Logit tolerances use this; greedy ids stay exact.
+F32_LOGITS_ATOL = 2e-4
+
+# Greedy ids from [BOS] published with stories260K (../shared/models/README.md).
+GOLDEN = [
+    403, 407, 261, 378, 432, 383, 286, 261, 376, 298, 315, 421, 395, 317, 426, 338, 401, 396,
+    267, 337, 410, 408, 419, 292, 411, 322, 265, 282, 295, 433, 426, 385, 328, 432, 358, 394,
+    261, 370, 432, 352, 266, 268, 388, 426, 338, 391, 266, 267, 337, 335, 312, 432, 398, 312,
+    286, 267, 414, 270, 333, 415, 426, 13, 438, 310,
+]  # fmt: skip
+
+
+def model_path(rel: str) -> Path:
+    path = MODELS / rel
+    if not path.exists():
+        pytest.skip(f"{path} is missing (the shared tiny models are not checked out)")
+    return path
