@@ -1,8 +1,10 @@
-"""The package's layers: nothing imports upward and no modules import each other in a circle,
-lazy imports (inside functions) included. Read from the source with `ast`; nothing is imported.
-"""
+"""The package: its layers (nothing imports upward and no modules import each other in a
+circle, lazy imports included; read from the source with `ast`) and what a wheel ships (the
+packaging configuration against the files, without building one)."""
 
 import ast
+import importlib.resources
+import tomllib
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "jaxinfer"
@@ -114,3 +116,40 @@ def test_the_check_sees_lazy_and_relative_imports():
     assert "jaxinfer.serve.server" in edges["jaxinfer.cli"]  # imported inside _serve()
     assert "jaxinfer.ops.quant" in edges["jaxinfer.model.linear"]
     assert "jaxinfer.kernels" in edges["jaxinfer.model.linear"]
+
+
+def test_every_subpackage_and_data_file_is_packaged():
+    """pyproject's package list names every folder of jaxinfer/ and its package-data globs
+    take the built-in model, its license, the layouts and the kernel sources."""
+    project = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {
+        "jaxinfer." + ".".join(d.relative_to(PACKAGE).parts)
+        for d in PACKAGE.rglob("*")
+        if d.is_dir() and d.name != "__pycache__" and any(d.glob("*.py")) or d.name == "data"
+    }
+    assert folders | {"jaxinfer", "jaxinfer.shardings"} == set(project["packages"])
+    data = project["package-data"]
+    shipped = {
+        pkg: {f.name for pattern in globs for f in (_root(pkg)).glob(pattern)}
+        for pkg, globs in data.items()
+    }
+    assert {"stories260K.gguf", "LICENSE"} <= shipped["jaxinfer.data"]
+    layouts = {f"{name}.toml" for name in ("single", "layer", "tensor", "layer-tensor", "expert",
+                                           "layer-expert")}  # fmt: skip
+    assert layouts <= shipped["jaxinfer.shardings"]
+    sources = {f.name for f in (PACKAGE / "kernels" / "src").iterdir()}
+    assert sources <= shipped["jaxinfer.kernels"]
+
+
+def _root(package: str) -> Path:
+    """A package's folder as setuptools sees it (package-dir maps jaxinfer.shardings)."""
+    if package == "jaxinfer.shardings":
+        return PACKAGE.parent / "shardings"
+    return PACKAGE.joinpath(*package.split(".")[1:])
+
+
+def test_the_installed_package_finds_its_layouts_and_model():
+    layouts = importlib.resources.files("jaxinfer.shardings")
+    assert layouts.joinpath("layer-tensor.toml").is_file()
+    data = importlib.resources.files("jaxinfer") / "data"
+    assert data.joinpath("stories260K.gguf").is_file() and data.joinpath("LICENSE").is_file()
