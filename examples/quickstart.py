@@ -1,4 +1,4 @@
-"""Load a model and generate greedily; with no argument, the built-in random model.
+"""Load a model and generate greedily; with no argument, the built-in stories260K.
 
 python examples/quickstart.py [MODEL] [PROMPT]
 """

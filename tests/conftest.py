@@ -9,9 +9,15 @@ if "JAXINFER_COMPILE_CACHE_DIR" not in os.environ:  # keep the user's cache dir 
 
     os.environ["JAXINFER_COMPILE_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxinfer-xla-")
 
+from collections import OrderedDict, namedtuple  # noqa: E402
+
 import pytest  # noqa: E402
+from support import families  # noqa: E402
 from support.compiles import CompileCounter  # noqa: E402
 from support.models import model_path  # noqa: E402
+
+Tiny = namedtuple("Tiny", "path config weights")
+ENGINES_KEPT = 12  # engines the session cache holds at once (least recently used go first)
 
 
 @pytest.fixture(scope="session")
@@ -32,3 +38,51 @@ def stories_hf():
 def compiles():
     """`with compiles() as seen:` counts the XLA compiles jax.monitoring reports inside."""
     return CompileCounter
+
+
+@pytest.fixture(scope="session")
+def engines():
+    """`engines(model, **options)`: jaxinfer.load, cached for the session by its arguments.
+    For tests that only read an engine (generate, logits, their own results); tests that change
+    one (strict mode after warmup, reshard, clearing its compile cache, perf counters they
+    assert on) load their own. Engines with the same shapes also share compiled programs
+    through the session's persistent compilation cache."""
+    import jaxinfer
+
+    cache: OrderedDict = OrderedDict()
+
+    def get(model=None, **options):
+        key = (str(model), tuple(sorted((k, repr(v)) for k, v in options.items())))
+        if key not in cache:
+            cache[key] = jaxinfer.load(model, **options)
+            while len(cache) > ENGINES_KEPT:
+                cache.popitem(last=False)
+        cache.move_to_end(key)
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """`tiny(family, fmt="hf", seed=0, mtp=False, **write options)` -> Tiny(path, config,
+    weights): a tiny random checkpoint of a family (support/families.py), written once per
+    session."""
+    written: dict = {}
+    weights: dict = {}
+
+    def get(family: str, fmt: str = "hf", seed: int = 0, mtp: bool = False, **kw) -> Tiny:
+        key = (family, fmt, seed, mtp, tuple(sorted(kw.items())))
+        if key not in written:
+            wkey = (family, seed, mtp)
+            if wkey not in weights:
+                extra = {"mtp": True} if mtp else {}
+                weights[wkey] = families.random_weights(family, seed, **extra)
+            name = "-".join(map(str, (family, fmt, seed, mtp, *sorted(kw.values()))))
+            folder = tmp_path_factory.mktemp(name)
+            path = folder / "model.gguf" if fmt == "gguf" else folder / "hf"
+            families.write(path, family, weights[wkey], fmt, **kw)
+            written[key] = Tiny(path, families.FAMILIES[family], weights[wkey])
+        return written[key]
+
+    return get
