@@ -520,25 +520,3 @@ def _gguf_linear_fields(meta: dict[str, Any], gguf_arch: str, n_layers: int) -> 
         mtp_layers=get("nextn_predict_layers", 0),
     )
 
-
-def rope_inv_freq(cfg: ModelConfig):
-    """Inverse frequencies [R/2] (R = rope_dims) of rotate-half RoPE, with Llama 3 scaling or
-    GGUF factors."""
-    import numpy as np
-
-    H = cfg.rope_dims  # partial RoPE rotates only the first rope_dims of each head
-    inv = 1.0 / cfg.rope_theta ** (np.arange(0, H, 2, dtype=np.float64) / H)  # [H/2]
-    if cfg.rope_factors is not None:
-        inv = inv / np.asarray(cfg.rope_factors, np.float64)
-    elif cfg.rope_scaling is not None:
-        rs = cfg.rope_scaling
-        low_wavelen = rs.original_max_position / rs.low_freq_factor
-        high_wavelen = rs.original_max_position / rs.high_freq_factor
-        wavelen = 2 * math.pi / inv
-        smooth = (rs.original_max_position / wavelen - rs.low_freq_factor) / (
-            rs.high_freq_factor - rs.low_freq_factor
-        )
-        scaled = np.where(wavelen > low_wavelen, inv / rs.factor, inv)
-        mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
-        inv = np.where(mid, (1 - smooth) * inv / rs.factor + smooth * inv, scaled)
-    return inv.astype(np.float32)
