@@ -32,7 +32,7 @@ def write_checkpoint(folder: Path) -> int:
     from safetensors.numpy import save_file
     from speed import LLAMA_110M
 
-    from jaxinfer.formats.checkpoint import tensor_names
+    from jaxinfer.formats.hf import tensor_name
 
     cfg = LLAMA_110M
     rng = np.random.default_rng(0)
@@ -43,7 +43,7 @@ def write_checkpoint(folder: Path) -> int:
 
     for path, var in nnx.to_flat_state(nnx.state(abstract_model(cfg))):
         shape = var.get_value().shape
-        name = tensor_names(path)[0]
+        name = tensor_name(path, cfg)
         value = rng.standard_normal(shape, dtype=np.float32) * 0.02
         tensors[name] = value.reshape(shape[0], -1) if value.ndim > 1 else value
     save_file(tensors, str(folder / "model.safetensors"))

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from jaxinfer.formats.gguf import split_blocks
 from jaxinfer.kernels import cpu as qkernel
 from jaxinfer.ops import quant
 
@@ -79,7 +80,7 @@ def random_weight(fmt: str, shape, rng) -> quant.QArray:
     for i in at:
         d = rng.uniform(0.5, 1.5, (rows, width // bs, 1)) * scale
         raw[..., i : i + 2] = d.astype(np.float16).view(np.uint8)
-    hq = quant.from_gguf(name, raw.reshape(rows, -1), shape)
+    hq = split_blocks(name, raw.reshape(rows, -1), shape)
     return quant.QArray({k: jnp.asarray(v) for k, v in hq.take().items()}, fmt, width)
 
 

@@ -18,7 +18,7 @@ import numpy as np
 from .config import ModelConfig
 from .engine import Engine
 from .errors import JaxinferError, UnsupportedModelError
-from .formats.checkpoint import open_checkpoint
+from .formats import open_checkpoint
 from .formats.tokenizer import Tokenizer
 from .ops.quant import HostQuant, quantize_int8
 from .options import EngineOptions

@@ -29,7 +29,7 @@ from support.checkpoints import TINY, random_weights, write_gguf, write_hf
 from support.models import model_path
 
 from jaxinfer.errors import CheckpointError
-from jaxinfer.formats.checkpoint import open_checkpoint
+from jaxinfer.formats import open_checkpoint
 from jaxinfer.model.transformer import abstract_model
 
 # d_model 16, 2 layers, vocab 300; d_ff 32 makes ffn_down's rows one Q8_0 block each, so the

@@ -20,7 +20,7 @@ from support.models import F32_LOGITS_ATOL, model_path
 import jaxinfer
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import CheckpointError, LayoutError, UnsupportedModelError
-from jaxinfer.formats.checkpoint import open_checkpoint
+from jaxinfer.formats import open_checkpoint
 from jaxinfer.model import gdn
 from jaxinfer.model.transformer import abstract_model
 from jaxinfer.parallel.pipeline import stage_plan

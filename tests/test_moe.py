@@ -117,8 +117,8 @@ def test_qwen3_next_expert_block_matches_the_reference():
     layer-0 weights, loaded through the same names, against the float64 NumPy block."""
     from safetensors.numpy import load_file
 
-    from jaxinfer.config import ModelConfig, hf_moe_fields
-    from jaxinfer.formats.checkpoint import MOE_TENSORS, tensor_names
+    from jaxinfer.config import ModelConfig
+    from jaxinfer.formats.hf import MOE, moe_fields, tensor_name
     from jaxinfer.model.transformer import MoE
 
     root = model_path("tiny-random/qwen3_next_l3f1_e8k2_mtp")
@@ -127,14 +127,15 @@ def test_qwen3_next_expert_block_matches_the_reference():
     cfg = ModelConfig(
         arch="qwen2_moe", d_model=hf["hidden_size"], n_layers=1, n_heads=4, n_kv_heads=2,
         head_dim=hf["head_dim"], d_ff=hf["intermediate_size"], vocab_size=hf["vocab_size"],
-        **{**hf_moe_fields(hf, 1), "dense_layers": ()},
+        **{**moe_fields(hf, 1), "dense_layers": ()},
     )  # fmt: skip
     assert (cfg.n_experts, cfg.d_ff_shared, cfg.shared_gate) == (8, 32, True)
     import jax.numpy as jnp
     from flax import nnx
 
     block = MoE(cfg, nnx.Rngs(0))
-    names = {path: tensor_names(("layers", 0, *path), cfg.arch)[0] for path in MOE_TENSORS}
+    paths = [tuple(key.split(".")) for key in MOE]
+    names = {path: tensor_name(("layers", 0, *path), cfg) for path in paths}
     for path, name in names.items():
         target = block
         for key in path[1:-1]:

@@ -24,6 +24,7 @@ from support.models import F32_LOGITS_ATOL, model_path
 
 import jaxinfer
 from jaxinfer.errors import JaxinferError, LayoutError
+from jaxinfer.formats.gguf import split_blocks
 from jaxinfer.kernels import cpu as qkernel
 from jaxinfer.model import linear
 from jaxinfer.ops import quant
@@ -61,7 +62,7 @@ def gguf_data(name: str, rows: int, width: int, seed: int = 0) -> np.ndarray:
 
 
 def qarray(name: str, data: np.ndarray, shape, kernel: bool = False) -> quant.QArray:
-    host = quant.from_gguf(name, data, shape)
+    host = split_blocks(name, data, shape)
     parts = {k: jnp.asarray(v) for k, v in host.take().items()}
     return quant.QArray(parts, host.fmt, host.width, kernel)
 

@@ -12,6 +12,7 @@ width DK/DV.
 
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import jax
@@ -20,7 +21,7 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
-from ..config import ModelConfig, rope_inv_freq
+from ..config import ModelConfig
 from ..ops.norm import rms_norm
 from . import gdn, kvcache, moe
 from .gdn import RecurrentState
@@ -37,6 +38,27 @@ def _param(rngs: nnx.Rngs, shape, axes, scale=0.02, init_one=False) -> nnx.Param
     else:
         value = scale * jax.random.normal(rngs.params(), shape, jnp.float32)
     return nnx.Param(value, axes=axes)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """Inverse frequencies [R/2] (R = rope_dims) of rotate-half RoPE, with Llama 3 scaling or
+    GGUF factors."""
+    H = cfg.rope_dims  # partial RoPE rotates only the first rope_dims of each head
+    inv = 1.0 / cfg.rope_theta ** (np.arange(0, H, 2, dtype=np.float64) / H)  # [H/2]
+    if cfg.rope_factors is not None:
+        inv = inv / np.asarray(cfg.rope_factors, np.float64)
+    elif cfg.rope_scaling is not None:
+        rs = cfg.rope_scaling
+        low_wavelen = rs.original_max_position / rs.low_freq_factor
+        high_wavelen = rs.original_max_position / rs.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        smooth = (rs.original_max_position / wavelen - rs.low_freq_factor) / (
+            rs.high_freq_factor - rs.low_freq_factor
+        )
+        scaled = np.where(wavelen > low_wavelen, inv / rs.factor, inv)
+        mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+        inv = np.where(mid, (1 - smooth) * inv / rs.factor + smooth * inv, scaled)
+    return inv.astype(np.float32)
 
 
 def rope_table(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:

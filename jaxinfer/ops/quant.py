@@ -208,7 +208,7 @@ def dequantize(w: QArray, dtype=jnp.float32) -> jax.Array:
 
 
 # ---------------------------------------------------------------------------------------------
-# Host side: GGUF blocks -> parts, per-channel int8
+# Host side: quantized weights at load (GGUF blocks: formats/gguf.py), per-channel int8
 
 
 @dataclass(frozen=True)
@@ -274,57 +274,6 @@ class HostQuant:
 
 class NotRowOp(Exception):
     """A conversion that moves values within rows: the tensor is dequantized instead."""
-
-
-def from_gguf(ggml_type: str, data: np.ndarray, shape: tuple[int, ...]) -> HostQuant:
-    """GGUF block data (uint8 [rows, bytes per row] as gguf-py reads it) of a tensor of
-    logical shape [..., O, I] -> its parts."""
-    fmt = GGML_FORMATS[ggml_type]
-    *lead, width = shape
-    rows = int(np.prod(lead))
-    nb = width // fmt.block
-    raw = np.ascontiguousarray(data).view(np.uint8).reshape(rows, nb, -1)  # [R, nb, bytes]
-    parts = _split_blocks(fmt, raw)
-    parts = {k: v.reshape(rows, -1) for k, v in parts.items()}
-    return HostQuant(fmt.name, parts, np.arange(rows).reshape(lead), width)
-
-
-def _split_blocks(fmt: Format, raw: np.ndarray) -> dict[str, np.ndarray]:
-    """GGUF blocks [R, nb, bytes] -> parts [R, nb, per-block entries] (gguf-py quants.py's
-    field order)."""
-    f16 = lambda b: b.copy().view(np.float16)  # noqa: E731  [R, nb, 2] -> [R, nb, 1]
-    name = fmt.name
-    if name in ("f16", "bf16"):
-        return {"w": raw.view(np.dtype(fmt.parts[0].dtype))}
-    if name == "q8_0":
-        return {"d": f16(raw[..., :2]), "q": raw[..., 2:].view(np.int8)}
-    if name == "q4_0":
-        return {"d": f16(raw[..., :2]), "qs": raw[..., 2:]}
-    if name == "q4_1":
-        return {"d": f16(raw[..., :2]), "m": f16(raw[..., 2:4]), "qs": raw[..., 4:]}
-    if name == "q5_0":
-        return {"d": f16(raw[..., :2]), "qh": raw[..., 2:6], "qs": raw[..., 6:]}
-    if name == "q5_1":
-        return {"d": f16(raw[..., :2]), "m": f16(raw[..., 2:4]), "qh": raw[..., 4:8],
-                "qs": raw[..., 8:]}  # fmt: skip
-    if name in ("q4_k", "q5_k"):
-        sc, mn = _k_scales(raw[..., 4:16])
-        out = {"d": f16(raw[..., :2]), "dmin": f16(raw[..., 2:4]), "sc": sc, "mn": mn}
-        if name == "q4_k":
-            return {**out, "qs": raw[..., 16:]}
-        return {**out, "qh": raw[..., 16:48], "qs": raw[..., 48:]}
-    if name == "q6_k":
-        return {"ql": raw[..., :128], "qh": raw[..., 128:192],
-                "sc": raw[..., 192:208].view(np.int8), "d": f16(raw[..., 208:210])}  # fmt: skip
-    raise ValueError(f"no block split for {name!r}")
-
-
-def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K / Q5_K 12-byte packed 6-bit scales and mins [..., 12] -> sc, mn [..., 8] uint8."""
-    d, m, md = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
-    sc = np.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
-    mn = np.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)
-    return sc, mn
 
 
 def quantize_int8(w: np.ndarray) -> HostQuant:

@@ -26,7 +26,7 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from ..config import ModelConfig, rope_inv_freq
+from ..config import ModelConfig
 from ..model.gdn import RecurrentState
 from ..model.kvcache import KVConfig, KVView
 from ..model.linear import embed
@@ -41,6 +41,7 @@ from ..model.transformer import (
     param_dtype,
     quantizable,
     rms_norm,
+    rope_inv_freq,
     rope_table,
 )
 from ..ops.quant import HostQuant
