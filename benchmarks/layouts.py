@@ -10,40 +10,36 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 
-import argparse  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
-from pathlib import Path  # noqa: E402
 
-from speed import LLAMA_110M, STORIES  # noqa: E402
+import harness  # noqa: E402
 
 import jaxinfer  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def rate(engine, rows: int, n: int, repeats: int) -> float:
     prompts = [[1, 3 + i] for i in range(rows)] if rows > 1 else [1, 3]
     kw = dict(max_new_tokens=n, temperature=0, ignore_eos=True)
-    engine.generate(prompts, **kw)
-    out = []
-    for _ in range(repeats):
+
+    def once():
         t0 = time.perf_counter()
         results = engine.generate(prompts, **kw)
         seconds = time.perf_counter() - t0
         total = sum(len(r.token_ids) for r in results) if rows > 1 else len(results.token_ids)
-        out.append(total / seconds)
-    return statistics.median(out)
+        return total / seconds
+
+    return statistics.median(harness.repeated(once, repeats))  # after a warm-up call
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__, 3)
     ap.add_argument("-n", type=int, default=64)
-    ap.add_argument("-r", type=int, default=3)
     args = ap.parse_args()
+    models = [(name, harness.model(name)) for name in ("stories260K", "llama-110M")]
     rows = ["| model | layout | devices | rows | graph reuse | t/s | vs single |",
             "|---|---|---:|---:|---|---:|---:|"]  # fmt: skip
-    for label, model in [("stories260K", STORIES), ("llama-110M", LLAMA_110M)]:
+    for label, model in models:
         n = args.n if label == "stories260K" else min(args.n, 32)
         base = {}
         for slots in (1, 4):
@@ -55,7 +51,7 @@ def main():
                     model, layout=layout, devices=devices, max_seq_len=256,
                     batch_buckets=(slots,), graph_reuse=reuse,
                 )  # fmt: skip
-                r = rate(engine, slots, n, args.r)
+                r = rate(engine, slots, n, args.rounds)
                 base.setdefault(slots, r)
                 rows.append(
                     f"| {label} | {layout} | {devices} | {slots} | {'on' if reuse else 'off'} | "
@@ -63,12 +59,10 @@ def main():
                 )
                 print(rows[-1], flush=True)
                 del engine
-    out = ROOT / "benchmarks" / "results" / "layouts.md"
     note = (f"jaxinfer {jaxinfer.__version__}, float32, 4 fake CPU devices on a 2-core machine "
             f"(the devices share the cores: this measures overheads, not scaling), "
-            f"{args.n} new tokens (32 for llama-110M), median of {args.r}\n\n")  # fmt: skip
-    out.write_text(note + "\n".join(rows) + "\n")
-    print(f"wrote {out}")
+            f"{args.n} new tokens (32 for llama-110M), median of {args.rounds}\n\n")  # fmt: skip
+    harness.write_result("layouts", note + "\n".join(rows), args.out)
 
 
 if __name__ == "__main__":

@@ -3,44 +3,28 @@ of its weights: loading streams one tensor at a time into its (sharded) device a
 
 On the CPU backend device arrays live in host memory too, so one copy of the weights is the
 floor. Writes a random checkpoint to a temp dir, then loads it in fresh processes under each
-layout and reports peak RSS growth (ru_maxrss) during jaxinfer.load.
+layout (workers/load_rss.py) and reports peak RSS growth (ru_maxrss) during jaxinfer.load.
 Usage: python benchmarks/load_memory.py
 """
 
 import json
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-CHILD = """
-import os, resource, sys
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-import jax, jaxinfer
-jax.numpy.zeros(1).block_until_ready()
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-engine = jaxinfer.load(sys.argv[1], layout=sys.argv[2], devices=int(sys.argv[3]),
-                       compile_cache_dir=None)
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-print((peak - base) * 1024)
-"""
+import harness
 
 
 def write_checkpoint(folder: Path) -> int:
     import numpy as np
+    from flax import nnx
     from safetensors.numpy import save_file
-    from speed import LLAMA_110M
 
     from jaxinfer.formats.hf import tensor_name
-
-    cfg = LLAMA_110M
-    rng = np.random.default_rng(0)
-    tensors = {}
-    from flax import nnx
-
     from jaxinfer.model.transformer import abstract_model
 
+    cfg = harness.model("llama-110M")
+    rng = np.random.default_rng(0)
+    tensors = {}
     for path, var in nnx.to_flat_state(nnx.state(abstract_model(cfg))):
         shape = var.get_value().shape
         name = tensor_name(path, cfg)
@@ -70,24 +54,20 @@ def _tokenizer_json(vocab_size: int) -> str:
 
 
 def main():
+    args = harness.parser(__doc__).parse_args()
     rows = ["| layout | devices | peak RSS growth | weights | ratio |", "|---|---:|---:|---:|---:|"]
     with tempfile.TemporaryDirectory() as tmp:
         weights = write_checkpoint(Path(tmp))
         for layout, devices in [("single", 1), ("tensor", 4), ("layer", 4)]:
-            out = subprocess.run(
-                [sys.executable, "-c", CHILD, tmp, layout, str(devices)],
-                capture_output=True, text=True, check=True,
-            )  # fmt: skip
-            grown = int(out.stdout.strip().splitlines()[-1])
+            env = harness.worker_env(devices=4)
+            grown = harness.once("load_rss", tmp, layout, devices, env=env)
             rows.append(
                 f"| {layout} | {devices} | {grown / 2**20:.0f} MiB | {weights / 2**20:.0f} MiB | "
                 f"{grown / weights:.2f}x |"
             )
             print(rows[-1], flush=True)
-    path = ROOT / "benchmarks" / "results" / "load_memory.md"
-    path.write_text("llama-110M random, float32 safetensors, fresh process per layout\n\n"
-                    + "\n".join(rows) + "\n")  # fmt: skip
-    print(f"wrote {path}")
+    text = "llama-110M random, float32 safetensors, fresh process per layout\n\n" + "\n".join(rows)
+    harness.write_result("load_memory", text, args.out)
 
 
 if __name__ == "__main__":

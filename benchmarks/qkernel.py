@@ -4,12 +4,10 @@ weights (86M-model shapes), M activation rows. Medians of N calls, variants inte
 Writes benchmarks/results/qkernel.md. Usage: python benchmarks/qkernel.py [-n 15] [--quick]
 """
 
-import argparse
+import functools
 import os
-import statistics
-import time
-from pathlib import Path
 
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,7 +17,6 @@ from jaxinfer.formats.gguf import split_blocks
 from jaxinfer.kernels import cpu as qkernel
 from jaxinfer.ops import quant
 
-ROOT = Path(__file__).resolve().parents[1]
 SHAPES = [(2048, 768), (768, 2048)] * 12  # [O, I] of the chain's 24 weights
 KERNEL_FORMATS = ("q8_0", "q4_k", "q6_k", "q4_0")
 
@@ -112,19 +109,17 @@ def in_graph(x, w):
 def time_variants(variants: dict, m: int, calls: int, rng) -> dict[str, float]:
     """Median ms per call of each (fn, weights), calls interleaved round-robin."""
     x = jnp.asarray(rng.standard_normal((m, SHAPES[0][1]), np.float32))
-    for fn, ws in variants.values():  # compile and warm
-        fn(x, ws).block_until_ready()
-    times = {k: [] for k in variants}
-    for _ in range(calls):
-        for k, (fn, ws) in variants.items():
-            t0 = time.perf_counter()
-            fn(x, ws).block_until_ready()
-            times[k].append((time.perf_counter() - t0) * 1e3)
-    return {k: statistics.median(v) for k, v in times.items()}
+
+    def ms(fn, ws):
+        return 1e3 * harness.seconds(lambda: fn(x, ws).block_until_ready())
+
+    tests = {k: functools.partial(ms, fn, ws) for k, (fn, ws) in variants.items()}
+    runs = harness.interleaved(tests, calls)  # the first round compiles and warms
+    return {k: harness.stat(v).median for k, v in runs.items()}
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = harness.parser(__doc__)
     ap.add_argument("-n", type=int, default=15, help="calls per variant (median)")
     ap.add_argument("--quick", action="store_true", help="main table only, no crossover sweep")
     args = ap.parse_args()
@@ -179,9 +174,8 @@ def main():
             prev = m
 
     load = os.getloadavg()[0]
-    cpu = qkernel._cpu().splitlines()[0].split(":")[-1].strip()
     note = (
-        f"jax {jax.__version__}, {cpu}, {os.cpu_count()} cores; one jitted chain of 24 "
+        f"jax {jax.__version__} (the CPU: the last line); one jitted chain of 24 "
         f"products over alternating [2048, 768] / [768, 2048] weights, M activation rows; "
         f"median ms per chain of {args.n} calls, variants interleaved; GB/s = the format's "
         f"own bytes ({', '.join(f'{k} {v / 1e6:.0f} MB' for k, v in nbytes.items())}) / time. "
@@ -200,9 +194,8 @@ def main():
             + f" (qkernel.MAX_ROWS = {qkernel.MAX_ROWS}).\n"
         )
     text += FINDINGS
-    out = ROOT / "benchmarks" / "results" / "qkernel.md"
-    out.write_text(text)
     print(text)
+    harness.write_result("qkernel", text, args.out)
 
 
 if __name__ == "__main__":

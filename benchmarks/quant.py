@@ -1,21 +1,21 @@
 """Quantized GGUF: jaxinfer and llama.cpp on the random 86M Llama in F32, Q8_0, Q4_K_M, Q5_K_M.
 
-The F32 file is vs_llamacpp.py's random 86M Llama (dim 768, 12 layers, 12 heads, ffn 2048,
-vocab 512); the Q8_0, Q4_K_M and Q5_K_M files are made from it by llama.cpp's own quantizer
-through its C API (`llama_model_quantize` with its default parameters but the file type: what
-`llama-quantize` does), in a temporary folder.
+The F32 file is the harness's random 86M Llama, vs_llamacpp.py's (dim 768, 12 layers, 12 heads,
+ffn 2048, vocab 512); the Q8_0, Q4_K_M and Q5_K_M files are made from it by llama.cpp's own
+quantizer through its C API (workers/quantize.py: `llama_model_quantize` with its default
+parameters but the file type, what `llama-quantize` does), in a temporary folder.
 
-Speed: the workers of vs_llamacpp.py (the peer runs llama.cpp's C API as llama-bench runs it;
-jaxinfer is timed end to end around `generate()`), pp512 and tg128 on each file, all six in
-turn each round, llama-bench itself once per file and round when found; medians over the rounds
-after a dropped warm-up round. Before the rounds, a one-shot jaxinfer process per file reads
-its peak host RSS growth over `load()` (resident memory sampled every 2 ms during the load
-against before it, jax already initialized: on the CPU backend the device weights are host
-memory too), the device weight bytes
+Speed: the workers of vs_llamacpp.py (workers/peer.py runs llama.cpp's C API as llama-bench runs
+it; workers/ours.py times jaxinfer end to end around `generate()`), pp512 and tg128 on each
+file, all six in turn each round, llama-bench itself once per file and round when found; medians
+over the rounds after a dropped warm-up round. Before the rounds, a one-shot jaxinfer process
+per file (workers/probe.py) reads its peak host RSS growth over `load()` (resident memory
+sampled every 2 ms during the load against before it, jax already initialized: on the CPU
+backend the device weights are host memory too), the device weight bytes
 (`engine.weight_bytes()`, where the Engine has it) and its first 64 greedy tokens, which are
-compared with llama.cpp's on the same file (same context settings as the peer; llama.cpp
-quantizes activations to Q8 for Q8_0/Q4_K dots, so exact agreement is not expected) and with
-jaxinfer's on the same file loaded dequantized at load (`quantize="none"`).
+compared with llama.cpp's on the same file (workers/greedy.py, same context settings as the
+peer; llama.cpp quantizes activations to Q8 for Q8_0/Q4_K dots, so exact agreement is not
+expected) and with jaxinfer's on the same file loaded dequantized at load (`quantize="none"`).
 
 Usage: python benchmarks/quant.py [-r 5] [--threads 2] [--llama-bench PATH] [--quick] [--tree DIR]
 Writes benchmarks/results/quant.md (--quick: 1 round, fewer tokens, prints only unless --out).
@@ -23,31 +23,15 @@ Writes benchmarks/results/quant.md (--quick: 1 round, fewer tokens, prints only 
 
 from __future__ import annotations
 
-import argparse
 import collections
 import json
 import os
-import platform
 import re
-import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from vs_llamacpp import (  # noqa: E402
-    LLAMA_86M,
-    OURS,
-    PEER,
-    ROOT,
-    Worker,
-    llama_bench,
-    run_rounds,
-    write_random_gguf,
-)
+import harness
 
 # label -> llama.cpp file type (None: the F32 file as written)
 FILES = {
@@ -58,71 +42,7 @@ FILES = {
 }
 QUANTIZED = ("Q8_0", "Q4_K", "Q5_K")
 N_CTX = 1024
-
-QUANTIZE = r"""
-import ctypes, sys
-import llama_cpp as L
-src, dst, ftype = sys.argv[1], sys.argv[2], sys.argv[3]
-params = L.llama_model_quantize_default_params()
-params.ftype = getattr(L, ftype)
-sys.exit(L.llama_model_quantize(src.encode(), dst.encode(), ctypes.byref(params)))
-"""
-
-# The peer's own setup (model, context with llama-bench's settings), then greedy decoding.
-PEER_SETUP = PEER[: PEER.index("print(json.dumps")]
-GREEDY = r"""
-import numpy as np
-prompt, n = json.loads(sys.argv[4]), int(sys.argv[5])
-toks, out = (L.llama_token * len(prompt))(*prompt), []
-assert L.llama_decode(ctx, L.llama_batch_get_one(toks, len(prompt))) == 0
-for _ in range(n):
-    logits = np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, -1), shape=(n_vocab,))
-    out.append(int(logits.argmax()))
-    tok = (L.llama_token * 1)(out[-1])
-    assert L.llama_decode(ctx, L.llama_batch_get_one(tok, 1)) == 0
-print(json.dumps({"ids": out}))
-"""
-PEER_GREEDY = PEER_SETUP + GREEDY
-
-PROBE = r"""
-import json, os, sys, threading, time
-sys.path.insert(0, sys.argv[2])
-import jax, jaxinfer
-path, n_ctx, prompt, n = sys.argv[1], int(sys.argv[3]), json.loads(sys.argv[4]), int(sys.argv[5])
-jax.numpy.zeros(1).block_until_ready()
-
-def now():  # resident bytes now (ru_maxrss would hold import's peak, above a small load)
-    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-base, peak, loading = now(), [0], [True]
-def sample():
-    while loading[0]:
-        peak[0] = max(peak[0], now())
-        time.sleep(0.002)
-watcher = threading.Thread(target=sample)
-watcher.start()
-engine = jaxinfer.load(path, max_seq_len=n_ctx, quantize=sys.argv[6])
-loading[0] = False
-watcher.join()
-rss = max(peak[0], now()) - base
-weight_bytes = engine.weight_bytes() if hasattr(engine, "weight_bytes") else None
-leaves = {}  # what the parameters are held as: dtype -> bytes
-for x in jax.tree_util.tree_leaves(engine.params):
-    kind = str(getattr(x, "dtype", type(x).__name__))
-    leaves[kind] = leaves.get(kind, 0) + int(getattr(x, "nbytes", 0))
-r = engine.generate(prompt, max_new_tokens=n, temperature=0, ignore_eos=True)
-ids = [int(i) for i in r.token_ids]
-print(json.dumps(dict(rss=rss, weight_bytes=weight_bytes, leaves=leaves, ids=ids)))
-"""
-
-
-def quantize(src: Path, dst: Path, ftype: str) -> Path:
-    done = subprocess.run(
-        [sys.executable, "-c", QUANTIZE, str(src), str(dst), ftype], capture_output=True, text=True
-    )
-    if done.returncode:
-        sys.exit(f"llama_model_quantize({ftype}) failed, {done.returncode}:\n{done.stderr[-3000:]}")
-    return dst
+LLAMA_86M = harness.LLAMA_86M
 
 
 def tensor_types(path: Path, n_layers: int) -> tuple[str, int]:
@@ -146,15 +66,6 @@ def tensor_types(path: Path, n_layers: int) -> tuple[str, int]:
     return "; ".join(parts), total
 
 
-def one_shot(code: str, *args: str, env: dict | None = None) -> dict:
-    done = subprocess.run(
-        [sys.executable, "-c", code, *args], capture_output=True, text=True, env=env
-    )
-    if done.returncode:
-        sys.exit(f"a one-shot worker failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def leading(a: list[int], b: list[int]) -> int:
     """How many leading tokens agree."""
     n = 0
@@ -163,50 +74,34 @@ def leading(a: list[int], b: list[int]) -> int:
     return n
 
 
-def machine() -> str:
-    model = platform.processor() or "?"
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            model = line.split(":", 1)[1].strip()
-            break
-    return f"{os.cpu_count()} CPUs (nproc), {model}"
-
-
 def measure(args, tests: dict, prompt: list[int], n_greedy: int):
     """The files, then per file its types, sizes and one-shot probes (`info`), then the timed
     rounds (`med`, medians by (run, test))."""
     with tempfile.TemporaryDirectory() as tmp:
-        files = {"F32": write_random_gguf(Path(tmp) / "86m-f32.gguf", **LLAMA_86M)}
+        files = {"F32": harness.write_random_gguf(Path(tmp) / "86m-f32.gguf", **LLAMA_86M)}
         for label, ftype in FILES.items():
             if ftype:
-                files[label] = quantize(files["F32"], Path(tmp) / f"86m-{label}.gguf", ftype)
-        info, greedy = {}, (json.dumps(prompt), str(n_greedy))
+                files[label] = Path(tmp) / f"86m-{label}.gguf"
+                harness.once("quantize", files["F32"], files[label], ftype)
+        info, greedy, env = {}, (json.dumps(prompt), n_greedy), harness.worker_env(args.tree)
         for label, path in files.items():
             types, tensor_bytes = tensor_types(path, LLAMA_86M["n_layers"])
-            probe = (PROBE, str(path), str(args.tree), str(N_CTX), *greedy)
-            deq = one_shot(*probe, "none") if label in QUANTIZED else None
+            probe = ("probe", path, N_CTX, *greedy)
+            deq = harness.once(*probe, "none", env=env) if label in QUANTIZED else None
             info[label] = dict(
                 types=types, tensor_bytes=tensor_bytes, size=path.stat().st_size, deq=deq,
-                ours=one_shot(*probe, "keep"),
-                peer=one_shot(PEER_GREEDY, str(path), str(args.threads), str(N_CTX), *greedy),
+                ours=harness.once(*probe, "keep", env=env),
+                peer=harness.once("greedy", path, args.threads, N_CTX, *greedy),
             )  # fmt: skip
             print(f"{label} probed: {types}", flush=True)
 
         workers = {}
         for label, path in files.items():
-            common = (str(path), str(args.threads), str(N_CTX))
-            workers[f"llama.cpp {label}"] = Worker(PEER, *common)
-            workers[f"jaxinfer {label}"] = Worker(OURS, *common, str(args.tree), "{}")
-
-        def bench():
-            found = {}
-            for label, path in files.items():
-                for test, value in llama_bench(args.llama_bench, path, args.threads).items():
-                    if test in tests:
-                        found[f"llama-bench {label}", test] = value
-            return found
-
-        med = run_rounds([(workers, tests)], args.rounds, bench if args.llama_bench else None)
+            workers[f"llama.cpp {label}"] = harness.peer_worker(path, args.threads, N_CTX)
+            workers[f"jaxinfer {label}"] = harness.jaxinfer_worker(path, N_CTX, args.tree)
+        runs = {f"llama-bench {label}": path for label, path in files.items()}
+        bench = harness.llama_bench_rounds(args.llama_bench, args.threads, runs, tests)
+        med = harness.run_rounds([(workers, tests)], args.rounds, bench)
     return info, med
 
 
@@ -242,9 +137,9 @@ def report(args, info, med, pp_test, tg_test, prompt, n_greedy, minutes, load) -
         f"# {title} ({time.strftime('%Y-%m-%d')}, random 86M Llama, {args.threads} threads, "
         f"medians of {args.rounds} interleaved rounds after a dropped warm-up round)",
         "",
-        f"Machine: {machine()}; load average {load[0]:.1f} at the start, {load[1]:.1f} at the "
-        f"end. jax {jax.__version__}, llama-cpp-python {llama_cpp.__version__}; {minutes:.1f} "
-        "min in all.",
+        f"Load average {load[0]:.1f} at the start, {load[1]:.1f} at the end (the machine: the "
+        f"CPU line at the end). jax {jax.__version__}, llama-cpp-python "
+        f"{llama_cpp.__version__}; {minutes:.1f} min in all.",
         "",
         "The peer is llama.cpp's C API run as llama-bench runs it (vs_llamacpp.py): flash "
         f"attention on, F16 K/V cache, n_batch = n_ubatch = 512, {args.threads} threads for "
@@ -323,19 +218,13 @@ def report(args, info, med, pp_test, tg_test, prompt, n_greedy, minutes, load) -
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("-r", "--rounds", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--llama-bench", default=shutil.which("llama-bench"), help="its binary")
+    ap = harness.parser(__doc__, 5, peer=True)
     ap.add_argument("--quick", action="store_true", help="smoke test: 1 round, fewer tokens")
-    ap.add_argument("--out", type=Path, help="results file (default results/quant.md)")
-    ap.add_argument("--tree", type=Path, default=ROOT, help="the jaxinfer checkout to run")
     args = ap.parse_args()
+    harness.require_llama_cpp()
     pp, tg, n_greedy = (512, 128, 64) if not args.quick else (64, 16, 16)
     if args.quick:
         args.rounds, args.llama_bench = 1, None
-    elif args.out is None:
-        args.out = ROOT / "benchmarks" / "results" / "quant.md"
     pp_test, tg_test = f"pp{pp}", f"tg{tg}"
     tests = {pp_test: dict(test="pp", n=pp, depth=0), tg_test: dict(test="tg", n=tg, depth=0)}
     prompt = [1] + [3 + (7919 * i) % (LLAMA_86M["vocab"] - 3) for i in range(1, 16)]
@@ -345,9 +234,8 @@ def main():
     minutes, load = (time.perf_counter() - t0) / 60, (load0, os.getloadavg()[0])
     text = report(args, info, med, pp_test, tg_test, prompt, n_greedy, minutes, load)
     print(text)
-    if args.out:
-        args.out.write_text(text)
-        print(f"wrote {args.out}")
+    if args.out or not args.quick:
+        harness.write_result("quant", text, args.out)
 
 
 if __name__ == "__main__":

@@ -10,21 +10,20 @@ turns. Writes benchmarks/results/sampler.md.
 Usage: python benchmarks/sampler.py [-r 5]
 """
 
-import argparse
-import statistics
+import functools
+import itertools
 import time
-from pathlib import Path
 
+import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
-from speed import LLAMA_110M
 
 import jaxinfer
 from jaxinfer import SamplingParams
 from jaxinfer.ops.sampling import PENALTY_WINDOW, SamplingRows, sample
 
-ROOT = Path(__file__).resolve().parents[1]
+LLAMA_110M = harness.model("llama-110M")
 MODES = {
     "greedy": dict(temperature=0.0),
     "llama.cpp defaults": dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05),
@@ -51,59 +50,52 @@ def per_step(V: int, B: int, scale: float, mode: dict, repeats: int) -> float:
 
         return jax.lax.fori_loop(0, STEPS, step, (logits, jnp.zeros(B, jnp.int32)))
 
-    jax.block_until_ready(loop(logits))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(loop(logits))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) / STEPS * 1e6
+    return harness.timed(lambda: jax.block_until_ready(loop(logits)), repeats).median / STEPS * 1e6
 
 
 def decode_rates(repeats: int, n: int = 64) -> dict[str, float]:
     engine = jaxinfer.load(LLAMA_110M, max_seq_len=512)
-    rates = {name: [] for name in ("greedy", "llama.cpp defaults")}
-    for round_ in range(repeats + 1):
-        for name in rates:
-            engine.reset_perf()
-            engine.generate([1], max_new_tokens=n, ignore_eos=True, seed=round_, **MODES[name])
-            s = engine.perf_stats()
-            if round_:  # the first round compiles
-                rates[name].append(1e3 * s.eval_tokens / s.eval_ms)
-    return {name: statistics.median(r) for name, r in rates.items()}
+
+    def rate(mode: dict, seeds):  # seeded with the round's number
+        engine.reset_perf()
+        engine.generate([1], max_new_tokens=n, ignore_eos=True, seed=next(seeds), **mode)
+        s = engine.perf_stats()
+        return 1e3 * s.eval_tokens / s.eval_ms
+
+    names = ("greedy", "llama.cpp defaults")
+    tests = {name: functools.partial(rate, MODES[name], itertools.count()) for name in names}
+    runs = harness.interleaved(tests, repeats)  # the first round compiles
+    return {name: harness.stat(r).median for name, r in runs.items()}
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("-r", type=int, default=5)
-    args = ap.parse_args()
+    args = harness.parser(__doc__, 5).parse_args()
     rows = [
         "| vocabulary | rows | logits | " + " | ".join(MODES) + " |",
         "|---:|---:|---|" + "---:|" * len(MODES),
     ]
     for V, B, scale in [(512, 1, 3.0), (512, 4, 3.0), (32000, 1, 3.0), (32000, 1, 8.0),
                         (32000, 4, 3.0), (151936, 1, 3.0)]:  # fmt: skip
-        cells = [f"{per_step(V, B, scale, m, args.r):.0f}" for m in MODES.values()]
+        cells = [f"{per_step(V, B, scale, m, args.rounds):.0f}" for m in MODES.values()]
         rows.append(f"| {V} | {B} | N(0, {scale:g}^2) | " + " | ".join(cells) + " |")
         print(rows[-1], flush=True)
-    rates = decode_rates(args.r)
+    rates = decode_rates(args.rounds)
     decode = [
         "| model | greedy t/s | llama.cpp defaults t/s |",
         "|---|---:|---:|",
         f"| {LLAMA_110M.name} | {rates['greedy']:.1f} | {rates['llama.cpp defaults']:.1f} |",
     ]
     print("\n".join(decode))
-    out = ROOT / "benchmarks" / "results" / "sampler.md"
-    out.write_text(
+    harness.write_result(
+        "sampler",
         f"jaxinfer {jaxinfer.__version__} ({time.strftime('%Y-%m-%d')}), "
-        f"{jax.devices()[0].platform}, medians of {args.r}\n\n"
+        f"{jax.devices()[0].platform}, medians of {args.rounds}\n\n"
         "Microseconds per `sample` call (one decode step's draw for every row):\n\n"
         + "\n".join(rows)
         + "\n\nDecode, one request (64 new tokens):\n\n"
-        + "\n".join(decode)
-        + "\n"
+        + "\n".join(decode),
+        args.out,
     )
-    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

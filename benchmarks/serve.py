@@ -19,7 +19,6 @@ Writes benchmarks/results/serve.md.
 Usage: python benchmarks/serve.py [-r 3] [--model PATH]
 """
 
-import argparse
 import http.client
 import json
 import os
@@ -31,10 +30,10 @@ import threading
 import time
 from pathlib import Path
 
+import harness
+
 import jaxinfer
 
-ROOT = Path(__file__).resolve().parents[1]
-STORIES = ROOT / "jaxinfer" / "models" / "stories260K.gguf"
 PROMPTS = [
     "Once upon a time", "One day", "Tom and Lily", "The little dog", "Sara had a",
     "There was a big", "Ben liked to", "In the park", "The sun was", "Mom said", "A cat",
@@ -114,10 +113,10 @@ def pct(values, q):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("-r", type=int, default=3, help="measured rounds (after one warm-up)")
-    ap.add_argument("--model", default=str(STORIES))
+    ap = harness.parser(__doc__, 3)
+    ap.add_argument("--model", default=str(harness.STORIES))
     args = ap.parse_args()
+    harness.require_llama_cpp()
 
     engine = jaxinfer.load(args.model, max_seq_len=2048)
     want = {p: engine.generate(p, max_new_tokens=N_TOKENS, temperature=0) for p in PROMPTS}
@@ -146,7 +145,7 @@ def main():
             wait_up(port, path, procs[name])
         results = {(s, c): {"agg": [], "p50": [], "p95": []} for s in servers for c in CLIENTS}
         agree = {s: [0, 0] for s in servers}
-        for round_ in range(args.r + 1):
+        for round_ in range(args.rounds + 1):
             names = list(servers)
             order = names[round_ % 3 :] + names[: round_ % 3]  # each leads in turn
             for clients in CLIENTS:
@@ -189,11 +188,11 @@ def main():
     lines = [
         "# OpenAI-compatible servers: jaxinfer serve vs llama-cpp-python's server",
         "",
-        f"`python benchmarks/serve.py -r {args.r}` on {platform.node()} ({os.cpu_count()} "
+        f"`python benchmarks/serve.py -r {args.rounds}` on {platform.node()} ({os.cpu_count()} "
         f"cores), {time.strftime('%Y-%m-%d')}; model `{Path(args.model).name}`; "
         f"llama-cpp-python {llama_cpp.__version__}, jaxinfer {jaxinfer.__version__}.",
         "Streaming completions of 128 greedy tokens per client; medians of "
-        f"{args.r} interleaved rounds after a warm-up round. jaxinfer: `-np 4 -c 2048`; "
+        f"{args.rounds} interleaved rounds after a warm-up round. jaxinfer: `-np 4 -c 2048`; "
         "peer (llama-cpp-python's server): `--n_threads T --n_threads_batch T --n_ctx 2048 "
         "--interrupt_requests False`, T = 2 and 1 (one request at a time, as it is built).",
         "",
@@ -203,9 +202,8 @@ def main():
         + ", ".join(f"{s} {a}/{n}" for s, (a, n) in agree.items())
         + ".",
     ]
-    out = ROOT / "benchmarks" / "results" / "serve.md"
-    out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    harness.write_result("serve", "\n".join(lines), args.out)
 
 
 if __name__ == "__main__":

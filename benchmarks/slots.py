@@ -7,20 +7,14 @@ warm-up and dropped). Writes benchmarks/results/slots.md.
 Usage: python benchmarks/slots.py [-r 5]
 """
 
-import argparse
+import functools
 import random
 import statistics
 import time
-from pathlib import Path
+
+import harness
 
 import jaxinfer
-
-ROOT = Path(__file__).resolve().parents[1]
-STORIES = ROOT.parent / "shared" / "models" / "stories260K-gguf" / "stories260K.gguf"
-LLAMA_86M = jaxinfer.ModelConfig(
-    arch="llama", d_model=768, n_layers=12, n_heads=12, n_kv_heads=12, head_dim=64,
-    d_ff=2048, vocab_size=512, max_position=2048, name="llama-86M (random)",
-)  # fmt: skip
 
 
 def decode_rate(engine, k: int, n: int) -> float:
@@ -43,39 +37,33 @@ def first_token(engine, prompts, n) -> tuple[float, float]:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("-r", type=int, default=5)
-    args = ap.parse_args()
+    args = harness.parser(__doc__, 5).parse_args()
     rng = random.Random(0)
     rows = [
         "| model | requests decoding | aggregate t/s | vs 1 | TTFT p50 / p95 s (16 mixed) |",
         "|---|---:|---:|---:|---|",
     ]
-    for label, model, n in [("stories260K", STORIES, 128), ("llama-86M", LLAMA_86M, 32)]:
-        engine = jaxinfer.load(model, max_seq_len=512, slots=4)
+    for label, n in [("stories260K", 128), ("llama-86M", 32)]:
+        engine = jaxinfer.load(harness.model(label), max_seq_len=512, slots=4)
         engine.warmup(progress=False)
-        runs = {k: [] for k in (1, 2, 4)}
-        for round_ in range(args.r + 1):
-            for k in runs:
-                rate = decode_rate(engine, k, n)
-                if round_:
-                    runs[k].append(rate)
+        tests = {k: functools.partial(decode_rate, engine, k, n) for k in (1, 2, 4)}
+        runs = harness.interleaved(tests, args.rounds)
         prompts = [[1] + [rng.randrange(3, 250) for _ in range(rng.randrange(1, 120))]
                    for _ in range(16)]  # fmt: skip
         p50, p95 = first_token(engine, prompts, n // 4)
         base = statistics.median(runs[1])
         for k, rates in runs.items():
-            rate = statistics.median(rates)
+            rate, spread = harness.stat(rates)
             ttft = f"{p50:.3f} / {p95:.3f}" if k == 4 else ""
             rows.append(f"| {label} | {k} | {rate:.1f} | {rate / base:.2f}x | {ttft} |")
-            print(rows[-1], flush=True)
+            print(rows[-1], f"(spread {spread:.0%})", flush=True)
         del engine
-    out = ROOT / "benchmarks" / "results" / "slots.md"
-    out.write_text(
+    harness.write_result(
+        "slots",
         f"jaxinfer {jaxinfer.__version__} ({time.strftime('%Y-%m-%d')}), float32, greedy, 4-slot "
-        f"engines, medians of {args.r} interleaved rounds\n\n" + "\n".join(rows) + "\n"
+        f"engines, medians of {args.rounds} interleaved rounds\n\n" + "\n".join(rows),
+        args.out,
     )
-    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -12,23 +12,22 @@ Workloads:
   drafts are hardly ever accepted, so this is the mechanism's overhead;
 - self: the model as its own draft: acceptance must be ~100% (a check of the accept logic).
 
-    python benchmarks/speculative.py [--rounds 5] [--out benchmarks/results/speculative.md]
+    python benchmarks/speculative.py [-r 5] [--out benchmarks/results/speculative.md]
+
+Prints the table; writes it only to --out.
 """
 
 from __future__ import annotations
 
-import argparse
+import functools
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
+import harness
 import numpy as np
 
 import jaxinfer
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vs_llamacpp import LLAMA_86M, STORIES, write_random_gguf  # noqa: E402
 
 N_NEW = 64
 
@@ -45,16 +44,14 @@ def _run(engine, prompt) -> tuple[float, float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args()
+    args = harness.parser(__doc__, 5).parse_args()
+    stories = harness.STORIES
     tmp = Path(tempfile.mkdtemp())
-    big = write_random_gguf(tmp / "86m.gguf", **LLAMA_86M, vocab_from=STORIES)
+    big = harness.write_random_gguf(tmp / "86m.gguf", **harness.LLAMA_86M, vocab_from=stories)
     opts = dict(max_seq_len=512, batch_buckets=(1,), prefill_buckets=(32, 128, 512))
     rng = np.random.default_rng(0)
-    cases = []  # (model, workload, method, engine, prompt)
-    for label, path in (("stories260K", STORIES), ("llama-86M (random)", big)):
+    cases = {}  # (model, workload, method) -> a timed run
+    for label, path in (("stories260K", stories), ("llama-86M (random)", big)):
         base = jaxinfer.load(path, **opts)
         ngram = jaxinfer.load(path, speculative="ngram", draft_tokens=4, **opts)
         self_draft = jaxinfer.load(path, speculative=str(path), draft_tokens=4, **opts)
@@ -64,25 +61,20 @@ def main() -> None:
             plain = base.tokenize("Once upon a time, there was a little girl who")
         else:
             plain = [1, *(int(t) for t in rng.integers(3, 512, 40))]
-        cases += [
-            (label, "copy", "none", base, copy),
-            (label, "copy", "ngram K=4", ngram, copy),
-            (label, "plain", "none", base, plain),
-            (label, "plain", "ngram K=4", ngram, plain),
-            (label, "plain", "self draft K=4", self_draft, plain),
+        runs = [
+            ("copy", "none", base, copy),
+            ("copy", "ngram K=4", ngram, copy),
+            ("plain", "none", base, plain),
+            ("plain", "ngram K=4", ngram, plain),
+            ("plain", "self draft K=4", self_draft, plain),
         ]
         if label != "stories260K":
-            draft = jaxinfer.load(path, speculative=str(STORIES), draft_tokens=4, **opts)
-            cases.append((label, "plain", "stories260K draft K=4", draft, plain))
-    for *_, engine, _prompt in cases:
-        engine.warmup(progress=False)
-    runs: dict[tuple, list] = {}
-    for round_ in range(args.rounds + 1):
-        for label, work, method, engine, prompt in cases:
-            value = _run(engine, prompt)
-            if round_:
-                runs.setdefault((label, work, method), []).append(value)
-        print(f"round {round_} done", flush=True)
+            draft = jaxinfer.load(path, speculative=str(stories), draft_tokens=4, **opts)
+            runs.append(("plain", "stories260K draft K=4", draft, plain))
+        for work, method, engine, prompt in runs:
+            engine.warmup(progress=False)
+            cases[label, work, method] = functools.partial(_run, engine, prompt)
+    runs = harness.interleaved(cases, args.rounds, progress=True)
     med = {k: tuple(statistics.median(x[i] for x in v) for i in range(3)) for k, v in runs.items()}
     lines = [
         "| model | workload | method | decode tok/s | vs none | accepted | tokens per step |",
@@ -97,7 +89,7 @@ def main() -> None:
     table = "\n".join(lines)
     print(table)
     if args.out:
-        Path(args.out).write_text(table + "\n")
+        harness.write_result("speculative", table, args.out)
 
 
 if __name__ == "__main__":

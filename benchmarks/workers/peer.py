@@ -1,0 +1,86 @@
+"""llama.cpp through its C API (llama-cpp-python's ctypes bindings), run the way llama-bench runs
+it: flash attention on, F16 K/V cache, n_batch = n_ubatch = 512, the same threads for batch and
+generation, prompt batches through `llama_batch_get_one` (logits of the last token only), one
+token per decode for generation, the cache cleared between runs, a depth prompt first.
+
+Usage: peer.py GGUF THREADS N_CTX. Prints {"ready": true}, then answers each JSON line
+{"test": "pp" | "tg", "n": N, "depth": D} with {"ts": tokens/s by llama.cpp's own counters}.
+greedy.py opens its model the same way (context()).
+"""
+
+import ctypes
+import json
+import sys
+
+import llama_cpp as L
+
+# kept alive for as long as the process: llama.cpp holds the pointer
+QUIET = L.llama_log_callback(lambda level, text, data: None)
+
+
+def context(path: str, threads: int, n_ctx: int):
+    """(context, vocabulary size, BOS id or None) of `path` with llama-bench's settings."""
+    L.llama_log_set(QUIET, ctypes.c_void_p())
+    L.llama_backend_init()
+    mp = L.llama_model_default_params()
+    mp.n_gpu_layers = 0
+    model = L.llama_model_load_from_file(path.encode(), mp)
+    cp = L.llama_context_default_params()
+    cp.n_ctx, cp.n_batch, cp.n_ubatch = n_ctx, 512, 512
+    cp.n_threads = cp.n_threads_batch = threads
+    cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED
+    cp.type_k = cp.type_v = 1  # GGML_TYPE_F16
+    cp.no_perf = False
+    ctx = L.llama_init_from_model(model, cp)
+    vocab = L.llama_model_get_vocab(model)
+    bos = L.llama_vocab_bos(vocab) if L.llama_vocab_get_add_bos(vocab) else None
+    return ctx, L.llama_vocab_n_tokens(vocab), bos
+
+
+def main():
+    ctx, n_vocab, bos = context(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+    state = [12345]
+
+    def rand():  # llama-bench draws std::rand() % n_vocab; any fixed stream will do
+        state[0] = (1103515245 * state[0] + 12345) % 2**31
+        return state[0] % n_vocab
+
+    def prompt(n):
+        done = 0
+        while done < n:
+            k = min(n - done, 512)
+            toks = [bos if done == 0 and bos is not None else rand()]
+            toks += [rand() for _ in range(k - 1)]
+            arr = (L.llama_token * k)(*toks)
+            assert L.llama_decode(ctx, L.llama_batch_get_one(arr, k)) == 0
+            done += k
+        L.llama_synchronize(ctx)
+
+    def gen(n):
+        tok = (L.llama_token * 1)(bos if bos is not None else rand())
+        for _ in range(n):
+            assert L.llama_decode(ctx, L.llama_batch_get_one(tok, 1)) == 0
+            L.llama_synchronize(ctx)
+            tok[0] = rand()
+
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        L.llama_memory_clear(L.llama_get_memory(ctx), False)
+        if cmd["depth"]:
+            prompt(cmd["depth"])
+        L.llama_perf_context_reset(ctx)
+        if cmd["test"] == "pp":
+            prompt(cmd["n"])
+        else:
+            gen(cmd["n"])
+        perf = L.llama_perf_context(ctx)
+        if cmd["test"] == "pp":
+            n, ms = perf.n_p_eval, perf.t_p_eval_ms
+        else:
+            n, ms = perf.n_eval, perf.t_eval_ms
+        print(json.dumps({"ts": 1e3 * n / ms}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
