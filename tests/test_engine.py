@@ -134,3 +134,15 @@ def test_builtin_default_model_is_stories260k(stories_gguf):
     random = jaxinfer.load("builtin-random")
     assert "random" in random.name
     assert random.detokenize(random.tokenize("héllo 世界")) == "héllo 世界"
+
+
+def test_a_plan_without_a_one_row_bucket_prefills_with_its_smallest():
+    """batch_buckets=(8,) (`jaxinfer bench --parallel 8`): chunks whose 8 rows pass the prompt
+    budget still get a prefill program, of the smallest bucket."""
+    from jaxinfer.runtime.buckets import ShapePlan
+
+    plan = ShapePlan.make((8, 512), (8,), None, 2048)
+    assert [(n, B, T) for n, B, T in plan.jobs() if n == "prefill"] == [
+        ("prefill", 8, 8), ("prefill", 8, 512)
+    ]  # fmt: skip
+    assert plan.rows_for(512) == 8

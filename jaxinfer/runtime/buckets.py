@@ -47,8 +47,11 @@ class ShapePlan:
         return self.chunks[-1]
 
     def rows_for(self, chunk: int) -> int:
-        """Most rows one prefill call of `chunk` tokens each can take (a batch bucket)."""
-        return max(B for B in self.batches if B * chunk <= self.prompt_budget or B == 1)
+        """Most rows one prefill call of `chunk` tokens each can take (a batch bucket): the
+        largest within the prompt token budget, else the smallest bucket (one row at a time
+        when 1 is a bucket)."""
+        fits = [B for B in self.batches if B * chunk <= self.prompt_budget or B == 1]
+        return max(fits, default=self.batches[0])
 
     def chunk_for(self, remaining: int) -> int:
         """The prompt chunk for `remaining` tokens: the smallest that holds them, else the
