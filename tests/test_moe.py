@@ -21,6 +21,14 @@ FIXTURES = {"qwen3_moe": "tiny-random/qwen3_moe_e8k2_bpe", "mixtral": "tiny-rand
 FIXTURE_ATOL = 5e-4  # HF float32 vs float64 differ by up to 4e-4 (tiny-random/README.md)
 PROMPT = [1, 17, 42, 99, 3, 250, 7, 7, 128, 64, 33, 201, 5, 88, 150, 12, 260, 9, 77, 31]
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
+# One set of shapes for the fixtures' engines (the 235-token prompt: two chunks of 128), so
+# that they share compiled programs through the session's persistent compilation cache.
+FIXTURE_OPTS = dict(max_seq_len=512, prefill_buckets=(128,), kv_cache_tokens=1024)
+SLOW = pytest.mark.slow  # the other families' logits are in test_model's default tier
+
+
+def slow_unless(value, fast):
+    return value if value in fast else pytest.param(value, marks=SLOW)
 
 
 def _fixture(name: str):
@@ -47,10 +55,10 @@ def written(tmp_path_factory):
 
 
 @pytest.mark.parametrize("form", ["hf", "fused", "gguf"])
-@pytest.mark.parametrize("arch", MOE_ARCHS)
-def test_logits_and_greedy_match_the_float64_reference(written, arch, form):
+@pytest.mark.parametrize("arch", [slow_unless(a, ("qwen3_moe",)) for a in MOE_ARCHS])
+def test_logits_and_greedy_match_the_float64_reference(written, engines, arch, form):
     case = written[arch]
-    engine = jaxinfer.load(case[form], max_seq_len=128)
+    engine = engines(case[form])  # the shapes of test_model's engines: programs cached
     assert engine.cfg.moe and engine.cfg.arch == arch
     want = R.forward(case["weights"], case["config"], PROMPT)
     got = np.asarray(engine.logits(PROMPT))
@@ -93,11 +101,11 @@ def test_config_fields_follow_the_hf_rules(written):
     assert gguf.norm_topk_prob is False and gguf.shared_gate
 
 
-@pytest.mark.parametrize("name", sorted(FIXTURES))
+@pytest.mark.parametrize("name", [slow_unless(n, ("qwen3_moe",)) for n in sorted(FIXTURES)])
 @pytest.mark.parametrize("gguf", [False, True])
-def test_fixtures_match_transformers_and_llama_cpp(name, gguf):
+def test_fixtures_match_transformers_and_llama_cpp(engines, name, gguf):
     root, ref = _fixture(name)
-    engine = jaxinfer.load(root / "model-f32.gguf" if gguf else root, max_seq_len=512)
+    engine = engines(root / "model-f32.gguf" if gguf else root, **FIXTURE_OPTS)
     for p in ref["prompts"]:
         assert engine.tokenizer.encode(p["text"]) == p["ids"]
         last = np.asarray(engine.logits(p["ids"]))[-1]
@@ -164,10 +172,11 @@ def qwen3_moe_reference():
 
 @pytest.mark.parametrize(
     "layout, devices",
-    [("single", 1), ("expert", 2), ("expert", 4), ("tensor", 2), ("layer", 2),
-     ("layer-expert", 4), ("expert-tensor.toml", 4)],
+    [("single", 1), ("expert", 2), *(pytest.param(*x, marks=SLOW) for x in (
+        ("expert", 4), ("tensor", 2), ("layer", 2), ("layer-expert", 4),
+        ("expert-tensor.toml", 4)))],
 )  # fmt: skip
-def test_same_tokens_under_every_layout(qwen3_moe_reference, tmp_path, layout, devices):
+def test_same_tokens_under_every_layout(qwen3_moe_reference, engines, tmp_path, layout, devices):
     root, prompt = qwen3_moe_reference
     if layout.endswith(".toml"):
         path = tmp_path / layout
@@ -176,7 +185,7 @@ def test_same_tokens_under_every_layout(qwen3_moe_reference, tmp_path, layout, d
             'kv_heads = "tp"\nmlp = "tp"\nvocab = "tp"\n'
         )
         layout = str(path)
-    engine = jaxinfer.load(root, max_seq_len=512, layout=layout, devices=devices)
+    engine = engines(root, layout=layout, devices=devices, **FIXTURE_OPTS)
     got = engine.generate(prompt["ids"], max_new_tokens=32, temperature=0).token_ids
     assert got == prompt["greedy_ids"], layout
     last = np.asarray(engine.logits(prompt["ids"]))[-1]
@@ -196,16 +205,23 @@ def test_experts_live_where_the_layout_puts_them(qwen3_moe_reference):
 
 
 @pytest.mark.parametrize(
-    "layout, devices", [("single", 1), ("expert", 2), ("tensor", 2), ("layer-expert", 4)]
-)
+    "layout, devices",
+    [("single", 1), *(pytest.param(*x, marks=SLOW) for x in (
+        ("expert", 2), ("tensor", 2), ("layer-expert", 4)))],
+)  # fmt: skip
 def test_routing_varies_and_nothing_compiles(qwen3_moe_reference, layout, devices):
     """After warmup, prompts that route to different experts (and slots that mix them)
     compile nothing, and each slot's tokens equal the request run alone."""
     root, prompt = qwen3_moe_reference
     engine = jaxinfer.load(
-        root, max_seq_len=512, layout=layout, devices=devices, slots=2, strict=True,
-        prefill_buckets=(64,), batch_buckets=(1, 2),
-    )  # fmt: skip
+        root,
+        layout=layout,
+        devices=devices,
+        slots=2,
+        strict=True,
+        batch_buckets=(1, 2),
+        **FIXTURE_OPTS,
+    )  # its own: strict after warmup
     engine.warmup(progress=False)
     prompts = [prompt["ids"], [5, 9, 700, 3], list(range(100, 160))]
     with CompileCounter() as seen:

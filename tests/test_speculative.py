@@ -34,6 +34,11 @@ FIXTURES = {
     "qwen3_5_moe": "tiny-random/qwen3_5_moe_l3f1_e8k2_mtp",
 }
 SMALL = dict(max_seq_len=512, prefill_buckets=(32, 128), batch_buckets=(1,))
+SLOW = pytest.mark.slow
+
+
+def slow_unless(value, fast):
+    return value if value in fast else pytest.param(value, marks=SLOW)
 
 
 def _reference(kind: str):
@@ -162,9 +167,9 @@ def test_ngram_greedy_equals_the_published_ids(stories_ngram):
     assert stats.recompiles_same == stats.recompiles_diff == 0
 
 
-def test_ngram_on_a_copy_accepts_most_drafts():
-    engine = jaxinfer.load(model_path(STORIES), speculative="ngram", **SMALL)
-    plain = jaxinfer.load(model_path(STORIES), **SMALL)
+def test_ngram_on_a_copy_accepts_most_drafts(engines):
+    engine = jaxinfer.load(model_path(STORIES), speculative="ngram", **SMALL)  # its own stats
+    plain = engines(model_path(STORIES), **SMALL)
     # A passage, then its first sentence again: the continuation can be looked up.
     passage = _greedy(plain, [1], 96)
     prompt = [1, *passage, 1, *passage[:12]]
@@ -177,7 +182,9 @@ def test_ngram_on_a_copy_accepts_most_drafts():
     assert "tokens per step = " in text
 
 
-@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next", "mixtral"])
+@pytest.mark.parametrize(
+    "kind", [slow_unless(k, ("qwen3_5",)) for k in ("qwen3_5", "qwen3_next", "mixtral")]
+)
 def test_ngram_greedy_equals_hf_on_the_fixtures(kind):
     root, prompts = _reference(kind)
     engine = jaxinfer.load(root, speculative="ngram", draft_tokens=3, **SMALL)
@@ -193,7 +200,9 @@ def test_ngram_greedy_equals_hf_on_the_moe_fixtures(kind):
     test_ngram_greedy_equals_hf_on_the_fixtures(kind)
 
 
-@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next", "qwen3_moe"])
+@pytest.mark.parametrize(
+    "kind", [slow_unless(k, ("qwen3_5",)) for k in ("qwen3_5", "qwen3_next", "qwen3_moe")]
+)
 def test_draft_model_greedy_equals_hf(kind, tmp_path):
     """A perturbed copy drafts: some drafts are accepted, some rejected, and for the hybrid
     models every rejection rolls the linear states of the model and the draft back."""
@@ -231,6 +240,7 @@ def _slots_keep_hf_greedy(draft, layout, devices):
         assert r.result().token_ids == p["greedy_ids"], layout
 
 
+@pytest.mark.slow
 def test_a_draft_with_a_padded_embedding_table_drafts_within_the_vocabulary():
     """Same tokenizer, a larger (padded) table, as Qwen2.5 0.5B drafting for 7B: accepted, and
     its drafts stay below the model's vocab_size."""
@@ -243,6 +253,7 @@ def test_a_draft_with_a_padded_embedding_table_drafts_within_the_vocabulary():
     assert engine.perf_stats().draft_tokens > 0
 
 
+@pytest.mark.slow
 def test_slots_under_the_layer_split_keep_hf_greedy(tmp_path):
     root, _ = _reference("qwen3_5")
     _slots_keep_hf_greedy(str(perturbed(root, tmp_path / "draft")), "layer", 2)
@@ -285,7 +296,7 @@ def _mtp_rows(engine, ctx):
     "kind, fmt",
     [
         ("qwen3_5", "hf"),
-        ("qwen3_next", "gguf"),
+        pytest.param("qwen3_next", "gguf", marks=pytest.mark.slow),
         pytest.param("qwen3_5", "gguf", marks=pytest.mark.slow),
         pytest.param("qwen3_next", "hf", marks=pytest.mark.slow),
         pytest.param("qwen3_5_moe", "hf", marks=pytest.mark.slow),
@@ -308,7 +319,7 @@ def test_mtp_head_matches_the_reference(kind, fmt):
         assert logits.argmax(-1).tolist() == p["mtp"]["draft_ids_f64"]
 
 
-@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
+@pytest.mark.parametrize("kind", ["qwen3_5", pytest.param("qwen3_next", marks=SLOW)])
 def test_mtp_greedy_equals_hf(kind):
     root, prompts = _reference(kind)
     engine = jaxinfer.load(root, speculative="mtp", draft_tokens=3, **SMALL)
@@ -318,6 +329,7 @@ def test_mtp_greedy_equals_hf(kind):
     assert stats.draft_tokens > 0 and "speculative: mtp, K = 3" in str(stats)
 
 
+@pytest.mark.slow
 def test_mtp_with_slots_under_the_layer_split_keeps_hf_greedy():
     _slots_keep_hf_greedy("mtp", "layer", 2)
 
@@ -362,9 +374,10 @@ def test_rejection_sampling_keeps_the_distribution():
 # ---- compiles: the storm, gone --------------------------------------------------------
 
 
-def test_a_storm_of_speculative_requests_compiles_nothing_after_warmup(tmp_path):
+@pytest.mark.parametrize("how", ["ngram", pytest.param("draft", marks=SLOW)])
+def test_a_storm_of_speculative_requests_compiles_nothing_after_warmup(how):
     """100 requests: repetitive prompts (long accepted runs), random ones (hardly any), cancels;
-    n-gram lookup and a draft model, in strict mode."""
+    n-gram lookup or a draft model (the model itself), in strict mode."""
     path = model_path(STORIES)
     rng = np.random.default_rng(0)
     prompts = []
@@ -374,9 +387,9 @@ def test_a_storm_of_speculative_requests_compiles_nothing_after_warmup(tmp_path)
         else:
             phrase = [int(t) for t in rng.integers(3, 512, int(rng.integers(3, 9)))]
             prompts.append([1, *(phrase * int(rng.integers(2, 6)))])
-    for how in ("ngram", str(path)):
+    for spec in ("ngram",) if how == "ngram" else (str(path),):
         engine = jaxinfer.load(
-            path, speculative=how, slots=4, strict=True, max_seq_len=256, prefill_buckets=(16, 64)
+            path, speculative=spec, slots=4, strict=True, max_seq_len=256, prefill_buckets=(16, 64)
         )
         engine.warmup(progress=False)
         with CompileCounter() as counter:
