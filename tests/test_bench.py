@@ -3,6 +3,7 @@
 import json
 import re
 
+import pytest
 from support.models import model_path
 
 from jaxinfer.cli import main
@@ -40,6 +41,7 @@ def test_bench_json_with_graph_reuse_on_and_off(capsys):
     assert rows[1]["recompiles_same"] == 0 and rows[3]["recompiles_same"] > 0
 
 
+@pytest.mark.slow
 def test_bench_layouts_csv(capsys):
     out = bench(capsys, "--layout", "single,layer", "--devices", "2", "-n", "0", "-o", "csv")
     lines = out.strip().splitlines()
@@ -62,7 +64,7 @@ def test_profile_run_writes_a_trace_with_steps_and_scopes(tmp_path, capsys):
     # Ops in the trace point, through the compiled HLO's metadata, to the layer scopes.
     import jaxinfer
 
-    engine = jaxinfer.load(model_path(STORIES), max_seq_len=2048)
+    engine = jaxinfer.load(model_path(STORIES))  # the CLI's shapes: its programs are cached
     engine.generate("Once upon a time", max_new_tokens=40, temperature=0)
     (decode,) = engine.compile_cache.executables("decode")
     scopes = op_scopes(decode.as_text())

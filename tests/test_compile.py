@@ -292,6 +292,7 @@ PROCESS = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_second_process_loads_every_program_from_disk(tmp_path):
     def run():
         out = subprocess.run(
@@ -306,6 +307,7 @@ def test_second_process_loads_every_program_from_disk(tmp_path):
     assert second["ids"] == first["ids"]
 
 
+@pytest.mark.slow
 def test_default_buckets_serve_every_prompt_length_with_nothing_compiled():
     """Default chunks (8, 32, 128, 512) on a 512 context: prompts of every length, chunked
     and padded, stay inside the warmed plan (strict mode stays quiet)."""

@@ -31,8 +31,8 @@ def test_hf_text_matches_golden_text(stories_hf):
         ("stories260K-gguf-quant-derived/stories260K-mixed-quants.gguf", 53),
     ],
 )
-def test_quantized_gguf(rel, n_match):
-    engine = jaxinfer.load(model_path(rel), max_seq_len=256)
+def test_quantized_gguf(engines, rel, n_match):
+    engine = engines(model_path(rel), max_seq_len=512)  # test_quant's engines too
     assert greedy_from_bos(engine)[:n_match] == GOLDEN[:n_match]
 
 

@@ -32,6 +32,10 @@ FIXTURES = {
 }
 FIXTURE_ATOL = 5e-4  # HF float32 vs float64 differ by up to 4e-4 (tiny-random/README.md)
 BUCKETS = dict(max_seq_len=512, prefill_buckets=(32, 128))  # the 235-token prompt: 2 chunks
+# The Qwen3.5 engines of the default run: one row or four slots over the same pools (the
+# slots' state slots and pages), so that one-row programs are shared through the session's
+# persistent compilation cache.
+DENSE = dict(BUCKETS, batch_buckets=(1, 4), kv_cache_tokens=2048)
 
 
 def _fixture(kind: str):
@@ -112,10 +116,13 @@ def test_padding_leaves_the_state_and_conv_untouched():
 
 
 @pytest.mark.parametrize("gguf", [False, True])
-@pytest.mark.parametrize("kind", sorted(FIXTURES))
-def test_fixtures_match_transformers_and_llama_cpp(kind, gguf):
+@pytest.mark.parametrize(
+    "kind", ["qwen3_5", "qwen3_next", pytest.param("qwen3_5_moe", marks=pytest.mark.slow)]
+)  # Qwen3.5-MoE's conversions: test_hf_and_gguf_give_the_same_parameters
+def test_fixtures_match_transformers_and_llama_cpp(engines, kind, gguf):
     root, ref = _fixture(kind)
-    engine = jaxinfer.load(root / "model-f32.gguf" if gguf else root, **BUCKETS)
+    opts = DENSE if kind == "qwen3_5" else BUCKETS
+    engine = engines(root / "model-f32.gguf" if gguf else root, **opts)
     assert engine.cfg.linear_layers == (0, 1, 2)
     assert engine.cfg.n_params() == ref["n_params"]  # the trunk, MTP weights left out
     for prompt in ref["prompts"]:
@@ -197,7 +204,7 @@ def test_prompt_in_chunks_of_32_equals_one_padded_chunk_of_512(dense):
 @pytest.fixture(scope="module")
 def slots4(dense):
     root = dense[0]
-    engine = jaxinfer.load(root, slots=4, strict=True, **BUCKETS)
+    engine = jaxinfer.load(root, slots=4, strict=True, **DENSE)  # its own: strict
     engine.warmup(progress=False)
     return engine
 
@@ -210,9 +217,9 @@ def _requests(dense):
 
 
 @pytest.fixture(scope="module")
-def alone(dense):
+def alone(dense, engines):
     """Each request of _requests run alone on a one-row engine."""
-    engine = jaxinfer.load(dense[0], **BUCKETS)
+    engine = engines(dense[0], **DENSE)
     return [_greedy(engine, p, n) for p, n in zip(*_requests(dense), strict=True)]
 
 

@@ -160,14 +160,19 @@ def test_page_pool_reserves_grows_and_releases():
 STORIES = "stories260K-gguf/stories260K.gguf"
 
 
-def test_requests_wait_for_pages_and_the_pool_empties():
-    """A pool of 3 pages (128 tokens each) and 4 slots: requests that need 2 pages each run
-    two at a time at most; the others wait in the queue, none fails, and every page comes
-    back when they are done."""
-    engine = jaxinfer.load(
-        model_path(STORIES), max_seq_len=256, slots=4, kv_cache_tokens=384,
+@pytest.fixture(scope="module")
+def small_pool():
+    """A pool of 3 pages (128 tokens each) under a context of 512 and 4 slots."""
+    return jaxinfer.load(
+        model_path(STORIES), max_seq_len=512, slots=4, kv_cache_tokens=384,
         prefill_buckets=(64,),
     )  # fmt: skip
+
+
+def test_requests_wait_for_pages_and_the_pool_empties(small_pool):
+    """Requests that need 2 pages each run one at a time in the 3 pages; the others wait in
+    the queue, none fails, and every page comes back when they are done."""
+    engine = small_pool
     prompt = [1] + [(5 * i) % 400 + 3 for i in range(149)]  # 150 + 40 positions: 2 pages
     alone = engine.generate(prompt, max_new_tokens=40, temperature=0).token_ids
     requests = [engine.submit(prompt, max_new_tokens=40, temperature=0) for _ in range(4)]
@@ -182,15 +187,15 @@ def test_requests_wait_for_pages_and_the_pool_empties():
     assert stats["pages_free"] == stats["pages_total"] == 3 and stats["pages_reserved"] == 0
 
 
-def test_request_that_can_never_fit_is_refused_at_submit():
+def test_request_that_can_never_fit_is_refused_at_submit(small_pool):
     """A pool smaller than the context: a request that needs more pages than the pool holds
     is refused with the numbers; the engine keeps serving the ones that fit."""
-    engine = jaxinfer.load(model_path(STORIES), max_seq_len=512, kv_cache_tokens=256)
-    assert engine.kv_stats()["pages_total"] == 2
+    engine = small_pool
+    assert engine.kv_stats()["pages_total"] == 3
     with pytest.raises(jaxinfer.RequestError) as e:
-        engine.submit([1] * 300, max_new_tokens=10)  # 309 positions: 3 pages
-    assert "needs 3 KV pages (309 positions, 128 per page) but the pool holds 2" in str(e.value)
+        engine.submit([1] * 400, max_new_tokens=10)  # 409 positions: 4 pages
+    assert "needs 4 KV pages (409 positions, 128 per page) but the pool holds 3" in str(e.value)
     with pytest.raises(jaxinfer.RequestError):
-        engine.logits([1] * 300)
+        engine.logits([1] * 400)
     r = engine.generate([1], max_new_tokens=200, temperature=0, ignore_eos=True)
-    assert len(r.token_ids) == 200 and engine.kv_stats()["pages_free"] == 2
+    assert len(r.token_ids) == 200 and engine.kv_stats()["pages_free"] == 3

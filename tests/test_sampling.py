@@ -8,7 +8,7 @@ import pytest
 from support.models import GOLDEN
 
 from jaxinfer import SamplingParams
-from jaxinfer.ops.sampling import PENALTY_WINDOW, SamplingRows, argmax, sample
+from jaxinfer.ops.sampling import PENALTY_WINDOW, SamplingRows, accept, argmax, sample
 
 FREE = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
 
@@ -114,6 +114,39 @@ def test_filters_match_llamacpp_chain_over_a_large_vocabulary(
     rank[order] = np.arange(V)
     cdf = np.cumsum(np.bincount(rank[drawn], minlength=V)) / len(drawn)
     assert np.abs(cdf - np.cumsum(want[order])).max() < 0.04
+
+
+@pytest.mark.parametrize("temperature, top_k", [(1.5, 0), (0.8, 5)])
+def test_speculative_acceptance_keeps_the_sampled_distribution(temperature, top_k):
+    """sampling.accept over 4096 rows with the same logits [T, V] and the same one-hot drafts
+    (each position's most likely token): the first token follows the chain's distribution at
+    position 0, the draft is kept as often as that distribution picks it, and where it was
+    kept the second token follows the chain's distribution at position 1. Each frequency
+    within 5 binomial standard deviations of the NumPy chain's probability."""
+    rng = np.random.default_rng(2)
+    V, B, T = 16, 4096, 3
+    logits = (rng.normal(size=(T, V)) * 1.5).astype(np.float32)
+    drafts = logits[:-1].argmax(-1).astype(np.int32)  # [T - 1]
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=1.0, min_p=0.0)
+    rows = SamplingRows.stack([SamplingRows.row(params, seed, []) for seed in range(B)], B)
+    windows = np.full((B, T, PENALTY_WINDOW), -1, np.int32)
+    positions = np.tile(np.arange(1, T + 1, dtype=np.int32), (B, 1))
+    tokens, n = jax.jit(accept)(
+        np.tile(logits, (B, 1, 1)), windows, rows, positions, np.tile(drafts, (B, 1)),
+        np.full(B, T - 1, np.int32),
+    )  # fmt: skip
+    tokens, n = np.asarray(tokens), np.asarray(n)
+    want = [_np_chain(logits[t].astype(np.float64), temperature, top_k, 1.0, 0.0)[1]
+            for t in range(T)]  # fmt: skip
+
+    def close(drawn, p):
+        tol = 5 * np.sqrt(p * (1 - p) / len(drawn)) + 1e-3
+        assert np.all(np.abs(np.bincount(drawn, minlength=V) / len(drawn) - p) <= tol)
+
+    close(tokens[:, 0], want[0])
+    kept = n >= 1
+    assert np.array_equal(kept, tokens[:, 0] == drafts[0])
+    close(tokens[kept, 1], want[1])
 
 
 def test_a_row_draws_the_same_token_in_any_batch():

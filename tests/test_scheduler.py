@@ -62,6 +62,7 @@ def greedy_agrees(engine, prompt, got, want):
     return abs(float(logits[got[at]] - logits[want[at]])) < NEAR_TIE
 
 
+@pytest.mark.slow
 def test_soak_through_four_slots(engine):
     rng = np.random.default_rng(9)
     specs = make_requests(rng, engine.cfg.vocab_size)

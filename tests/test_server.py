@@ -369,6 +369,7 @@ def test_models_tokenize_detokenize(server, client, stories_hf):
 # ---- the command ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_serve_command_health_key_and_shutdown():
     """The CLI on the built-in model: /health 503 while loading, then 200; the API key; a
     model without a chat template; SIGINT stops it cleanly."""

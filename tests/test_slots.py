@@ -102,6 +102,7 @@ def test_stream_of_a_request(slots4):
     assert other.result().token_ids
 
 
+@pytest.mark.slow
 def test_same_under_layer_split_on_two_devices(alone):
     engine = load(slots=4, layout="layer", devices=2)
     requests = [
@@ -111,6 +112,7 @@ def test_same_under_layer_split_on_two_devices(alone):
     assert [r.result().token_ids for r in requests] == alone
 
 
+@pytest.mark.slow
 def test_cli_parallel_file(tmp_path, capsys):
     from jaxinfer.cli import main
 
@@ -135,6 +137,7 @@ def test_submit_on_an_engine_without_slots():
     assert batch[0].token_ids == GOLDEN[:4] and engine.slots is None
 
 
+@pytest.mark.slow
 def test_reshard_with_slots_keeps_results(alone):
     engine = load(slots=2)
     first = engine.submit(PROMPTS[2], max_new_tokens=MAX_NEW[2], temperature=0)

@@ -37,10 +37,6 @@ SMALL = dict(max_seq_len=512, prefill_buckets=(32, 128), batch_buckets=(1,))
 SLOW = pytest.mark.slow
 
 
-def slow_unless(value, fast):
-    return value if value in fast else pytest.param(value, marks=SLOW)
-
-
 def _reference(kind: str):
     root = model_path(FIXTURES[kind])
     return root, json.loads((root / "reference.json").read_text())["prompts"]
@@ -182,9 +178,8 @@ def test_ngram_on_a_copy_accepts_most_drafts(engines):
     assert "tokens per step = " in text
 
 
-@pytest.mark.parametrize(
-    "kind", [slow_unless(k, ("qwen3_5",)) for k in ("qwen3_5", "qwen3_next", "mixtral")]
-)
+@pytest.mark.slow  # speculation on a hybrid: test_mtp_greedy_equals_hf in the default run
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next", "mixtral"])
 def test_ngram_greedy_equals_hf_on_the_fixtures(kind):
     root, prompts = _reference(kind)
     engine = jaxinfer.load(root, speculative="ngram", draft_tokens=3, **SMALL)
@@ -200,9 +195,8 @@ def test_ngram_greedy_equals_hf_on_the_moe_fixtures(kind):
     test_ngram_greedy_equals_hf_on_the_fixtures(kind)
 
 
-@pytest.mark.parametrize(
-    "kind", [slow_unless(k, ("qwen3_5",)) for k in ("qwen3_5", "qwen3_next", "qwen3_moe")]
-)
+@pytest.mark.slow  # the draft path: the model as its own draft, in the default run
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next", "qwen3_moe"])
 def test_draft_model_greedy_equals_hf(kind, tmp_path):
     """A perturbed copy drafts: some drafts are accepted, some rejected, and for the hybrid
     models every rejection rolls the linear states of the model and the draft back."""
@@ -295,7 +289,7 @@ def _mtp_rows(engine, ctx):
 @pytest.mark.parametrize(
     "kind, fmt",
     [
-        ("qwen3_5", "hf"),
+        pytest.param("qwen3_5", "hf", marks=pytest.mark.slow),
         pytest.param("qwen3_next", "gguf", marks=pytest.mark.slow),
         pytest.param("qwen3_5", "gguf", marks=pytest.mark.slow),
         pytest.param("qwen3_next", "hf", marks=pytest.mark.slow),
@@ -349,6 +343,7 @@ def _draws(engine, prompt, n, seed0):
     return out
 
 
+@pytest.mark.slow  # the rule alone: test_sampling.py, in the default run
 def test_rejection_sampling_keeps_the_distribution():
     """Two-sample chi-square, speculative vs plain, on the 2nd to 4th tokens: those are the
     tokens verify steps decide (accepted drafts, draws from the residual, bonus draws). Top-k
@@ -374,7 +369,8 @@ def test_rejection_sampling_keeps_the_distribution():
 # ---- compiles: the storm, gone --------------------------------------------------------
 
 
-@pytest.mark.parametrize("how", ["ngram", pytest.param("draft", marks=SLOW)])
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["ngram", "draft"])
 def test_a_storm_of_speculative_requests_compiles_nothing_after_warmup(how):
     """100 requests: repetitive prompts (long accepted runs), random ones (hardly any), cancels;
     n-gram lookup or a draft model (the model itself), in strict mode."""
@@ -444,6 +440,7 @@ def test_a_refused_request_leaves_the_speculative_engine_usable(stories_ngram):
     assert _greedy(stories_ngram, [1], 16) == GOLDEN[:16]
 
 
+@pytest.mark.slow
 def test_cli_prints_the_speculative_line(capsys):
     path = model_path(STORIES)
     argv = ["generate", "-m", str(path), "-p", "Once upon a time", "-n", "24", "--temp", "0",
