@@ -70,6 +70,7 @@ def _base(model_type: str, arch: str, **kw) -> dict:
     return cfg
 
 
+# Data: one config per family (they share the shape of their entries, not their values).
 TINY: dict[str, dict] = {
     # Llama with GQA (4 q heads, 2 kv heads), untied lm_head, head_dim 16.
     "llama": _base("llama", "LlamaForCausalLM"),
@@ -277,7 +278,7 @@ def random_weights(config: dict, seed: int = 0) -> dict[str, np.ndarray]:
             w[p + "self_attn.k_norm.weight"] = norm(hd)
         w[p + "post_attention_layernorm.weight"] = norm(hidden)
         if is_moe_layer(config, i):
-            w.update(_random_experts(config, i, mat))
+            w.update(random_experts(config, moe_prefix(config, i), mat))
             continue
         w[p + "mlp.gate_proj.weight"] = mat(inter, hidden, 1.0)
         w[p + "mlp.up_proj.weight"] = mat(inter, hidden, 0.7)
@@ -292,12 +293,13 @@ def random_weights(config: dict, seed: int = 0) -> dict[str, np.ndarray]:
     return w
 
 
-def _random_experts(config: dict, layer: int, mat) -> dict[str, np.ndarray]:
-    """Router (gain 3: clearly separated routing), experts, and Qwen2-MoE's shared expert."""
+def random_experts(config: dict, p: str, mat) -> dict[str, np.ndarray]:
+    """The expert block under prefix `p` (e.g. model.layers.1.mlp.), weights from
+    `mat(rows, cols, gain)`: router (gain 3: clearly separated routing), experts, and the
+    shared expert and its gate where the config has one (Qwen2-MoE, Qwen3-Next, Qwen3.5-MoE)."""
     hidden = int(config["hidden_size"])
     E = n_experts(config)
     width = int(config.get("moe_intermediate_size") or config["intermediate_size"])
-    p = moe_prefix(config, layer)
     gate, up, down = expert_names(config)
     w = {p + "gate.weight": mat(E, hidden, 3.0)}
     for e in range(E):

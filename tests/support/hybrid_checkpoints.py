@@ -45,7 +45,13 @@ from pathlib import Path
 
 import numpy as np
 
-from .checkpoints import SPECIAL_TOKENS, build_tokenizer, byte_level_vocab_and_merges, write_hf
+from .checkpoints import (
+    SPECIAL_TOKENS,
+    build_tokenizer,
+    byte_level_vocab_and_merges,
+    random_experts,
+    write_hf,
+)
 from .checkpoints import _tokenizer_config as _hf_tokenizer_config
 
 __all__ = [
@@ -308,19 +314,7 @@ def hybrid_random_weights(
                 p + "mlp.up_proj.weight": mat(F, D, 0.7),
                 p + "mlp.down_proj.weight": mat(D, F, 0.5),
             }
-        E, F = int(cfg["num_experts"]), int(cfg["moe_intermediate_size"])
-        w = {p + "mlp.gate.weight": mat(E, D, 3.0)}
-        for e in range(E):
-            w[f"{p}mlp.experts.{e}.gate_proj.weight"] = mat(F, D, 1.0)
-            w[f"{p}mlp.experts.{e}.up_proj.weight"] = mat(F, D, 0.7)
-            w[f"{p}mlp.experts.{e}.down_proj.weight"] = mat(D, F, 0.5)
-        S = int(cfg.get("shared_expert_intermediate_size") or 0)
-        if S:
-            w[p + "mlp.shared_expert.gate_proj.weight"] = mat(S, D, 1.0)
-            w[p + "mlp.shared_expert.up_proj.weight"] = mat(S, D, 0.7)
-            w[p + "mlp.shared_expert.down_proj.weight"] = mat(D, S, 0.5)
-            w[p + "mlp.shared_expert_gate.weight"] = mat(1, D, 2.0)
-        return w
+        return random_experts(cfg, p + "mlp.", mat)
 
     emb_std = 0.2 if std is None else std
     head_std = 0.15 if std is None else std

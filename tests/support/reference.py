@@ -33,6 +33,8 @@ from typing import Any
 
 import numpy as np
 
+from .checkpoints import is_moe_layer
+
 __all__ = [
     "forward",
     "greedy",
@@ -271,14 +273,9 @@ def _mlp(w: dict[str, np.ndarray], layer: int, x: np.ndarray) -> np.ndarray:
 
 
 def _moe_layer(config: dict, layer: int) -> bool:
-    experts = config.get("num_local_experts") or config.get("num_experts") or 0
-    if not experts:
-        return False
-    if config["model_type"] == "mixtral":
-        return True
-    if layer in (config.get("mlp_only_layers") or []):
-        return False
-    return (layer + 1) % int(config.get("decoder_sparse_step") or 1) == 0
+    """HF's rule: Mixtral always; Qwen MoE unless in mlp_only_layers or off the sparse step
+    (the checkpoint writers' rule too: checkpoints.is_moe_layer)."""
+    return is_moe_layer(config, layer)
 
 
 def top_k_lowest_index(probs: np.ndarray, k: int) -> list[int]:
@@ -286,12 +283,11 @@ def top_k_lowest_index(probs: np.ndarray, k: int) -> list[int]:
     return sorted(range(len(probs)), key=lambda e: (-probs[e], e))[:k]
 
 
-def _moe(w: dict[str, np.ndarray], config: dict, layer: int, x: np.ndarray) -> np.ndarray:
-    mixtral = config["model_type"] == "mixtral"
-    p = f"model.layers.{layer}." + ("block_sparse_moe." if mixtral else "mlp.")
-    names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
-    k = int(config["num_experts_per_tok"])
-    renorm = True if mixtral else bool(config.get("norm_topk_prob", False))
+def moe(w: dict[str, np.ndarray], p: str, x: np.ndarray, k: int, renorm: bool, expert):
+    """The expert block under prefix `p` on x [T, D]: a softmax router over every expert,
+    the top k (the lower index first among equals), renormalized when `renorm`, each expert's
+    SwiGLU weighted; plus the shared expert, scaled by sigmoid(gate . x) where it has a gate.
+    `expert(e)` gives expert e's (gate, up, down) weights."""
     logits = x @ w[p + "gate.weight"].T  # [T, E]
     probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
     probs = probs / probs.sum(axis=-1, keepdims=True)
@@ -302,10 +298,8 @@ def _moe(w: dict[str, np.ndarray], config: dict, layer: int, x: np.ndarray) -> n
         if renorm:
             weights = weights / weights.sum()
         for e, weight in zip(chosen, weights, strict=True):
-            q = f"{p}experts.{e}."
-            gate = x[t] @ w[q + names[0] + ".weight"].T
-            up = x[t] @ w[q + names[1] + ".weight"].T
-            out[t] += weight * ((_silu(gate) * up) @ w[q + names[2] + ".weight"].T)
+            gate, up, down = expert(e)
+            out[t] += weight * ((_silu(x[t] @ gate.T) * (x[t] @ up.T)) @ down.T)
     if p + "shared_expert.gate_proj.weight" in w:
         q = p + "shared_expert."
         gate, up = x @ w[q + "gate_proj.weight"].T, x @ w[q + "up_proj.weight"].T
@@ -315,6 +309,18 @@ def _moe(w: dict[str, np.ndarray], config: dict, layer: int, x: np.ndarray) -> n
             shared = shared / (1.0 + np.exp(-g))
         out = out + shared
     return out
+
+
+def _moe(w: dict[str, np.ndarray], config: dict, layer: int, x: np.ndarray) -> np.ndarray:
+    mixtral = config["model_type"] == "mixtral"
+    p = f"model.layers.{layer}." + ("block_sparse_moe." if mixtral else "mlp.")
+    names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    renorm = True if mixtral else bool(config.get("norm_topk_prob", False))
+
+    def expert(e):
+        return tuple(w[f"{p}experts.{e}.{n}.weight"] for n in names)
+
+    return moe(w, p, x, int(config["num_experts_per_tok"]), renorm, expert)
 
 
 def _lm_head(w: dict[str, np.ndarray], config: dict) -> np.ndarray:

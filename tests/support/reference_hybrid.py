@@ -1,7 +1,8 @@
 """Independent float64 NumPy reference forward pass of the hybrid linear-attention models.
 
-Self-contained like ``tests/reference.py``: it imports nothing from ``jaxinfer`` (nor from
-``reference.py``), and is written to be simple and obviously correct rather than fast.
+Like ``reference.py`` it imports nothing from ``jaxinfer``; it shares that module's expert
+block (the same HF definition), and is written to be simple and obviously correct rather than
+fast.
 
 Supported ``config["model_type"]``: ``qwen3_next`` (Qwen3-Next), ``qwen3_5_text`` (Qwen3.5
 dense) and ``qwen3_5_moe_text`` (Qwen3.5 MoE). A nested ``text_config`` and weights under
@@ -68,6 +69,8 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+
+from .reference import moe
 
 __all__ = [
     "HybridCache",
@@ -201,11 +204,6 @@ def _rotate_half(x: np.ndarray) -> np.ndarray:
     return np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
 
 
-def _top_k_lowest_index(probs: np.ndarray, k: int) -> list[int]:
-    """The k largest entries; among equal values the lower index first (as torch.topk)."""
-    return sorted(range(len(probs)), key=lambda e: (-probs[e], e))[:k]
-
-
 # ----------------------------------------------------------------------------
 # Gated DeltaNet pieces
 # ----------------------------------------------------------------------------
@@ -235,9 +233,14 @@ def causal_conv(
     return _silu(y), new_state
 
 
-def _initial_state(state: np.ndarray | None, shape: tuple[int, ...]) -> np.ndarray:
-    """A float64 copy of the given state, or zeros."""
-    return np.zeros(shape) if state is None else np.array(state, dtype=np.float64)
+def _begin(q, k, v, g, beta, state):
+    """The inputs in float64, the state (a float64 copy, or zeros [H, dk, dv]) and the output
+    [T, H, dv] to fill, for either form of the delta rule."""
+    q, k, v, g, beta = (np.asarray(a, dtype=np.float64) for a in (q, k, v, g, beta))
+    T, H, dk = k.shape
+    dv = v.shape[-1]
+    S = np.zeros((H, dk, dv)) if state is None else np.array(state, dtype=np.float64)
+    return q, k, v, g, beta, S, np.empty((T, H, dv), dtype=np.float64)
 
 
 def gdn_recurrent(
@@ -255,11 +258,8 @@ def gdn_recurrent(
     (zeros if None). Per t and head: ``S *= exp(g_t); kv = S^T k_t; delta = (v_t - kv) *
     beta_t; S += k_t delta^T; o_t = S^T q_t``. Returns ``(o [T, H, dv], final state)``.
     """
-    q, k, v, g, beta = (np.asarray(a, dtype=np.float64) for a in (q, k, v, g, beta))
-    T, H, dk = k.shape
-    dv = v.shape[-1]
-    S = _initial_state(state, (H, dk, dv))
-    out = np.empty((T, H, dv), dtype=np.float64)
+    q, k, v, g, beta, S, out = _begin(q, k, v, g, beta, state)
+    T, H = k.shape[:2]
     for t in range(T):
         S = S * np.exp(g[t])[:, None, None]
         kv = np.einsum("hkv,hk->hv", S, k[t])
@@ -269,7 +269,7 @@ def gdn_recurrent(
     return out, S
 
 
-def gdn_chunked(
+def gdn_chunked(  # gdn_recurrent's arguments (boilerplate): two forms of one rule
     q: np.ndarray,
     k: np.ndarray,
     v: np.ndarray,
@@ -285,11 +285,8 @@ def gdn_chunked(
     then ``v' = u - w S``, ``o = (q*exp(G)) S + lower(q k^T * D) v'``,
     ``S = exp(G_last) S + (k * exp(G_last - G))^T v'``. A short last chunk is not padded.
     """
-    q, k, v, g, beta = (np.asarray(a, dtype=np.float64) for a in (q, k, v, g, beta))
-    T, H, dk = k.shape
-    dv = v.shape[-1]
-    S = _initial_state(state, (H, dk, dv))
-    out = np.empty((T, H, dv), dtype=np.float64)
+    q, k, v, g, beta, S, out = _begin(q, k, v, g, beta, state)
+    T, H = k.shape[:2]
     for s in range(0, T, chunk):
         e = min(s + chunk, T)
         n = e - s
@@ -408,7 +405,7 @@ def _apply_partial_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.n
     return np.concatenate([rot * cos[None] + _rotate_half(rot) * sin[None], rest], axis=-1)
 
 
-def _attention(
+def _attention(  # reference.py's arguments (boilerplate), plus this model's cache and prefix
     w: dict[str, np.ndarray],
     config: dict,
     layer: int,
@@ -480,28 +477,8 @@ def _expert_weights(
 
 
 def _moe(w: dict[str, np.ndarray], config: dict, p: str, x: np.ndarray) -> np.ndarray:
-    k = int(config["num_experts_per_tok"])
-    logits = x @ w[p + "gate.weight"].T  # [T, E]
-    probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
-    probs = probs / probs.sum(axis=-1, keepdims=True)
-    renorm = _renormalize_topk(config)
-    out = np.zeros_like(x)
-    for t in range(x.shape[0]):
-        chosen = _top_k_lowest_index(probs[t], k)
-        weights = probs[t, chosen]
-        if renorm:
-            weights = weights / weights.sum()
-        for e, weight in zip(chosen, weights, strict=True):
-            out[t] += weight * _swiglu(x[t], *_expert_weights(w, p, e))
-    if p + "shared_expert.gate_proj.weight" in w:
-        s = p + "shared_expert."
-        shared = _swiglu(
-            x, w[s + "gate_proj.weight"], w[s + "up_proj.weight"], w[s + "down_proj.weight"]
-        )
-        if p + "shared_expert_gate.weight" in w:
-            shared = shared * _sigmoid(x @ w[p + "shared_expert_gate.weight"].T)  # [T, 1]
-        out = out + shared
-    return out
+    k, renorm = int(config["num_experts_per_tok"]), _renormalize_topk(config)
+    return moe(w, p, x, k, renorm, lambda e: _expert_weights(w, p, e))
 
 
 def _mlp(w: dict[str, np.ndarray], config: dict, layer: int, x: np.ndarray, prefix: str):
