@@ -104,7 +104,7 @@ def both(engines, path, **kw):
     """The file in block form, and dequantized to float32 at load by gguf-py (the reference).
     At stories260K's own context (512), the dequantized model has the shapes of the float
     stories engines elsewhere: its programs come from the session's compilation cache."""
-    opts = dict(max_seq_len=512, **kw)
+    opts = {"max_seq_len": 512, **kw}
     return engines(path, **opts), engines(path, quantize="none", **opts)
 
 

@@ -62,7 +62,8 @@ def chat_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(chat_model):
-    srv = Server(lambda: jaxinfer.load(chat_model, slots=4, max_seq_len=2048), port=0).start()
+    opts = dict(slots=4, prefill_buckets=(32, 128), batch_buckets=(1,))  # a small plan
+    srv = Server(lambda: jaxinfer.load(chat_model, **opts), port=0).start()
     assert srv.worker.wait_ready(600), srv.worker.error
     yield srv
     srv.stop()
@@ -339,7 +340,7 @@ def test_bad_requests_get_400s_while_others_complete(server, client, stories_hf)
         assert words in error["message"] and "\n" not in error["message"], (body, error)
     status, text = raw(server, "POST", "/v1/completions", {"prompt": long_prompt})
     error = json.loads(text)["error"]
-    assert error["type"] == "exceed_context_size_error" and error["n_ctx"] == 2048
+    assert error["type"] == "exceed_context_size_error" and error["n_ctx"] == 512
     assert error["n_prompt_tokens"] == len(stories_hf.tokenize(long_prompt))
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="x", prompt="x", temperature=-1)
