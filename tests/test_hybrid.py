@@ -191,6 +191,7 @@ def dense():
     return root, ref, weights, config, [rng.randrange(3, 760) for _ in range(300)]
 
 
+@pytest.mark.slow  # prompts in two chunks: the fixtures' test, in the default run
 def test_prompt_in_chunks_of_128_equals_one_padded_chunk_of_512(dense, engines):
     root, _, weights, config, prompt = dense
     want = R.forward(weights, config, prompt)[-8:]

@@ -359,6 +359,7 @@ def test_layouts_that_do_not_fit_the_experts_are_refused(written):
         jaxinfer.load(model_path("stories260K-gguf/stories260K.gguf"), layout="expert", devices=2)
 
 
+@pytest.mark.slow
 def test_layer_split_of_dense_and_moe_layers(written):
     """Qwen2-MoE layers 0, 2, 3 dense and 1 experts: the stages' slots follow the kinds."""
     case = written["qwen2_moe"]

@@ -132,6 +132,7 @@ def test_stories_q8_0_equals_the_dequantized_model(stories_q8):
     assert f.weight_bytes() > 2.5 * q.weight_bytes()
 
 
+@pytest.mark.slow  # its greedy ids: test_golden; its formats: the dequantization tests
 def test_mixed_quants_fixture_loads_and_generates(engines):
     path = model_path(MIXED)
     q, f = both(engines, path)
@@ -139,17 +140,22 @@ def test_mixed_quants_fixture_loads_and_generates(engines):
     assert q.weight_bytes() == file_tensor_bytes(path)
 
 
-@pytest.mark.parametrize(
-    "qtype", ["Q4_K", *(pytest.param(q, marks=pytest.mark.slow) for q in ("Q5_K", "Q6_K"))]
-)
+K_CONFIG = dict(TINY["llama"], hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                num_key_value_heads=2)  # fmt: skip
+
+
+@pytest.mark.slow  # the formats' values: test_each_format_dequantizes_as_gguf_py_does
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
 def test_k_quant_models_equal_their_dequantized_form(engines, tmp_path, qtype):
-    cfg = dict(TINY["llama"], hidden_size=256, intermediate_size=512, num_attention_heads=4,
-               num_key_value_heads=2)  # fmt: skip
-    path = write_gguf(tmp_path / "k.gguf", cfg, random_weights(cfg), qtype=qtype)
+    path = write_gguf(tmp_path / "k.gguf", K_CONFIG, random_weights(K_CONFIG), qtype=qtype)
     q, f = both(engines, path, max_seq_len=128)
     assert_same_model(q, f, [[1, 5, 9, 200], [1, 7]])
     assert q.weight_bytes() <= 1.03 * file_tensor_bytes(path)
-    # a tensor split would cut the attention output's single 256-value block of columns
+
+
+def test_a_split_that_would_cut_a_block_is_refused(tmp_path):
+    """A tensor split would cut the attention output's single 256-value block of columns."""
+    path = write_gguf(tmp_path / "k.gguf", K_CONFIG, random_weights(K_CONFIG), qtype="Q4_K")
     with pytest.raises(LayoutError, match="would cut"):
         jaxinfer.load(path, layout="tensor", devices=2, max_seq_len=64)
 
@@ -195,6 +201,7 @@ def test_quantized_layouts_keep_the_tokens(engines, stories_q8):
         assert [r.token_ids for r in got] == [r.token_ids for r in ref], (path, layout)
 
 
+@pytest.mark.slow
 def test_quantized_experts_under_the_expert_split(engines):
     path = model_path(FIXTURES["qwen3_moe"]) / "model-q8_0.gguf"
     single = engines(path, max_seq_len=128)

@@ -34,7 +34,6 @@ FIXTURES = {
     "qwen3_5_moe": "tiny-random/qwen3_5_moe_l3f1_e8k2_mtp",
 }
 SMALL = dict(max_seq_len=512, prefill_buckets=(32, 128), batch_buckets=(1,))
-SLOW = pytest.mark.slow
 
 
 def _reference(kind: str):
@@ -289,7 +288,7 @@ def _mtp_rows(engine, ctx):
 @pytest.mark.parametrize(
     "kind, fmt",
     [
-        pytest.param("qwen3_5", "hf", marks=pytest.mark.slow),
+        ("qwen3_5", "hf"),
         pytest.param("qwen3_next", "gguf", marks=pytest.mark.slow),
         pytest.param("qwen3_5", "gguf", marks=pytest.mark.slow),
         pytest.param("qwen3_next", "hf", marks=pytest.mark.slow),
@@ -313,7 +312,8 @@ def test_mtp_head_matches_the_reference(kind, fmt):
         assert logits.argmax(-1).tolist() == p["mtp"]["draft_ids_f64"]
 
 
-@pytest.mark.parametrize("kind", ["qwen3_5", pytest.param("qwen3_next", marks=SLOW)])
+@pytest.mark.slow  # the head itself: test_mtp_head_matches_the_reference, in the default run
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
 def test_mtp_greedy_equals_hf(kind):
     root, prompts = _reference(kind)
     engine = jaxinfer.load(root, speculative="mtp", draft_tokens=3, **SMALL)
