@@ -23,6 +23,8 @@ STORIES = "stories260K-gguf/stories260K.gguf"
 
 
 def load(**kw):
+    """One set of shapes for every engine here: they share compiled programs (the session's
+    persistent compilation cache)."""
     kw.setdefault("max_seq_len", 256)
     kw.setdefault("prefill_buckets", (16, 64))
     kw.setdefault("batch_buckets", (1, 2))
@@ -166,7 +168,7 @@ def test_cache_smaller_than_the_plan_is_refused():
 @pytest.fixture(scope="module")
 def strict():
     """A strict engine of its own, for the tests that clear or re-warm it."""
-    engine = load(strict=True, batch_buckets=(1,))
+    engine = load(strict=True)
     engine.warmup(progress=False)
     return engine
 
@@ -179,7 +181,7 @@ def test_strict_mode_raises_after_warmup_and_non_strict_goes_on(strict):
     assert strict.kv_stats()["pages_in_use"] == 0  # the refused request gave its pages back
     strict.warmup(progress=False)  # strict engines recover by warming up again
     assert strict.generate([1], max_new_tokens=4, temperature=0).token_ids
-    relaxed = load(batch_buckets=(1,))
+    relaxed = load()
     relaxed.warmup(progress=False)
     relaxed.compile_cache.clear()
     assert relaxed.generate([1, 2, 3], max_new_tokens=4, temperature=0).token_ids
@@ -187,7 +189,7 @@ def test_strict_mode_raises_after_warmup_and_non_strict_goes_on(strict):
 
 def test_strict_from_environment(monkeypatch):
     monkeypatch.setenv("JAXINFER_STRICT", "1")
-    engine = load(batch_buckets=(1,), prefill_buckets=(16,))
+    engine = load()
     engine.warmup(progress=False)
     engine.compile_cache.clear()
     with pytest.raises(RecompileError):

@@ -118,8 +118,9 @@ def test_padding_leaves_the_state_and_conv_untouched():
 
 @pytest.mark.parametrize("gguf", [False, True])
 @pytest.mark.parametrize(
-    "kind", ["qwen3_5", "qwen3_next", pytest.param("qwen3_5_moe", marks=pytest.mark.slow)]
-)  # Qwen3.5-MoE's conversions: test_hf_and_gguf_give_the_same_parameters
+    "kind",
+    ["qwen3_5", *(pytest.param(k, marks=pytest.mark.slow) for k in ("qwen3_next", "qwen3_5_moe"))],
+)  # the others' conversions: test_hf_and_gguf_give_the_same_parameters, in the default run
 def test_fixtures_match_transformers_and_llama_cpp(engines, kind, gguf):
     root, ref = _fixture(kind)
     opts = DENSE if kind == "qwen3_5" else ONE_CHUNK

@@ -17,9 +17,11 @@ MAX_NEW = [40, 5, 33, 12, 60, 8, 21, 3, 50, 17, 1, 28]
 
 
 def load(**kw):
+    """One row or four slots over the same pool, so that the one-row programs are shared."""
     return jaxinfer.load(
-        model_path(STORIES), max_seq_len=512, prefill_buckets=(16, 64), batch_buckets=(1,), **kw
-    )
+        model_path(STORIES), max_seq_len=512, prefill_buckets=(16, 64), batch_buckets=(1,),
+        kv_cache_tokens=2048, **kw,
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -208,6 +208,7 @@ def test_draft_model_greedy_equals_hf(kind, tmp_path):
     assert 0 < stats.accepted_tokens < stats.draft_tokens
 
 
+@pytest.mark.slow
 def test_the_model_as_its_own_draft_accepts_everything():
     path = model_path(STORIES)
     engine = jaxinfer.load(path, speculative=str(path), draft_tokens=5, **SMALL)
