@@ -99,7 +99,7 @@ class _EngineCollector:
         s = self.metrics.snapshot
         if s is None:
             return
-        for name, key, doc in (
+        for name, key, doc in (  # data: (metric, snapshot key, help) per gauge
             ("slots_total", "slots_total", "Slots (requests decoded together)"),
             ("slots_busy", "slots_busy", "Slots serving a request"),
             ("requests_processing", "slots_busy", "Requests being processed"),
@@ -112,7 +112,7 @@ class _EngineCollector:
             f"{P}kv_cache_usage_ratio", "KV cache pages in use / pages in the pool",
             value=s["kv_pages_used"] / max(s["kv_pages_total"], 1),
         )  # fmt: skip
-        for name, key, doc in (
+        for name, key, doc in (  # data: (metric, snapshot key, help) per counter
             ("graphs_reused", "graphs_reused", "Compiled-program calls that reused a program"),
             ("programs_compiled", "programs", "Programs compiled (warmup included)"),
             ("compiles_after_warmup", "compiles_after_warmup", "Compiles after warmup (want 0)"),
