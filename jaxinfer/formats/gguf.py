@@ -549,7 +549,7 @@ def open_gguf(file: Path) -> Checkpoint:
             "%s: %s tensors are dequantized to float at load (kept compressed: %s)",
             file.name, ", ".join(unkept), ", ".join(sorted(quant.GGML_FORMATS)),
         )  # fmt: skip
-    return Checkpoint(
+    return Checkpoint(  # boilerplate (the same keywords as hf.open_hf's)
         config=config,
         tokenizer=Tokenizer.from_gguf(reader),
         kind="gguf",

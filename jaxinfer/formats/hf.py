@@ -350,7 +350,7 @@ def open_hf(folder: Path) -> Checkpoint:
     if not config.mtp_layers and "mtp.fc.weight" in owner:  # Qwen3-Next configs omit the count
         mtp = {k.split(".")[2] for k in owner if k.startswith("mtp.layers.")}
         config = dataclasses.replace(config, mtp_layers=len(mtp))
-    return Checkpoint(
+    return Checkpoint(  # boilerplate (the same keywords as gguf.open_gguf's)
         config=config,
         tokenizer=Tokenizer.from_hf_dir(folder),
         kind="hf",

@@ -1014,7 +1014,7 @@ auto with() {
 
 // The handlers, in QMATMUL_PARTS translation units that kernels/cpu.py compiles in parallel
 // (-DQMATMUL_PARTS=n -DQMATMUL_PART=k, each holding every n-th handler) and links into one
-// library; without the flags, one unit holds all.
+// library; without the flags, one unit holds all. (Boilerplate: one block per handler.)
 #ifndef QMATMUL_PARTS
 #define QMATMUL_PARTS 1
 #define QMATMUL_PART 0
