@@ -27,3 +27,7 @@ class LayoutError(JaxinferError):
 
 class RecompileError(JaxinferError):
     """Strict mode: a program was compiled after warmup()."""
+
+
+class SetupError(JaxinferError):
+    """A setting of the environment (a JAXINFER_* variable) this machine cannot honour."""

@@ -1,5 +1,6 @@
-"""The quantized matmul CPU kernel (qkernel.py) against a float64 NumPy product of gguf-py's
-dequantized weights: every format, odd row counts, activation rows across tile boundaries, and
+"""The CPU kernels (kernels/cpu.py) against a float64 NumPy product of gguf-py's dequantized
+weights and a float64 attention: every format and pool type under every variant this CPU runs
+(the scalar one on every machine), odd row counts, activation rows across tile boundaries, and
 inside jit, fori_loop, cond, vmap and shard_map."""
 
 import jax
@@ -20,10 +21,23 @@ MS = (1, 2, 3, 5, 8, 13, 64)  # decode; fused tiles (2-8); dequantized-row tiles
 FORMATS = tuple(quant.FORMATS)
 
 
+VARIANTS = qkernel.runnable()  # best first; the scalar variant wherever a compiler built it
+
+
 @pytest.fixture(scope="module", autouse=True)
 def kernel():
     if not qkernel.available():
-        pytest.skip("the quantized CPU kernel is not available here (see the jaxinfer warning)")
+        pytest.skip(f"no CPU kernels here: {qkernel.status().describe()}")
+
+
+@pytest.fixture(
+    params=[pytest.param(v, marks=[pytest.mark.slow] * (i > 0)) for i, v in enumerate(VARIANTS)]
+)
+def variant(request):
+    """The calls traced in the test use each variant in turn: the best one in the default run,
+    the others (the scalar one at least) in the slow tier."""
+    with qkernel.using(request.param):
+        yield request.param
 
 
 def width(fmt: str) -> int:
@@ -73,7 +87,7 @@ def check(y, x, ref, scale=1.0):
 
 @pytest.mark.parametrize("rows", [37, 101])  # 101: three chunks of rows, one odd
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_matches_reference(fmt, rows):
+def test_matches_reference(fmt, rows, variant):
     rng = np.random.default_rng(FORMATS.index(fmt) * 1000 + rows)
     cols = width(fmt)
     parts, ref = random_weight(fmt, rows, cols, rng)
@@ -88,7 +102,7 @@ def test_matches_reference(fmt, rows):
         check(y, x[:m], ref)
 
 
-def test_float_weights_past_the_cache():
+def test_float_weights_past_the_cache(variant):
     """An f32 weight over the kernel's cached-weight size (2^18 values) at every M: tiles of
     four weight rows from the quarters of each thread's range, then the 0-3 rows left over
     (O = 1031 rows in chunks of 128-129; I = 300, a ragged tail). check's bound: measured at
@@ -106,7 +120,7 @@ def test_float_weights_past_the_cache():
 
 
 @pytest.mark.parametrize("fmt", ["f32", "q8_0", "q4_k"])
-def test_several_weights_in_one_call(fmt):
+def test_several_weights_in_one_call(fmt, variant):
     """Weights sharing an input in one call (QKV, gate/up): each result matches its own
     reference, with output row counts that split the threads' chunks across weights."""
     rng = np.random.default_rng(7)
@@ -144,7 +158,7 @@ def test_linears_groups_by_format():
     assert hlo.count("jaxinfer_qmatmul_q8_0") == 1 and hlo.count("jaxinfer_qmatmul_q4_k") == 1
 
 
-def test_linears_fold_the_norm():
+def test_linears_fold_the_norm(variant):
     """`linear.linears(x, ws, norm=(w, eps))`: the kernel's calls normalize x's rows themselves
     (one call per format), the other weights take XLA's norm; each result matches a float64
     RMSNorm and product, at 1 and 6 rows and at 64 (past FLOAT_ROWS: the f32 weight takes
@@ -175,7 +189,7 @@ def test_linears_fold_the_norm():
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_weights_are_exact(fmt):
+def test_weights_are_exact(fmt, variant):
     """One-hot activations read single weights back: bit-equal to gguf-py's float32 values."""
     rng = np.random.default_rng(1)
     cols = width(fmt)
@@ -284,7 +298,7 @@ ATTENTION_SHAPES = [
 @pytest.mark.parametrize("T", [1, 21])  # a decode step; a prompt chunk across pages
 @pytest.mark.parametrize("window", [0, 5, 40])
 @pytest.mark.parametrize("shape", ATTENTION_SHAPES)
-def test_attention_matches_reference(shape, window, T):
+def test_attention_matches_reference(shape, window, T, variant):
     check_attention(shape, window, T, np.float32)
 
 
@@ -292,7 +306,7 @@ def test_attention_matches_reference(shape, window, T):
 @pytest.mark.parametrize("window", [0, 40])
 @pytest.mark.parametrize("shape", ATTENTION_SHAPES[::2])
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
-def test_attention_over_16_bit_pools(dtype, shape, window, T):
+def test_attention_over_16_bit_pools(dtype, shape, window, T, variant):
     """kv_cache_dtype float16 / bfloat16: the tokens' keys and values are stored rounded to
     the pool's type (as NumPy rounds: to nearest even), and read back widened."""
     check_attention(shape, window, T, dtype)
@@ -338,5 +352,6 @@ def test_float_engine_runs_the_kernels(stories_gguf):
     stories_gguf.generate("Once upon a time", max_new_tokens=4, temperature=0)
     decode = [c.as_text() for c in stories_gguf.compile_cache.executables("decode")]
     prefill = [c.as_text() for c in stories_gguf.compile_cache.executables("prefill")]
-    assert decode and all(qkernel.ATTEND in text for text in decode)
-    assert any(qkernel._target("f32") in text for text in prefill)
+    variant = qkernel.status().variant
+    assert decode and all(qkernel._attend_target("float32", variant) in text for text in decode)
+    assert any(qkernel._target("f32", variant) in text for text in prefill)

@@ -258,7 +258,20 @@ def _bench(args) -> None:
             slots=list(args.parallel), graph_reuse=reuse[args.graph_reuse],
             mem_bw=args.mem_bw * 1e9 if args.mem_bw else None, progress=progress,
         )  # fmt: skip
+    if args.output == "md":  # the table's machine: which kernels ran it
+        print(f"cpu kernels: {_kernels()}\n")
     print(render(rows, args.output))
+
+
+def _kernels() -> str:
+    """One line: the CPU kernel variant in use and why better ones were skipped."""
+    import jax
+
+    from .. import kernels
+
+    if jax.default_backend() != "cpu":
+        return f"- (the {jax.default_backend()} backend)"
+    return kernels.status().describe()
 
 
 def _generate_run(args) -> None:
@@ -372,6 +385,7 @@ def _info(args) -> None:
         ("tokenizer", f"{tok.kind}; bos {tok.bos_id}, eos {list(tok.eos_ids)}"),
         ("adds BOS", tok.add_bos),
         ("chat template", f"{len(tok.chat_template)} characters" if tok.chat_template else "-"),
+        ("cpu kernels", _kernels()),
     ]  # fmt: skip
     mesh = ", ".join(f"{a}={n}" for a, n in engine.mesh.shape.items())
     devices = engine.mesh.devices.size

@@ -1,7 +1,17 @@
 """Kernels: implementations of the ops (`ops/`) for one backend, chosen where the model calls
-them. Today the CPU's XLA FFI custom calls (`cpu.py`, C++ sources in `src/`): the quantized and
-small-row float products and paged attention. The model never calls a backend directly."""
+them. Today the CPU's XLA FFI custom calls (`cpu.py`; C++ sources in `src/`, one library per
+instruction set, built by `build.py`): the quantized and small-row float products and paged
+attention. The model never calls a backend directly."""
 
-from .cpu import ATTEND_POOLS, MAX_ROWS, attend, available, matmul, matmuls, serves
+from .cpu import ATTEND_POOLS, MAX_ROWS, attend, available, matmul, matmuls, serves, status
 
-__all__ = ["ATTEND_POOLS", "MAX_ROWS", "attend", "available", "matmul", "matmuls", "serves"]
+__all__ = [
+    "ATTEND_POOLS",
+    "MAX_ROWS",
+    "attend",
+    "available",
+    "matmul",
+    "matmuls",
+    "serves",
+    "status",
+]

@@ -1,6 +1,8 @@
-"""The CPU kernels: XLA FFI custom calls (C++ in src/) built with g++ on first use and cached.
+"""The CPU kernels: XLA FFI custom calls (C++ in src/), one library per instruction-set variant
+(build.py), built when the package is installed and chosen when first used: the best variant
+the CPU runs, or the one JAXINFER_CPU_KERNELS names (avx512, avx2, neon, scalar; off: none).
 `qmatmul` reads a `QArray`'s blocks once and dequantizes in registers; `model.linear` sends it
-products of up to MAX_ROWS activation rows; the rest, and any backend without the kernel,
+products of up to MAX_ROWS activation rows; the rest, and any backend without the kernels,
 dequantize inside the graph. Float32 weights placed for it ("f32" QArrays) go to it at
 FLOAT_ROWS: small batches, where XLA CPU's dot leaves its fast one-row path. `attend` is paged
 attention with the K/V write.
@@ -8,52 +10,177 @@ attention with the K/V write.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
-import hashlib
+import dataclasses
 import logging
 import os
-import shutil
-import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import jaxlib
 import numpy as np
 
+from ..errors import SetupError
 from ..ops.quant import FORMATS
+from . import build
 
 log = logging.getLogger("jaxinfer")
 
-KERNELS = Path(__file__).with_name("src")
-SOURCE = KERNELS / "qmatmul.cc"  # compiled in parts (its handlers spread over the units)
-SOURCES = (SOURCE, KERNELS / "attend.cc")  # the library: these, sharing KERNELS' headers
-COMPILER = "g++"
-# -ffp-contract=off: gcc must not fuse a weight's `scale * q - low` into one rounding (the
-# kernel's weights are bit-exact dequantize values); the accumulation's FMAs are explicit.
-FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=c++17", "-ffp-contract=off")
+ENV = "JAXINFER_CPU_KERNELS"
+CHOICES = (*build.NAMES, "off")
 
 # Largest activation row count the kernel serves: the crossover with XLA's dot on an in-graph
 # dequantized weight, which wins only from about 512 rows (benchmarks/results/qkernel.md).
 MAX_ROWS = 256
-MAX_WEIGHTS = 8  # weights in one call (kMaxWeights in qmatmul.cc)
+MAX_WEIGHTS = 8  # weights in one call (kMaxWeights in qmatmul.h)
+
+
+@dataclasses.dataclass(frozen=True)
+class Status:
+    """The kernels of this process: the variant in use (None: the graph path) and, for each
+    better one and for the graph path, why it is not used."""
+
+    variant: str | None
+    skipped: tuple[tuple[str, str], ...] = ()
+
+    def describe(self) -> str:
+        """One line for `jaxinfer info` and the bench header."""
+        why = "; ".join(f"{name}: {reason}" for name, reason in self.skipped)
+        used = f"{self.variant} kernels" if self.variant else "none (the graph path)"
+        return used + (f" ({why})" if why else "")
+
 
 _lock = threading.Lock()
-_ready: bool | None = None
-_lib: ctypes.CDLL | None = None  # kept referenced: the registered handlers live in it
+_status: Status | None = None
+_libs: dict[str, ctypes.CDLL] = {}  # kept referenced: the registered handlers live in them
+_active = threading.local()  # using(): a variant for the calls traced in a block
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as the kernel reports them (/proc/cpuinfo's `flags`, or
+    `Features` on Arm): only what the OS enables."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return frozenset()
+    for line in lines:
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
+def missing(variant: build.Variant, flags: frozenset[str] | None = None) -> str | None:
+    """Why this CPU cannot run a variant (None: it can)."""
+    if build.machine() not in variant.machines and "" not in variant.machines:
+        return f"not for {build.machine() or 'this machine'}"
+    lack = [f for f in variant.needs if f not in (cpu_flags() if flags is None else flags)]
+    return f"the CPU lacks {', '.join(lack)}" if lack else None
+
+
+def runnable() -> list[str]:
+    """The variants this CPU runs and this installation has (or, in a source checkout,
+    builds), best first."""
+    return [v.name for v in build.VARIANTS if missing(v) is None and _load(v) is None]
+
+
+def status() -> Status:
+    """The variant chosen for this process (once): JAXINFER_CPU_KERNELS's, else the best one
+    the CPU runs. A value not in CHOICES, or a forced variant the CPU cannot run or that is not
+    built, raises SetupError; an unforced variant that fails to load is skipped with its
+    reason."""
+    global _status
+    if _status is None:
+        with _lock:
+            if _status is None:
+                _status = _choose()
+    return _status
 
 
 def available() -> bool:
-    """Whether the kernel is built, loaded and registered (once per process; CPU backend
-    only; JAXINFER_QKERNEL=0 turns it off). Never raises: a failed build logs a warning."""
-    global _ready
-    if _ready is None:
-        with _lock:
-            if _ready is None:
-                _ready = _load()
-    return _ready
+    """Whether a kernel variant is loaded and registered (CPU backend only)."""
+    return status().variant is not None and jax.default_backend() == "cpu"
+
+
+@contextlib.contextmanager
+def using(variant: str):
+    """The calls traced inside the block use `variant` (one of runnable()): how the tests run
+    every variant in one process."""
+    if variant not in runnable():
+        raise SetupError(f"the {variant} kernels do not run here ({_why(variant)})")
+    before = getattr(_active, "variant", None)
+    _active.variant = variant
+    try:
+        yield
+    finally:
+        _active.variant = before
+
+
+def _choose() -> Status:
+    forced = os.environ.get(ENV, "").strip().lower()
+    if forced and forced not in CHOICES:
+        raise SetupError(f"{ENV}={forced!r} is not one of {', '.join(CHOICES)}")
+    if forced == "off":
+        return Status(None, (("kernels", f"{ENV}=off"),))
+    if forced:
+        variant = _variant(forced)
+        why = missing(variant) or _load(variant)
+        if why:
+            raise SetupError(f"{ENV}={forced}: {why}; unset it to use the best variant that runs")
+        return Status(forced)
+    skipped = []
+    for variant in build.VARIANTS:
+        why = missing(variant) or _load(variant)
+        if why is None:
+            return Status(variant.name, tuple(skipped))
+        if build.machine() in variant.machines:  # other machines' variants go unsaid
+            skipped.append((variant.name, why))
+    return Status(None, tuple(skipped))
+
+
+def _variant(name: str) -> build.Variant:
+    return next(v for v in build.VARIANTS if v.name == name)
+
+
+def _why(name: str) -> str:
+    variant = _variant(name)
+    return missing(variant) or _load(variant) or "it runs"
+
+
+def _load(variant: build.Variant) -> str | None:
+    """Loads a variant's library and registers its handlers (once); returns why it failed,
+    None when it is loaded. Built at install; rebuilt here only in a source checkout whose
+    sources changed (an editable install)."""
+    if variant.name in _libs:
+        return None
+    path = build.library(variant)
+    try:
+        if not path.exists():
+            if not (Path(__file__).parents[2] / "pyproject.toml").exists():
+                return "not built (no C++ compiler at install?)"
+            log.info("building the %s CPU kernels (their sources changed)", variant.name)
+            path = build.build(variant, jax.ffi.include_dir())
+        lib = ctypes.CDLL(str(path))
+        for fmt in FORMATS:
+            capsule = jax.ffi.pycapsule(getattr(lib, f"qmatmul_{fmt}"))  # every format has one
+            jax.ffi.register_ffi_target(_target(fmt, variant.name), capsule, platform="cpu")
+        for dtype, suffix in ATTEND_POOLS.items():
+            capsule = jax.ffi.pycapsule(getattr(lib, f"attend_{suffix}"))
+            jax.ffi.register_ffi_target(_attend_target(dtype, variant.name), capsule,
+                                        platform="cpu")  # fmt: skip
+    except (OSError, AttributeError, build.BuildError, RuntimeError) as e:
+        return f"failed to load: {str(e).splitlines()[0][:200]}"
+    _libs[variant.name] = lib
+    return None
+
+
+def _in_use() -> str:
+    variant = getattr(_active, "variant", None) or status().variant
+    if variant is None:
+        raise RuntimeError("the CPU kernels are not available here; ask available() first")
+    return variant
 
 
 # Float32 weights ("f32" QArrays) go to the kernel for 2 to FLOAT_ROWS rows, where it beats
@@ -84,15 +211,14 @@ def matmuls(x: jax.Array, fmt: str, weights, out_features, norm=None) -> list[ja
     call -> [f32 [M, O_w]]: the weights share one split over the threads. With `norm` (weight
     f32 [I], eps > 0), x's rows are first RMS-normalized and scaled (`norm.rms_norm`) in the
     kernel, once per call."""
-    if not available():
-        raise RuntimeError("the quantized CPU kernel is not available here; ask serves() first")
+    variant = _in_use()
     extra = () if norm is None else (norm[0].astype(jnp.float32),)
     eps = np.float32(0.0 if norm is None else norm[1])
     outs = []
     for at in range(0, len(weights), MAX_WEIGHTS):
         group, sizes = weights[at : at + MAX_WEIGHTS], out_features[at : at + MAX_WEIGHTS]
         call = jax.ffi.ffi_call(
-            _target(fmt),
+            _target(fmt, variant),
             [jax.ShapeDtypeStruct((x.shape[0], o), jnp.float32) for o in sizes],
             vmap_method="sequential",  # the kernel takes one [M, I] x
         )
@@ -107,11 +233,8 @@ def matmuls(x: jax.Array, fmt: str, weights, out_features, norm=None) -> list[ja
 ATTEND_POOLS = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
 
 
-def _attend_target(dtype: str) -> str:
-    return f"jaxinfer_attend_{ATTEND_POOLS[dtype]}"
-
-
-ATTEND = _attend_target("float32")
+def _attend_target(dtype: str, variant: str) -> str:
+    return f"jaxinfer_attend_{ATTEND_POOLS[dtype]}_{variant}"
 
 
 def attend(q, k, v, pools, table, start, length, window: int | None):
@@ -121,12 +244,11 @@ def attend(q, k, v, pools, table, start, length, window: int | None):
     float32 (scaled, rotated): token t over the row's positions [max(0, n - window), n),
     n = min(start + t + 1, start + max(length, 1)), read through table [B, NB] -> (out
     [B, T, K, G, H] float32, pools)."""
-    if not available():
-        raise RuntimeError("the CPU kernels are not available here; ask available() first")
+    variant = _in_use()
     pool_k, pool_v = pools
     like = jax.ShapeDtypeStruct
     call = jax.ffi.ffi_call(
-        _attend_target(str(pool_k.dtype)),
+        _attend_target(str(pool_k.dtype), variant),
         (like(q.shape, jnp.float32), *(like(p.shape, p.dtype) for p in pools)),
         input_output_aliases={3: 1, 4: 2},
         vmap_method="sequential",
@@ -136,89 +258,5 @@ def attend(q, k, v, pools, table, start, length, window: int | None):
     return out, (pool_k, pool_v)
 
 
-def _target(fmt: str) -> str:
-    return f"jaxinfer_qmatmul_{fmt}"
-
-
-def _load() -> bool:
-    global _lib
-    if os.environ.get("JAXINFER_QKERNEL", "1") == "0":
-        return False
-    try:
-        if jax.default_backend() != "cpu":
-            return False
-        lib = ctypes.CDLL(str(_build()))
-        for fmt in FORMATS:
-            capsule = jax.ffi.pycapsule(getattr(lib, f"qmatmul_{fmt}"))  # every format has one
-            jax.ffi.register_ffi_target(_target(fmt), capsule, platform="cpu")
-        for dtype, suffix in ATTEND_POOLS.items():
-            capsule = jax.ffi.pycapsule(getattr(lib, f"attend_{suffix}"))
-            jax.ffi.register_ffi_target(_attend_target(dtype), capsule, platform="cpu")
-    except Exception as e:  # any failure means the in-graph path, which is always correct
-        log.warning("quantized CPU kernel unavailable, dequantizing in the graph: %s", e)
-        return False
-    _lib = lib
-    return True
-
-
-class BuildError(Exception):
-    pass
-
-
-def _build() -> Path:
-    """The compiled kernel for this source, compiler flags, jaxlib and CPU, built once into
-    the cache directory: its handlers in up to 4 units compiled in parallel, then linked under
-    a temporary name and renamed, so that concurrent processes never load a half-written
-    file."""
-    texts = [f.read_text() for f in sorted(KERNELS.iterdir()) if f.suffix in (".cc", ".h")]
-    key = "\0".join((*texts, COMPILER, *FLAGS, jaxlib.__version__, _cpu()))
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("JAXINFER_KERNEL_DIR") or Path.home() / ".cache/jaxinfer/kernels")
-    path = cache / f"qmatmul-{digest}.so"
-    if path.exists():
-        return path
-    cxx = shutil.which(COMPILER)
-    if cxx is None:
-        raise BuildError(f"no C++ compiler ({COMPILER}) on PATH")
-    cache.mkdir(parents=True, exist_ok=True)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    n = max(1, min(4, cores or 1))
-    with tempfile.TemporaryDirectory(prefix=f"{path.name}.", dir=cache) as tmp:
-        compile_ = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", f"-I{KERNELS}", "-c"]
-        commands = [
-            [*compile_, f"-DQMATMUL_PARTS={n}", f"-DQMATMUL_PART={k}", str(SOURCE)]
-            for k in range(n)
-        ] + [[*compile_, str(source)] for source in SOURCES if source != SOURCE]
-        units = [f"{tmp}/{k}.o" for k in range(len(commands))]
-        jobs = [
-            subprocess.Popen(
-                [*command, "-o", unit],
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            for command, unit in zip(commands, units, strict=True)
-        ]
-        errors = [job.communicate(timeout=900)[1] for job in jobs]
-        if any(job.returncode for job in jobs):
-            lines = [ln for e in errors for ln in e.splitlines() if "error" in ln]
-            raise BuildError(f"{COMPILER} failed: {(lines or ['(no message)'])[0].strip()}")
-        link = subprocess.run(
-            [cxx, "-shared", *units, "-o", f"{tmp}/lib.so"], capture_output=True, text=True
-        )
-        if link.returncode:
-            raise BuildError(f"linking failed: {link.stderr.strip()[:200]}")
-        os.replace(f"{tmp}/lib.so", path)
-    return path
-
-
-def _cpu() -> str:
-    """The CPU's model name and feature flags (-march=native code is built for them)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        import platform
-
-        return platform.processor() or platform.machine()
-    pick = [ln for ln in lines if ln.startswith(("model name", "flags", "Features"))]
-    return "\n".join(dict.fromkeys(pick))
+def _target(fmt: str, variant: str) -> str:
+    return f"jaxinfer_qmatmul_{fmt}_{variant}"

@@ -18,8 +18,6 @@
 // tile (a token's G heads; in a prompt chunk, about 8 queries of adjacent tokens) and page,
 // scores in 16-position vectors, an online softmax with a vectorized exp, and the value sums.
 
-#include <immintrin.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -29,6 +27,7 @@
 #include <type_traits>
 
 #include "parallel.h"
+#include "vec.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -36,66 +35,34 @@ namespace ffi = xla::ffi;
 namespace {
 
 using jaxinfer::parallel_for;
-using jaxinfer::slot;
+using namespace jaxinfer::vec;
 using jaxinfer::static_for;
-using jaxinfer::sums16;
 
 // Queries per task call: a token's G heads (G <= kMaxQueries), or a tile of a prompt chunk's
 // tokens of about kTileQueries queries.
 constexpr int64_t kMaxQueries = 64, kTileQueries = 8;
 
-#ifndef __AVX512F__
-#error "attend.cc needs AVX-512 (F)"
-#endif
-
-
-// e^x in 16 lanes: x = n ln2 + r with |r| <= ln2 / 2 (ln2 split in two for an exact n ln2),
-// e^r by Cephes' expf polynomial (relative error ~1e-7), scaled by 2^n with vscalefps. Inputs
-// below -104 give 0, as exp does in float32.
-INLINE __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(88.7f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
-
 // Lanes of the 16 positions from c that lie in [lo, hi).
-INLINE __mmask16 live(int64_t c, int64_t lo, int64_t hi) {
+INLINE Mask live(int64_t c, int64_t lo, int64_t hi) {
   const uint32_t from = uint32_t(std::clamp<int64_t>(lo - c, 0, 16));
   const uint32_t to = uint32_t(std::clamp<int64_t>(hi - c, 0, 16));
-  return __mmask16(((1u << to) - 1) & ~((1u << from) - 1));
+  return ((1u << to) - 1) & ~((1u << from) - 1);
 }
 
 // A pool's element type: how 16 positions are read as float32 lanes, and how one value is stored.
 struct F32Pool {
   using T = float;
-  static INLINE __m512 load(const T* p) { return _mm512_loadu_ps(p); }
+  static INLINE F load(const T* p) { return jaxinfer::vec::load(p); }
   static INLINE T store(float x) { return x; }
 };
 struct F16Pool {
   using T = uint16_t;
-  static INLINE __m512 load(const T* p) {
-    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  }
-  static INLINE T store(float x) {
-    return _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  }
+  static INLINE F load(const T* p) { return halves(p); }
+  static INLINE T store(float x) { return f2h(x); }
 };
 struct BF16Pool {
   using T = uint16_t;
-  static INLINE __m512 load(const T* p) {  // bf16 is the top half of a float32
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-  }
+  static INLINE F load(const T* p) { return bits_float(u16x16(p) << 16); }  // bf16: f32's top half
   static INLINE T store(float x) {  // round to nearest even; a NaN stays a (quiet) NaN
     uint32_t u;
     std::memcpy(&u, &x, 4);
@@ -154,8 +121,8 @@ void head(const Shape& d, const Queries& qs, const typename Pool::T* kh,
     const int64_t live_n = std::min(S, n - j * S);
     for (int64_t h = 0; h < H; ++h)
       for (int64_t c = 0; c < live_n; c += 16) {
-        _mm_prefetch(reinterpret_cast<const char*>(kn + h * S + c), _MM_HINT_T1);
-        _mm_prefetch(reinterpret_cast<const char*>(vn + h * S + c), _MM_HINT_T1);
+        prefetch(kn + h * S, c, 2);
+        prefetch(vn + h * S, c, 2);
       }
   };
   for (int64_t j = first / S, j0 = j; j * S < n && j < d.NB; ++j) {
@@ -172,24 +139,24 @@ void head(const Shape& d, const Queries& qs, const typename Pool::T* kh,
     // scores s[g, c] = q[g] . k[c], CB chunks at a time (masked lanes: -1e30)
     auto scores = [&](auto cb, int64_t c, int64_t g0) {
       constexpr int CB = decltype(cb)::value;
-      __m512 sv[CB][GT];
+      F sv[CB][GT];
       static_for<CB>([&](auto i) UNROLLED {
-        static_for<GT>([&](auto t) UNROLLED { sv[i][t] = _mm512_setzero_ps(); });
+        static_for<GT>([&](auto t) UNROLLED { sv[i][t] = zero(); });
       });
       for (int64_t h = 0; h < H; ++h) {
-        __m512 qv[GT];
-        static_for<GT>([&](auto t) UNROLLED { qv[t] = _mm512_set1_ps(qp[(g0 + t) * H + h]); });
+        F qv[GT];
+        static_for<GT>([&](auto t) UNROLLED { qv[t] = set1(qp[(g0 + t) * H + h]); });
         static_for<CB>([&](auto i) UNROLLED {
-          __m512 kv = Pool::load(kp + h * S + c + 16 * i);
-          asm("" : "+v"(kv));  // one load for the GT queries (gcc would load it per FMA)
-          static_for<GT>([&](auto t) UNROLLED { sv[i][t] = _mm512_fmadd_ps(qv[t], kv, sv[i][t]); });
+          F kv = Pool::load(kp + h * S + c + 16 * i);
+          KEEP(kv);  // one load for the GT queries (gcc would load it per FMA)
+          static_for<GT>([&](auto t) UNROLLED { sv[i][t] = fma(qv[t], kv, sv[i][t]); });
         });
       }
       static_for<CB>([&](auto i) UNROLLED {
         static_for<GT>([&](auto t) UNROLLED {
-          const __mmask16 keep = live(c + 16 * i, lo[g0 + t], hi[g0 + t]);
-          _mm512_storeu_ps(s + (g0 + t) * S + c + 16 * i,
-                           _mm512_mask_mov_ps(_mm512_set1_ps(-1e30f), keep, sv[i][t]));
+          const Mask keep = live(c + 16 * i, lo[g0 + t], hi[g0 + t]);
+          store(s + (g0 + t) * S + c + 16 * i,
+                           select(keep, sv[i][t], set1(-1e30f)));
         });
       });
     };
@@ -204,48 +171,50 @@ void head(const Shape& d, const Queries& qs, const typename Pool::T* kh,
     float scale[kMaxQueries];
     for (int64_t g = 0; g < Qp; ++g) {
       float* sg = s + g * S;
-      __m512 mx = _mm512_set1_ps(-1e30f);
-      for (int64_t c = c0; c < c1; c += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sg + c));
-      const float m_new = std::max(m[g], _mm512_reduce_max_ps(mx));
-      scale[g] = std::exp(m[g] - m_new);
-      __m512 sum = _mm512_setzero_ps();
-      const __m512 mv = _mm512_set1_ps(m_new);
+      F mx = set1(-1e30f);
       for (int64_t c = c0; c < c1; c += 16) {
-        const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + c), mv));
-        const __m512 p = _mm512_maskz_mov_ps(live(c, lo[g], hi[g]), e);
-        _mm512_storeu_ps(sg + c, p);
-        sum = _mm512_add_ps(sum, p);
+        const F v = load(sg + c);
+        mx = v > mx ? v : mx;
+      }
+      const float m_new = std::max(m[g], hmax(mx));
+      scale[g] = std::exp(m[g] - m_new);
+      F sum = zero();
+      const F mv = set1(m_new);
+      for (int64_t c = c0; c < c1; c += 16) {
+        const F e = exp16(load(sg + c) - mv);
+        const F p = select(live(c, lo[g], hi[g]), e, zero());
+        store(sg + c, p);
+        sum = sum + p;
       }
       m[g] = m_new;
-      l[g] = l[g] * scale[g] + _mm512_reduce_add_ps(sum);
+      l[g] = l[g] * scale[g] + hsum(sum);
     }
     // value sums acc[g, h] = acc[g, h] * scale[g] + sum_c w[g, c] v[h, c] (16 lanes of c)
     for (int64_t g0 = 0; g0 < Qp; g0 += GT)
       for (int64_t h0 = 0; h0 < H; h0 += HB) {
-        __m512 av[HB][GT];
+        F av[HB][GT];
         static_for<HB>([&](auto u) UNROLLED {
           static_for<GT>([&](auto t) UNROLLED {
-            av[u][t] = j == j0 ? _mm512_setzero_ps()
-                               : _mm512_mul_ps(_mm512_loadu_ps(acc + ((g0 + t) * H + h0 + u) * 16),
-                                               _mm512_set1_ps(scale[g0 + t]));
+            av[u][t] = j == j0 ? zero()
+                               : load(acc + ((g0 + t) * H + h0 + u) * 16) * scale[g0 + t];
           });
         });
         for (int64_t c = c0; c < c1; c += 16) {
-          __m512 w[GT];
+          F w[GT];
           static_for<GT>([&](auto t) UNROLLED {
-            w[t] = _mm512_loadu_ps(s + (g0 + t) * S + c);
-            asm("" : "+v"(w[t]));  // loaded once for the HB head dims
+            w[t] = load(s + (g0 + t) * S + c);
+            KEEP(w[t]);  // loaded once for the HB head dims
           });
           static_for<HB>([&](auto u) UNROLLED {
-            __m512 vv = Pool::load(vp + (h0 + u) * S + c);
-            asm("" : "+v"(vv));  // loaded once for the GT queries
+            F vv = Pool::load(vp + (h0 + u) * S + c);
+            KEEP(vv);  // loaded once for the GT queries
             static_for<GT>(
-                [&](auto t) UNROLLED { av[u][t] = _mm512_fmadd_ps(w[t], vv, av[u][t]); });
+                [&](auto t) UNROLLED { av[u][t] = fma(w[t], vv, av[u][t]); });
           });
         }
         static_for<HB>([&](auto u) UNROLLED {
           static_for<GT>([&](auto t) UNROLLED {
-            _mm512_storeu_ps(acc + ((g0 + t) * H + h0 + u) * 16, av[u][t]);
+            store(acc + ((g0 + t) * H + h0 + u) * 16, av[u][t]);
           });
         });
       }
@@ -253,14 +222,11 @@ void head(const Shape& d, const Queries& qs, const typename Pool::T* kh,
   // out[i, h] = acc[i, h] / l[i]: the (query, head dim) sums 16 at a time, into qp (free now;
   // the last group's spill past it lands in acc's first vector, already read)
   for (int64_t f = 0; f < Q * H; f += 16) {
-    __m512 v[16];
-    static_for<16>([&](auto u) UNROLLED { v[u] = _mm512_loadu_ps(acc + (f + u) * 16); });
-    const __m512 sums = sums16(v);
-    static_for<4>([&](auto m) UNROLLED {
-      const __m128 four = _mm512_extractf32x4_ps(sums, m);  // v[slot(0..3, m)]
-      static_for<4>([&](auto r) UNROLLED {
-        qp[f + slot(r, m)] = _mm_cvtss_f32(_mm_permute_ps(four, r));
-      });
+    F v[16];
+    static_for<16>([&](auto u) UNROLLED { v[u] = load(acc + (f + u) * 16); });
+    const F sums = sums16(v);
+    static_for<4>([&](auto m) UNROLLED {  // lanes 4 m + r: v[slot(r, m)]
+      static_for<4>([&](auto r) UNROLLED { qp[f + slot(r, m)] = sums[4 * m + r]; });
     });
   }
   for (int64_t i = 0; i < Q; ++i) {
@@ -390,6 +356,9 @@ auto bind() {
 }
 
 }  // namespace
+
+// The library's instruction set (vec.h), read by kernels/cpu.py.
+extern "C" const char* jaxinfer_variant() { return jaxinfer::kVariant; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(attend_f32, (attend<F32Pool, ffi::F32>), bind<ffi::F32>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(attend_f16, (attend<F16Pool, ffi::F16>), bind<ffi::F16>());

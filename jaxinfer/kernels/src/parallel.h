@@ -1,8 +1,6 @@
 // Shared by the CPU kernels: a loop split over XLA's intra-op thread pool.
 #pragma once
 
-#include <immintrin.h>
-
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -11,10 +9,19 @@
 #include <chrono>
 #include <mutex>
 
-#include "simd.h"
+#include "vec.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxinfer {
+
+// A spin-wait's pause (a hint to the core; nothing where the target has none).
+INLINE void pause() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
 
 // Chunks of [0, n) claimed from an atomic counter by the calling thread and the pool's tasks.
 // A task that starts after every chunk is claimed returns at once, so the caller never waits
@@ -36,7 +43,7 @@ struct Job {
   void wait() const {
     for (int spins = 0; done.load(std::memory_order_acquire) < chunks; ++spins)
       if (spins < 256)
-        _mm_pause();
+        pause();
       else
         std::this_thread::yield();
   }
@@ -77,7 +84,7 @@ inline void stay(uint64_t seen) {
     uint64_t now;
     for (int spins = 0; (now = b.posted.load(std::memory_order_acquire)) == seen; ++spins)
       if (spins % 64 == 0 && std::chrono::steady_clock::now() > until) break;
-      else _mm_pause();
+      else pause();
     b.staying.fetch_sub(1, std::memory_order_acq_rel);
     if (now == seen) return;
     seen = now;

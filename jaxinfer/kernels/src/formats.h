@@ -1,0 +1,520 @@
+// The weight formats of qmatmul: how a row of each of quant.py's FORMATS is read and
+// dequantized, 16 values at a time, with the vector API of vec.h (one source for every
+// instruction set).
+//
+// Each format: kBlock values per block; row(o) -> Row (pointers to row o of every part);
+// block(row, b) -> Blk; value<g>(blk) -> the block's dequantized values [16 g, 16 g + 16);
+// formats whose rows may end inside a block (kTail) also tail(row, col, valid) for the last
+// values. Formats with a one-row dot() give decode's matvecs a cheaper form (below).
+//
+// Numerics: each weight is dequantized bit-exactly as quant.dequantize / gguf-py compute it:
+// scale products first, then one multiply (and add / subtract) per value. That needs
+// -ffp-contract=off (kernels/build.py builds with it) so that gcc does not fuse
+// `scale * q - low` into one rounding; the accumulations' FMAs are explicit (vec::fma).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "vec.h"
+
+namespace jaxinfer::formats {
+
+using namespace jaxinfer::vec;
+
+// The levels d * (i + base), i in [0, 16), of a block with scale d[b]; plus its min m[b] for
+// the formats that have one (kMin): each the reference's product, then its sum.
+//
+// 4- and 5-bit formats dequantize through such a table of the 16 (or 32) values a block's
+// (or sub-block's) scale can produce: one permute per 16 weights instead of convert,
+// multiply and subtract where the instruction set has one (vec::lookup). The table entries
+// are computed with the same operations as the reference, so the values are the same bits.
+template <bool kMin>
+INLINE F levels(const uint16_t* d, const uint16_t* m, int64_t b, float base) {
+  F v = set1(h2f(d[b])) * iota(base);
+  if constexpr (kMin) v = v + h2f(m[b]);
+  return v;
+}
+
+// Q8_0 (32 values): q int8 [O, I], d f16 [O, I / 32]; w = d * q.
+struct Q8_0 {
+  static constexpr int kBlock = 32;
+  static constexpr bool kTail = false;
+  static constexpr int kAhead = 32;  // blocks to prefetch ahead: 1 KiB of the main stream
+  const int8_t* q;
+  const uint16_t* d;
+  int64_t I;
+  struct Row {
+    const int8_t* q;
+    const uint16_t* d;
+  };
+  struct Blk {
+    const int8_t* q;
+    F d;
+  };
+  INLINE Row row(int64_t o) const { return {q + o * I, d + o * (I / 32)}; }
+  INLINE void prefetch(const Row& r, int64_t b) const {
+    vec::prefetch(r.q, 32 * b), vec::prefetch(r.d, b);
+  }
+  INLINE Blk block(const Row& r, int64_t b) const { return {r.q + 32 * b, set1(h2f(r.d[b]))}; }
+  template <int G>
+  INLINE F value(const Blk& k) const {
+    return k.d * to_float(s8x16(k.q + 16 * G));
+  }
+  // One row's product with one activation row: sum_b d[b] (q_b . x_b), the scale applied
+  // once per block (as k_dot below; 86M Q8_0 decode 1.17x on AVX-512).
+  static constexpr bool kSums = false;
+  INLINE float dot(int64_t o, const float* x, const float*) const {
+    const Row r = row(o);
+    F acc = zero();
+    for (int64_t b = 0; b < I / 32; ++b) {
+      prefetch(r, b + kAhead);
+      F part = to_float(s8x16(r.q + 32 * b)) * load(x + 32 * b);
+      part = fma(to_float(s8x16(r.q + 32 * b + 16)), load(x + 32 * b + 16), part);
+      acc = fma(set1(h2f(r.d[b])), part, acc);
+    }
+    return hsum(acc);
+  }
+};
+
+// Per-channel int8 (any I: the last I % 32 values masked): q int8 [O, I], s f32 [O, 1];
+// w = q * s.
+struct Int8 {
+  static constexpr int kBlock = 32;
+  static constexpr bool kTail = true;
+  static constexpr int kAhead = 32;  // blocks to prefetch ahead: 1 KiB of the main stream
+  const int8_t* q;
+  const float* s;
+  int64_t I;
+  struct Row {
+    const int8_t* q;
+    F s;
+  };
+  using Blk = Row;
+  INLINE Row row(int64_t o) const { return {q + o * I, set1(s[o])}; }
+  INLINE void prefetch(const Row& r, int64_t b) const { vec::prefetch(r.q, 32 * b); }
+  INLINE Blk block(const Row& r, int64_t b) const { return {r.q + 32 * b, r.s}; }
+  template <int G>
+  INLINE F value(const Blk& k) const {
+    return to_float(s8x16(k.q + 16 * G)) * k.s;
+  }
+  // Up to 16 of the last I % 32 values, from column col (lanes past them are zero).
+  INLINE F tail(const Row& r, int64_t col, Mask valid) const {
+    return to_float(s8x16_n(r.q + col, valid)) * r.s;
+  }
+};
+
+// 16-bit float weights (f16, bf16; any I: the last I % 32 values masked): w [O, I];
+// w = float(w), exact.
+template <bool kBf16>
+struct Half {
+  static constexpr int kBlock = 32;
+  static constexpr bool kTail = true;
+  static constexpr int kAhead = 16;  // blocks to prefetch ahead: 1 KiB of the main stream
+  const uint16_t* w;
+  int64_t I;
+  using Row = const uint16_t*;
+  using Blk = const uint16_t*;
+  INLINE Row row(int64_t o) const { return w + o * I; }
+  INLINE void prefetch(const Row& r, int64_t b) const { vec::prefetch(r, 32 * b); }
+  INLINE Blk block(const Row& r, int64_t b) const { return r + 32 * b; }
+  template <int G>
+  INLINE F value(const Blk& k) const {
+    if constexpr (kBf16)  // bf16 is the top half of an f32
+      return bits_float(u16x16(k + 16 * G) << 16);
+    else
+      return halves(k + 16 * G);
+  }
+  INLINE F tail(const Row& r, int64_t col, Mask valid) const {
+    if constexpr (kBf16)
+      return bits_float(u16x16_n(r + col, valid) << 16);
+    else
+      return halves_n(r + col, valid);
+  }
+};
+
+// float32 weights (any I: the last I % 32 values masked): w [O, I]. Small-row products of a
+// float model: XLA CPU's dot at 2-8 rows costs 2-3x its one-row time, this tile ~1.2-2x.
+struct Full {
+  static constexpr int kBlock = 32;
+  static constexpr bool kTail = true;
+  static constexpr int kAhead = 0;
+  const float* w;
+  int64_t I;
+  using Row = const float*;
+  using Blk = const float*;
+  INLINE Row row(int64_t o) const { return w + o * I; }
+  // No software prefetch: one float stream is what the hardware prefetchers follow best
+  // (86M decode's products at one row on huge pages: 28.8 GB/s without, 24.3 with).
+  INLINE void prefetch(const Row&, int64_t) const {}
+  INLINE Blk block(const Row& r, int64_t b) const { return r + 32 * b; }
+  template <int G>
+  INLINE F value(const Blk& k) const {
+    return load(k + 16 * G);
+  }
+  INLINE F tail(const Row& r, int64_t col, Mask valid) const { return load_n(r + col, valid); }
+};
+
+// Q4_0 (32 values): qs [O, I / 2] (byte j: value j low nibble, j + 16 high), d f16;
+// w = d * (q - 8). Q4_1 (kMin): plus a min m (f16); w = d * q + m.
+template <bool kMin>
+struct Q4 {
+  static constexpr int kBlock = 32;
+  static constexpr bool kTail = false;
+  static constexpr int kAhead = 64;  // blocks to prefetch ahead: 1 KiB of the main stream
+  const uint8_t* qs;
+  const uint16_t* d;
+  const uint16_t* m;  // kMin only
+  int64_t I;
+  struct Row {
+    const uint8_t* qs;
+    const uint16_t* d;
+    const uint16_t* m;
+  };
+  struct Blk {
+    const uint8_t* qs;
+    F table;
+  };
+  INLINE Row row(int64_t o) const {
+    return {qs + o * (I / 2), d + o * (I / 32), kMin ? m + o * (I / 32) : nullptr};
+  }
+  INLINE void prefetch(const Row& r, int64_t b) const {
+    vec::prefetch(r.qs, 16 * b), vec::prefetch(r.d, b);
+    if constexpr (kMin) vec::prefetch(r.m, b);
+  }
+  INLINE Blk block(const Row& r, int64_t b) const {
+    return {r.qs + 16 * b, levels<kMin>(r.d, r.m, b, kMin ? 0 : -8)};
+  }
+  template <int G>
+  INLINE F value(const Blk& k) const {
+    const Int z = u8x16(k.qs);
+    return lookup(G ? z >> 4 : z, k.table);
+  }
+  // One-row products: block_dot (below).
+  static constexpr bool kSums = true;
+  INLINE float dot(int64_t o, const float* x, const float* sums) const;
+};
+
+// Q5_0 (32 values): qs as Q4_0, qh [O, I / 8] (4 bytes per block: bit j of their
+// little-endian u32 is value j's fifth bit), d f16; w = d * (q - 16). Q5_1 (kMin): plus a
+// min m; w = d * q + m.
+template <bool kMin>
+struct Q5 {
+  static constexpr int kBlock = 32;
+  static constexpr bool kTail = false;
+  static constexpr int kAhead = 64;  // blocks to prefetch ahead: 1 KiB of the main stream
+  const uint8_t* qs;
+  const uint8_t* qh;
+  const uint16_t* d;
+  const uint16_t* m;  // kMin only
+  int64_t I;
+  struct Row {
+    const uint8_t* qs;
+    const uint8_t* qh;
+    const uint16_t* d;
+    const uint16_t* m;
+  };
+  struct Blk {
+    const uint8_t* qs;
+    uint32_t high;
+    F lo, hi;  // values of q in [0, 16) and [16, 32)
+  };
+  INLINE Row row(int64_t o) const {
+    return {qs + o * (I / 2), qh + o * (I / 8), d + o * (I / 32), kMin ? m + o * (I / 32) : nullptr};
+  }
+  INLINE void prefetch(const Row& r, int64_t b) const {
+    vec::prefetch(r.qs, 16 * b), vec::prefetch(r.qh, 4 * b), vec::prefetch(r.d, b);
+    if constexpr (kMin) vec::prefetch(r.m, b);
+  }
+  INLINE Blk block(const Row& r, int64_t b) const {
+    uint32_t high;
+    std::memcpy(&high, r.qh + 4 * b, 4);
+    const float base = kMin ? 0 : -16;
+    return {r.qs + 16 * b, high, levels<kMin>(r.d, r.m, b, base),
+            levels<kMin>(r.d, r.m, b, base + 16)};
+  }
+  template <int G>
+  INLINE F value(const Blk& k) const {
+    const Int z = u8x16(k.qs);
+    return lookup32(G ? z >> 4 : z, (k.high >> (16 * G)) & 0xFFFF, k.lo, k.hi);
+  }
+  // One-row products: block_dot (below).
+  static constexpr bool kSums = true;
+  INLINE float dot(int64_t o, const float* x, const float* sums) const;
+};
+
+// The levels of 16 bytes of nibbles as floats, widened once for both halves: lo = the low
+// nibbles, hi = the high ones, each plus 16 in the lanes of its fifth-bit mask (kFifth).
+template <bool kFifth>
+INLINE void nibble_levels(const uint8_t* p, Mask lo5, Mask hi5, F& lo, F& hi) {
+  const Int z = u8x16(p);
+  Int l = z & 0x0F, h = z >> 4;
+  if constexpr (kFifth) {
+    l = l | (expand(lo5) & 16);
+    h = h | (expand(hi5) & 16);
+  }
+  lo = to_float(l), hi = to_float(h);
+}
+
+// One row o of a Q4_0 / Q4_1 / Q5_0 / Q5_1 weight times one activation row x [I], given x's
+// sums per block (sums [I / 32]): sum_b d[b] (q_b . x_b) + sum_b c[b] sums[b], where c is the
+// block's min (Q4_1, Q5_1) or -8 d (Q4_0; -16 d, Q5_0). As k_dot below: the levels exact
+// floats, the 16 bytes widened once for both nibbles, the scale applied once per block.
+template <class Fmt>
+INLINE float block_dot(const Fmt& f, int64_t o, const float* x, const float* sums) {
+  constexpr bool kFifth = !std::is_same_v<Fmt, Q4<false>> && !std::is_same_v<Fmt, Q4<true>>;
+  constexpr bool kMin = std::is_same_v<Fmt, Q4<true>> || std::is_same_v<Fmt, Q5<true>>;
+  constexpr float kOffset = kFifth ? -16.0f : -8.0f;
+  const typename Fmt::Row r = f.row(o);
+  F acc = zero();
+  float offsets = 0.0f;
+  for (int64_t b = 0; b < f.I / 32; ++b) {
+    f.prefetch(r, b + Fmt::kAhead);
+    uint32_t high = 0;  // bit j: value j's fifth bit
+    if constexpr (kFifth) std::memcpy(&high, r.qh + 4 * b, 4);
+    F lo, hi;  // values j (low nibbles) and 16 + j (high)
+    nibble_levels<kFifth>(r.qs + 16 * b, high & 0xFFFF, high >> 16, lo, hi);
+    F part = lo * load(x + 32 * b);
+    part = fma(hi, load(x + 32 * b + 16), part);
+    const float d = h2f(r.d[b]);
+    acc = fma(set1(d), part, acc);
+    offsets += (kMin ? h2f(r.m[b]) : kOffset * d) * sums[b];
+  }
+  return hsum(acc) + offsets;
+}
+template <bool kMin>
+INLINE float Q4<kMin>::dot(int64_t o, const float* x, const float* sums) const {
+  return block_dot(*this, o, x, sums);
+}
+template <bool kMin>
+INLINE float Q5<kMin>::dot(int64_t o, const float* x, const float* sums) const {
+  return block_dot(*this, o, x, sums);
+}
+
+// K-quant sub-block scales and mins of one block: scale[j] = d * sc[j], low[j] = dmin * mn[j]
+// (8 at once, the reference's products), kept in memory for broadcast loads.
+INLINE void k_scales(float* scale, float* low, const uint8_t* sc, const uint8_t* mn, uint16_t d,
+                     uint16_t dmin) {
+  typedef uint8_t B8 __attribute__((vector_size(8), aligned(1)));
+  const F8 s = __builtin_convertvector(*reinterpret_cast<const B8*>(sc), F8) * h2f(d);
+  const F8 m = __builtin_convertvector(*reinterpret_cast<const B8*>(mn), F8) * h2f(dmin);
+  std::memcpy(scale, &s, 32), std::memcpy(low, &m, 32);
+}
+
+// Q4_K (256 values, 8 sub-blocks of 32): qs [O, I / 2] (per 64 values, byte l: value l low
+// nibble, 32 + l high), sc and mn uint8 [O, I / 32] (6-bit, unpacked at load), d and dmin f16
+// [O, I / 256]; w = (d * sc[j]) * q - (dmin * mn[j]) in sub-block j.
+struct Q4_K {
+  static constexpr int kBlock = 256;
+  static constexpr bool kTail = false;
+  static constexpr int kAhead = 8;  // blocks to prefetch ahead: 1 KiB of the main stream
+  const uint8_t* qs;
+  const uint8_t* sc;
+  const uint8_t* mn;
+  const uint16_t* d;
+  const uint16_t* dmin;
+  int64_t I;
+  struct Row {
+    const uint8_t *qs, *sc, *mn;
+    const uint16_t *d, *dmin;
+  };
+  struct Blk {
+    const uint8_t* qs;
+    alignas(32) float scale[8], low[8];  // d * sc[j], dmin * mn[j]
+  };
+  INLINE Row row(int64_t o) const {
+    return {qs + o * (I / 2), sc + o * (I / 32), mn + o * (I / 32), d + o * (I / 256),
+            dmin + o * (I / 256)};
+  }
+  INLINE void prefetch(const Row& r, int64_t b) const {
+    vec::prefetch(r.qs, 128 * b), vec::prefetch(r.qs, 128 * b + 64), vec::prefetch(r.sc, 8 * b),
+        vec::prefetch(r.mn, 8 * b), vec::prefetch(r.d, b), vec::prefetch(r.dmin, b);
+  }
+  INLINE Blk block(const Row& r, int64_t b) const {
+    Blk k;
+    k.qs = r.qs + 128 * b;
+    k_scales(k.scale, k.low, r.sc + 8 * b, r.mn + 8 * b, r.d[b], r.dmin[b]);
+    return k;
+  }
+  // Group g: sub-block j = g / 2, its half g % 2; sub-blocks 2c and 2c + 1 share the 32
+  // bytes of chunk c (low and high nibbles). The table of sub-block j is computed for both
+  // of its groups; the compiler keeps one copy.
+  template <int G>
+  INLINE F value(const Blk& k) const {
+    constexpr int j = G / 2, h = G % 2, c = j / 2, p = j % 2;
+    const Int z = u8x16(k.qs + 32 * c + 16 * h);
+    const F table = bcast(&k.scale[j]) * iota(0) - bcast(&k.low[j]);
+    return lookup(p ? z >> 4 : z, table);
+  }
+  // One-row products: k_dot (below).
+  static constexpr bool kSums = true;
+  INLINE float dot(int64_t o, const float* x, const float* sums) const;
+};
+
+// Q5_K: Q4_K plus qh [O, I / 8] (32 bytes per block: bit j of byte l is value 32 j + l's
+// fifth bit).
+struct Q5_K {
+  static constexpr int kBlock = 256;
+  static constexpr bool kTail = false;
+  static constexpr int kAhead = 8;  // blocks to prefetch ahead: 1 KiB of the main stream
+  const uint8_t* qs;
+  const uint8_t* qh;
+  const uint8_t* sc;
+  const uint8_t* mn;
+  const uint16_t* d;
+  const uint16_t* dmin;
+  int64_t I;
+  struct Row {
+    const uint8_t *qs, *qh, *sc, *mn;
+    const uint16_t *d, *dmin;
+  };
+  struct Blk {
+    const uint8_t *qs, *qh;
+    alignas(32) float scale[8], low[8];
+  };
+  INLINE Row row(int64_t o) const {
+    return {qs + o * (I / 2), qh + o * (I / 8), sc + o * (I / 32), mn + o * (I / 32),
+            d + o * (I / 256), dmin + o * (I / 256)};
+  }
+  INLINE void prefetch(const Row& r, int64_t b) const {
+    vec::prefetch(r.qs, 128 * b), vec::prefetch(r.qs, 128 * b + 64), vec::prefetch(r.qh, 32 * b),
+        vec::prefetch(r.sc, 8 * b), vec::prefetch(r.mn, 8 * b), vec::prefetch(r.d, b),
+        vec::prefetch(r.dmin, b);
+  }
+  INLINE Blk block(const Row& r, int64_t b) const {
+    Blk k;
+    k.qs = r.qs + 128 * b;
+    k.qh = r.qh + 32 * b;
+    k_scales(k.scale, k.low, r.sc + 8 * b, r.mn + 8 * b, r.d[b], r.dmin[b]);
+    return k;
+  }
+  template <int G>
+  INLINE F value(const Blk& k) const {
+    constexpr int j = G / 2, h = G % 2, c = j / 2, p = j % 2;
+    const Int z = u8x16(k.qs + 32 * c + 16 * h);
+    // fifth bits of values 32 j + 16 h + [0, 16): bit j of qh bytes 16 h + [0, 16)
+    const Mask high = test_bytes(k.qh + 16 * h, uint8_t(1 << j));
+    const F s = bcast(&k.scale[j]), l = bcast(&k.low[j]);
+    return lookup32(p ? z >> 4 : z, high, s * iota(0) - l, s * iota(16) - l);
+  }
+  // One-row products: k_dot (below).
+  static constexpr bool kSums = true;
+  INLINE float dot(int64_t o, const float* x, const float* sums) const;
+};
+
+// One row o of a Q4_K or Q5_K weight times one activation row x [I], given x's sums over
+// each sub-block (sums [I / 32]): sum_j scale[j] (q_j . x_j) - sum_j low[j] sums[j]. The
+// levels q are exact floats, each 16 bytes of nibbles widened once for both their halves,
+// and a sub-block's scale waits for its 32 products: no table lookup and no table to build
+// per sub-block (a cache-resident q4_k matvec on AVX-512: 1.38 -> 1.02 ns per 16 values; 86M
+// Q4_K decode 1.23x). Within float32 rounding of the dequantized weights' products (3e-8 of
+// the sum of |terms| measured), not bit-equal to them.
+template <class Fmt>
+INLINE float k_dot(const Fmt& f, int64_t o, const float* x, const float* sums) {
+  constexpr bool kFifth = std::is_same_v<Fmt, Q5_K>;
+  const typename Fmt::Row r = f.row(o);
+  F acc = zero();
+  F8 mins = F8{};
+  for (int64_t b = 0; b < f.I / 256; ++b) {
+    f.prefetch(r, b + Fmt::kAhead);
+    alignas(32) float scale[8], low[8];
+    k_scales(scale, low, r.sc + 8 * b, r.mn + 8 * b, r.d[b], r.dmin[b]);
+    mins = mins + load8(low) * load8(sums + 8 * b);
+    const float* xb = x + 256 * b;
+    static_for<4>([&](auto c) {  // bytes [32 c, 32 c + 32): sub-blocks 2c (low), 2c + 1
+      F part[2];
+      static_for<2>([&](auto h) {  // bytes 16 h + [0, 16): values 16 h + [0, 16) of both
+        Mask lo5 = 0, hi5 = 0;
+        if constexpr (kFifth) {  // bit j of qh byte l: value 32 j + l's fifth bit
+          lo5 = test_bytes(r.qh + 32 * b + 16 * h, uint8_t(1 << (2 * c)));
+          hi5 = test_bytes(r.qh + 32 * b + 16 * h, uint8_t(2 << (2 * c)));
+        }
+        F lv, hv;
+        nibble_levels<kFifth>(r.qs + 128 * b + 32 * c + 16 * h, lo5, hi5, lv, hv);
+        const float* xs = xb + 64 * c + 16 * h;
+        if constexpr (h == 0) {
+          part[0] = lv * load(xs);
+          part[1] = hv * load(xs + 32);
+        } else {
+          part[0] = fma(lv, load(xs), part[0]);
+          part[1] = fma(hv, load(xs + 32), part[1]);
+        }
+      });
+      acc = fma(set1(scale[2 * c]), part[0], acc);
+      acc = fma(set1(scale[2 * c + 1]), part[1], acc);
+    });
+  }
+  float m = 0.0f;
+  for (int l = 0; l < 8; ++l) m += mins[l];
+  return hsum(acc) - m;
+}
+INLINE float Q4_K::dot(int64_t o, const float* x, const float* sums) const {
+  return k_dot(*this, o, x, sums);
+}
+INLINE float Q5_K::dot(int64_t o, const float* x, const float* sums) const {
+  return k_dot(*this, o, x, sums);
+}
+
+// Q6_K (256 values, 16 scale groups of 16): ql [O, I / 2] (per 128 values, byte b: value b
+// low nibble, 64 + b high), qh [O, I / 4] (per 128 values, bits 2s..2s+1 of byte l are value
+// 32 s + l's top two bits), sc int8 [O, I / 16], d f16 [O, I / 256];
+// w = (d * sc[g]) * (q - 32) in group g.
+struct Q6_K {
+  static constexpr int kBlock = 256;
+  static constexpr bool kTail = false;
+  static constexpr int kAhead = 8;  // blocks to prefetch ahead: 1 KiB of the main stream
+  const uint8_t* ql;
+  const uint8_t* qh;
+  const int8_t* sc;
+  const uint16_t* d;
+  int64_t I;
+  struct Row {
+    const uint8_t *ql, *qh;
+    const int8_t* sc;
+    const uint16_t* d;
+  };
+  struct Blk {
+    alignas(64) int8_t q[256];    // q - 32
+    alignas(64) float scale[16];  // d * sc[g]
+  };
+  INLINE Row row(int64_t o) const {
+    return {ql + o * (I / 2), qh + o * (I / 4), sc + o * (I / 16), d + o * (I / 256)};
+  }
+  INLINE void prefetch(const Row& r, int64_t b) const {
+    vec::prefetch(r.ql, 128 * b), vec::prefetch(r.ql, 128 * b + 64), vec::prefetch(r.qh, 64 * b),
+        vec::prefetch(r.sc, 16 * b), vec::prefetch(r.d, b);
+  }
+  // The block's 6-bit values assembled 64 at a time with byte operations, then widened 16 at
+  // a time: a third fewer vector operations than assembling each 16 in 32-bit lanes (a
+  // cache-resident q6_k matvec ran 25% faster on AVX-512).
+  INLINE Blk block(const Row& r, int64_t b) const {
+    Blk k;
+    const uint8_t *ql = r.ql + 128 * b, *qh = r.qh + 64 * b;
+    for (int H = 0; H < 2; ++H) {  // values [128 H, 128 H + 128)
+      const B64 l = *reinterpret_cast<const B64*>(ql + 64 * H);
+      const B32 h = *reinterpret_cast<const B32*>(qh + 32 * H);
+      // values 32 s + l: the low nibble of byte l (s < 2) or its high one (s >= 2), the top
+      // bits at shift 2 s of qh byte l, moved to bits 4..5
+      const B64 top_lo = concat(B32(h << 4), B32(h << 2)), top_hi = concat(h, B32(h >> 2));
+      const B64 q_lo = (l & 0x0F) | (top_lo & 0x30), q_hi = (l >> 4) | (top_hi & 0x30);
+      const B64 lo = q_lo - 32, hi = q_hi - 32;  // as int8: q - 32
+      std::memcpy(k.q + 128 * H, &lo, 64), std::memcpy(k.q + 128 * H + 64, &hi, 64);
+    }
+    store(k.scale, set1(h2f(r.d[b])) * to_float(s8x16(r.sc + 16 * b)));
+    return k;
+  }
+  static INLINE B64 concat(B32 a, B32 b) {
+    return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15,
+                                   16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30,
+                                   31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45,
+                                   46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60,
+                                   61, 62, 63);
+  }
+  template <int G>
+  INLINE F value(const Blk& k) const {
+    return bcast(&k.scale[G]) * to_float(s8x16(k.q + 16 * G));
+  }
+};
+
+}  // namespace jaxinfer::formats

@@ -1,0 +1,419 @@
+// The CPU kernels' vector API: 16 float32 (or int32) lanes, the width of every GGUF block's
+// sub-groups, and the few operations the kernels need. Written once with GCC vector
+// extensions (+ - * & | >> and comparisons on whole vectors, which gcc lowers to the target's
+// registers: one zmm on AVX-512, two ymm on AVX2, four q registers on NEON, plain code on the
+// scalar build); one body per instruction set only where the generic form is slow or inexact:
+// fused multiply-add, horizontal sums, f16 conversion, table lookups, lane masks, the exp's
+// rounding and scaling. The variant is chosen by the compiler flags of its build
+// (kernels/build.py: -mavx512f ..., -mavx2 -mfma -mf16c, aarch64's NEON, none), never by
+// -march=native.
+#pragma once
+
+#if defined(JAXINFER_SCALAR)  // the generic bodies only, whatever the target
+#elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__FMA__)
+#define JAXINFER_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define JAXINFER_AVX2 1
+#elif defined(__ARM_NEON) && defined(__aarch64__)
+#define JAXINFER_NEON 1
+#endif
+
+#if defined(JAXINFER_AVX512) || defined(JAXINFER_AVX2)
+#include <immintrin.h>
+#elif defined(JAXINFER_NEON)
+#include <arm_neon.h>
+#endif
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <utility>
+
+#define INLINE inline __attribute__((always_inline))
+// For the bodies handed to static_for, `[&](auto i) UNROLLED { ... }`: inlined before gcc's
+// scalar replacement runs, so that the register arrays they index stay registers. Without it
+// attend.cc's head() kept its 16 score accumulators in registers but also stored all of them
+// to the stack on every step of the head-dim loop (16 stores per 16 FMAs).
+#define UNROLLED __attribute__((always_inline))
+
+namespace jaxinfer {
+
+// The variant's name, as kernels/cpu.py reports it (the library's `variant()` symbol).
+#if defined(JAXINFER_AVX512)
+constexpr const char* kVariant = "avx512";
+#elif defined(JAXINFER_AVX2)
+constexpr const char* kVariant = "avx2";
+#elif defined(JAXINFER_NEON)
+constexpr const char* kVariant = "neon";
+#else
+constexpr const char* kVariant = "scalar";
+#endif
+
+template <class F, int... G>
+INLINE void static_for_impl(F&& f, std::integer_sequence<int, G...>) {
+  (f(std::integral_constant<int, G>{}), ...);
+}
+
+// f(std::integral_constant<int, g>) for g in [0, N): block bodies unrolled with constant g.
+template <int N, class F>
+INLINE void static_for(F&& f) {
+  static_for_impl(f, std::make_integer_sequence<int, N>{});
+}
+
+namespace vec {
+
+typedef float F __attribute__((vector_size(64), aligned(4)));      // 16 float32 lanes
+typedef int32_t Int __attribute__((vector_size(64), aligned(4)));    // 16 int32 lanes
+typedef uint32_t UInt __attribute__((vector_size(64), aligned(4)));   // 16 uint32 lanes
+typedef float F8 __attribute__((vector_size(32), aligned(4)));     // 8 float32 lanes
+typedef uint8_t B16 __attribute__((vector_size(16), aligned(1)));  // 16 bytes
+typedef int8_t S16 __attribute__((vector_size(16), aligned(1)));
+typedef uint16_t H16 __attribute__((vector_size(32), aligned(2)));  // 16 halves
+typedef uint8_t B64 __attribute__((vector_size(64), aligned(1)));   // 64 bytes
+typedef uint8_t B32 __attribute__((vector_size(32), aligned(1)));
+typedef uint32_t Mask;  // lane l: bit l (16 lanes)
+
+INLINE F zero() { return F{}; }
+INLINE F set1(float x) { return F{} + x; }
+INLINE Int set1i(int32_t x) { return Int{} + x; }
+INLINE F iota(float base) {
+  return F{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} + base;
+}
+// Unaligned loads and stores (the typedefs' alignment is their element's).
+INLINE F load(const float* p) { return *reinterpret_cast<const F*>(p); }
+INLINE void store(float* p, F v) { *reinterpret_cast<F*>(p) = v; }
+INLINE F8 load8(const float* p) { return *reinterpret_cast<const F8*>(p); }
+INLINE Int to_int(F v) { return __builtin_convertvector(v, Int); }
+INLINE F to_float(Int v) { return __builtin_convertvector(v, F); }
+INLINE F bits_float(UInt v) { return reinterpret_cast<F&>(v); }
+// 16 consecutive bytes (or halves) widened to 16 int32 lanes.
+INLINE Int u8x16(const uint8_t* p) {
+  return __builtin_convertvector(*reinterpret_cast<const B16*>(p), Int);
+}
+INLINE Int s8x16(const int8_t* p) {
+  return __builtin_convertvector(*reinterpret_cast<const S16*>(p), Int);
+}
+INLINE UInt u16x16(const uint16_t* p) {
+  return __builtin_convertvector(*reinterpret_cast<const H16*>(p), UInt);
+}
+// The first min(n, 16) of 16 lanes (n >= 0): a row's tail.
+INLINE Mask lanes(int64_t n) { return (1u << (n < 16 ? n : 16)) - 1; }
+// Lane l of the mask as a vector lane of all ones (or zeros).
+INLINE Int expand(Mask m) {
+  const Int bit = {1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768};
+  return (bit & int32_t(m)) != 0;
+}
+// Lanes of 16 bytes whose `bit` is set.
+INLINE Mask test_bytes(const uint8_t* p, uint8_t bit);
+
+// Hint to load the line holding p[i] (past the end is harmless: prefetches never fault).
+template <class T>
+INLINE void prefetch(const T* p, int64_t i, int locality = 3) {
+  if (locality == 3)
+    __builtin_prefetch(p + i, 0, 3);
+  else
+    __builtin_prefetch(p + i, 0, 2);
+}
+
+// A register barrier: v is kept in registers and loaded once for the uses that follow (gcc
+// would fold the load into each FMA, and at one load per cycle the loads would set the pace).
+#if defined(JAXINFER_AVX512)
+#define KEEP(v) asm("" : "+v"(v))
+#else
+#define KEEP(v) ((void)0)
+#endif
+
+// f16 <-> f32, one value (exact widening; narrowing rounds to nearest even).
+INLINE float h2f_soft(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000) << 16, e = (h >> 10) & 0x1F, m = h & 0x3FF;
+  uint32_t u;
+  if (e == 0x1F) {
+    u = sign | 0x7F800000u | (m << 13);  // inf, nan
+  } else if (e) {
+    u = sign | ((e + 112) << 23) | (m << 13);
+  } else if (m == 0) {
+    u = sign;
+  } else {  // subnormal: m 2^-24, exact in float32
+    float f = float(m) * 5.9604644775390625e-8f;
+    std::memcpy(&u, &f, 4);
+    u |= sign;
+  }
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+INLINE uint16_t f2h_soft(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  const uint16_t sign = uint16_t((u >> 16) & 0x8000);
+  const uint32_t a = u & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) return sign | 0x7E00 | uint16_t((a >> 13) & 0x3FF);  // nan stays nan
+  if (a >= 0x477FF000u) return sign | 0x7C00;  // rounds past 65504: inf
+  if (a < 0x38800000u) {  // below f16's smallest normal: a multiple of 2^-24, rounded
+    float f;
+    std::memcpy(&f, &a, 4);
+    return sign | uint16_t(std::nearbyint(f * 16777216.0f));
+  }
+  const uint32_t r = a + 0xFFFu + ((a >> 13) & 1);  // round to nearest even at bit 13
+  return sign | uint16_t((r - 0x38000000u) >> 13);
+}
+
+#if defined(JAXINFER_AVX512)
+INLINE __m512 x86(F v) { return reinterpret_cast<__m512&>(v); }
+INLINE F ext(__m512 v) { return reinterpret_cast<F&>(v); }
+INLINE F fma(F a, F b, F c) { return ext(_mm512_fmadd_ps(x86(a), x86(b), x86(c))); }
+INLINE float hsum(F v) { return _mm512_reduce_add_ps(x86(v)); }
+INLINE float hmax(F v) { return _mm512_reduce_max_ps(x86(v)); }
+INLINE F select(Mask m, F yes, F no) { return ext(_mm512_mask_mov_ps(x86(no), m, x86(yes))); }
+INLINE F load_n(const float* p, Mask m) { return ext(_mm512_maskz_loadu_ps(m, p)); }
+INLINE void store_n(float* p, Mask m, F v) { _mm512_mask_storeu_ps(p, m, x86(v)); }
+INLINE Int s8x16_n(const int8_t* p, Mask m) {
+  __m512i v = _mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p));
+  return reinterpret_cast<Int&>(v);
+}
+INLINE UInt u16x16_n(const uint16_t* p, Mask m) {
+  __m512i v = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
+  return reinterpret_cast<UInt&>(v);
+}
+INLINE F halves(const uint16_t* p) {
+  return ext(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+}
+INLINE F halves_n(const uint16_t* p, Mask m) {
+  return ext(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p)));
+}
+INLINE float h2f(uint16_t h) { return _cvtsh_ss(h); }
+INLINE uint16_t f2h(float x) { return _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+// table[idx & 15] per lane (vpermps reads only the low 4 bits).
+INLINE F lookup(Int idx, F table) {
+  return ext(_mm512_permutexvar_ps(reinterpret_cast<__m512i&>(idx), x86(table)));
+}
+INLINE Mask test_bytes(const uint8_t* p, uint8_t bit) {
+  return _mm_test_epi8_mask(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)),
+                            _mm_set1_epi8(char(bit)));
+}
+// *p broadcast to 16 lanes by a load, not a shuffle: written as asm because gcc forwards a
+// just-stored float through shuffles (extract, then broadcast from a register), and shuffles
+// (vpermps, vpmovzxbd) are what the 4-bit formats are short of.
+INLINE F bcast(const float* p) {
+  __m512 r;
+  asm("vbroadcastss %1, %0" : "=v"(r) : "m"(*p));
+  return ext(r);
+}
+INLINE F round(F v) {
+  return ext(_mm512_roundscale_ps(x86(v), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+INLINE F scale2(F v, F n) { return ext(_mm512_scalef_ps(x86(v), x86(n))); }  // v 2^n
+#else
+// The generic bodies, split where an instruction set has a faster one.
+INLINE F fma(F a, F b, F c) {
+#if defined(JAXINFER_AVX2)
+  const F8 lo = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7);
+  const F8 hi = __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+  const F8 bl = __builtin_shufflevector(b, b, 0, 1, 2, 3, 4, 5, 6, 7);
+  const F8 bh = __builtin_shufflevector(b, b, 8, 9, 10, 11, 12, 13, 14, 15);
+  const F8 cl = __builtin_shufflevector(c, c, 0, 1, 2, 3, 4, 5, 6, 7);
+  const F8 ch = __builtin_shufflevector(c, c, 8, 9, 10, 11, 12, 13, 14, 15);
+  const F8 rl = F8(_mm256_fmadd_ps(__m256(lo), __m256(bl), __m256(cl)));
+  const F8 rh = F8(_mm256_fmadd_ps(__m256(hi), __m256(bh), __m256(ch)));
+  return __builtin_shufflevector(rl, rh, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#elif defined(JAXINFER_NEON)
+  F r;
+  for (int k = 0; k < 4; ++k) {
+    float32x4_t av, bv, cv;
+    std::memcpy(&av, reinterpret_cast<const float*>(&a) + 4 * k, 16);
+    std::memcpy(&bv, reinterpret_cast<const float*>(&b) + 4 * k, 16);
+    std::memcpy(&cv, reinterpret_cast<const float*>(&c) + 4 * k, 16);
+    const float32x4_t rv = vfmaq_f32(cv, av, bv);
+    std::memcpy(reinterpret_cast<float*>(&r) + 4 * k, &rv, 16);
+  }
+  return r;
+#else  // two roundings: an FMA without the instruction is a library call per lane
+  return a * b + c;
+#endif
+}
+INLINE float hsum(F v) {  // pairwise: lanes l and l + 8, then l + 4, ...
+  const F8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+               __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  typedef float F4 __attribute__((vector_size(16)));
+  const F4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+INLINE float hmax(F v) {
+  float m = v[0];
+  for (int l = 1; l < 16; ++l) m = v[l] > m ? v[l] : m;
+  return m;
+}
+INLINE F select(Mask m, F yes, F no) { return expand(m) ? yes : no; }
+INLINE F load_n(const float* p, Mask m) {
+  if (m == 0xFFFF) return load(p);
+  F r = F{};
+  for (int l = 0; l < 16; ++l)
+    if (m >> l & 1) r[l] = p[l];
+  return r;
+}
+INLINE void store_n(float* p, Mask m, F v) {
+  if (m == 0xFFFF) return store(p, v);
+  for (int l = 0; l < 16; ++l)
+    if (m >> l & 1) p[l] = v[l];
+}
+INLINE Int s8x16_n(const int8_t* p, Mask m) {
+  Int r = Int{};
+  for (int l = 0; l < 16; ++l)
+    if (m >> l & 1) r[l] = p[l];
+  return r;
+}
+INLINE UInt u16x16_n(const uint16_t* p, Mask m) {
+  UInt r = UInt{};
+  for (int l = 0; l < 16; ++l)
+    if (m >> l & 1) r[l] = p[l];
+  return r;
+}
+#if defined(JAXINFER_AVX2)
+INLINE float h2f(uint16_t h) { return _cvtsh_ss(h); }
+INLINE uint16_t f2h(float x) { return _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+INLINE F halves(const uint16_t* p) {
+  const F8 lo = F8(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  const F8 hi = F8(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8))));
+  return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+#elif defined(JAXINFER_NEON)
+INLINE float h2f(uint16_t h) {
+  __fp16 f;
+  std::memcpy(&f, &h, 2);
+  return float(f);
+}
+INLINE uint16_t f2h(float x) {
+  const __fp16 f = __fp16(x);  // round to nearest even
+  uint16_t h;
+  std::memcpy(&h, &f, 2);
+  return h;
+}
+INLINE F halves(const uint16_t* p) {
+  F r;
+  for (int k = 0; k < 4; ++k) {
+    const float32x4_t v = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p + 4 * k)));
+    std::memcpy(reinterpret_cast<float*>(&r) + 4 * k, &v, 16);
+  }
+  return r;
+}
+#else
+INLINE float h2f(uint16_t h) { return h2f_soft(h); }
+INLINE uint16_t f2h(float x) { return f2h_soft(x); }
+INLINE F halves(const uint16_t* p) {
+  F r;
+  for (int l = 0; l < 16; ++l) r[l] = h2f_soft(p[l]);
+  return r;
+}
+#endif
+INLINE F halves_n(const uint16_t* p, Mask m) {
+  uint16_t h[16] = {};
+  for (int l = 0; l < 16; ++l)
+    if (m >> l & 1) h[l] = p[l];
+  return halves(h);
+}
+// table[idx & 15] per lane.
+INLINE F lookup(Int idx, F table) {
+#if defined(JAXINFER_AVX2)  // two 8-entry permutes, then a blend on bit 3
+  const F8 tl = __builtin_shufflevector(table, table, 0, 1, 2, 3, 4, 5, 6, 7);
+  const F8 th = __builtin_shufflevector(table, table, 8, 9, 10, 11, 12, 13, 14, 15);
+  typedef int32_t Int8v __attribute__((vector_size(32)));
+  F8 half[2];
+  static_for<2>([&](auto k) UNROLLED {
+    constexpr int o = 8 * decltype(k)::value;
+    const Int8v ix =
+        __builtin_shufflevector(idx, idx, o, o + 1, o + 2, o + 3, o + 4, o + 5, o + 6, o + 7);
+    const __m256 lo = _mm256_permutevar8x32_ps(__m256(tl), __m256i(ix));
+    const __m256 hi = _mm256_permutevar8x32_ps(__m256(th), __m256i(ix));
+    half[k] = F8(_mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32(__m256i(ix), 28))));
+  });
+  return __builtin_shufflevector(half[0], half[1], 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,
+                                 13, 14, 15);
+#else
+  float t[16], r[16];
+  int32_t i[16];
+  std::memcpy(t, &table, 64), std::memcpy(i, &idx, 64);
+  for (int l = 0; l < 16; ++l) r[l] = t[i[l] & 15];
+  F out;
+  std::memcpy(&out, r, 64);
+  return out;
+#endif
+}
+INLINE Mask test_bytes(const uint8_t* p, uint8_t bit) {
+  const B16 b = *reinterpret_cast<const B16*>(p);
+  const auto set = (b & bit) != 0;  // bytes of all ones or zeros
+  Mask m = 0;
+  for (int l = 0; l < 16; ++l) m |= Mask(set[l] & 1) << l;
+  return m;
+}
+INLINE F bcast(const float* p) { return set1(*p); }
+// Round to nearest even for |v| < 2^22 (the exp's argument is clamped far inside that).
+INLINE F round(F v) { return (v + 12582912.0f) - 12582912.0f; }
+// v 2^n for integral n in [-252, 128): two exact power-of-two factors.
+INLINE F scale2(F v, F n) {
+  const Int ni = to_int(n), a = ni >> 1, b = ni - a;
+  return v * bits_float(UInt((a + 127) << 23)) * bits_float(UInt((b + 127) << 23));
+}
+#endif
+
+// table[idx & 15] where high is clear, hi[idx & 15] where it is set: 32 levels.
+INLINE F lookup32(Int idx, Mask high, F lo, F hi) {
+#if defined(JAXINFER_AVX512)
+  return ext(_mm512_mask_permutexvar_ps(x86(lookup(idx, lo)), high,
+                                        reinterpret_cast<__m512i&>(idx), x86(hi)));
+#else
+  return select(high, lookup(idx, hi), lookup(idx, lo));
+#endif
+}
+
+// The 16 horizontal sums of v[0..15] in one vector, lane 4 m + r holding the sum of
+// v[slot(r, m)]: a transpose-and-add tree of 45 shuffles and adds, where 16 separate
+// reductions take about 130. Indices are compile-time constants throughout (static_for), so
+// that gcc keeps the arrays in registers.
+INLINE constexpr int swap12(int i) { return i == 1 ? 2 : i == 2 ? 1 : i; }
+INLINE constexpr int slot(int r, int m) { return swap12(r) + 4 * swap12(m); }
+INLINE F sums16(const F (&v)[16]) {
+#if defined(JAXINFER_AVX512)
+  __m512 w[8], z[4], p[2];
+  static_for<8>([&](auto k) {  // 128-bit lanes 0, 1: v[k]; 2, 3: v[k + 8]
+    w[k] = _mm512_add_ps(_mm512_shuffle_f32x4(x86(v[k]), x86(v[k + 8]), 0x44),
+                         _mm512_shuffle_f32x4(x86(v[k]), x86(v[k + 8]), 0xEE));
+  });
+  static_for<4>([&](auto k) {  // lanes: v[k], v[k + 8], v[k + 4], v[k + 12]
+    z[k] = _mm512_add_ps(_mm512_shuffle_f32x4(w[k], w[k + 4], 0x88),
+                         _mm512_shuffle_f32x4(w[k], w[k + 4], 0xDD));
+  });
+  static_for<2>([&](auto k) {  // within a lane: z[k], z[k + 2], z[k], z[k + 2]
+    p[k] = _mm512_add_ps(_mm512_unpacklo_ps(z[k], z[k + 2]), _mm512_unpackhi_ps(z[k], z[k + 2]));
+  });
+  // within a lane: z[0], z[2], z[1], z[3]
+  return ext(_mm512_add_ps(_mm512_shuffle_ps(p[0], p[1], 0x44), _mm512_shuffle_ps(p[0], p[1], 0xEE)));
+#else
+  F r;
+  static_for<4>([&](auto m) UNROLLED {
+    static_for<4>([&](auto q) UNROLLED { r[4 * m + q] = hsum(v[slot(q, m)]); });
+  });
+  return r;
+#endif
+}
+
+// e^x in 16 lanes: x = n ln2 + r with |r| <= ln2 / 2 (ln2 split in two for an exact n ln2),
+// e^r by Cephes' expf polynomial (relative error ~1e-7), scaled by 2^n. Inputs below -104
+// give 0 (or a subnormal), as exp does in float32.
+INLINE F exp16(F x) {
+  x = x < -104.0f ? set1(-104.0f) : x;
+  x = x > 88.7f ? set1(88.7f) : x;
+  const F n = round(x * 1.44269504088896341f);
+  F r = fma(-n, set1(0.693359375f), x);
+  r = fma(-n, set1(-2.12194440e-4f), r);
+  F p = set1(1.9875691500e-4f);
+  p = fma(p, r, set1(1.3981999507e-3f));
+  p = fma(p, r, set1(8.3334519073e-3f));
+  p = fma(p, r, set1(4.1665795894e-2f));
+  p = fma(p, r, set1(1.6666665459e-1f));
+  p = fma(p, r, set1(5.0000001201e-1f));
+  p = fma(p * r, r, r + 1.0f);
+  return scale2(p, n);
+}
+
+}  // namespace vec
+}  // namespace jaxinfer

@@ -1,0 +1,110 @@
+"""The CPU kernels' variants (kernels/build.py, kernels/cpu.py): the choice and its errors,
+the same greedy tokens under every variant this CPU runs, and the NEON variant's routines
+against the scalar ones under qemu-aarch64 (where Debian's cross tools are installed)."""
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from support.models import GOLDEN, STORIES, STORIES_Q8, model_path
+
+import jaxinfer
+from jaxinfer.errors import SetupError
+from jaxinfer.kernels import build
+from jaxinfer.kernels import cpu as kernels
+
+
+def test_a_bad_choice_is_one_line(monkeypatch):
+    monkeypatch.setenv(kernels.ENV, "sse9")
+    with pytest.raises(SetupError, match=r"JAXINFER_CPU_KERNELS='sse9' is not one of avx512, "
+                       r"avx2, neon, scalar, off$"):  # fmt: skip
+        kernels._choose()
+    monkeypatch.setenv(kernels.ENV, "off")
+    assert kernels._choose().variant is None
+    cannot = [v.name for v in build.VARIANTS if kernels.missing(v)]  # neon on x86, x86 on Arm
+    monkeypatch.setenv(kernels.ENV, cannot[0])
+    with pytest.raises(SetupError, match=rf"^{kernels.ENV}={cannot[0]}: (not for|the CPU lacks)"):
+        kernels._choose()
+
+
+def test_the_cpu_flags_decide():
+    avx2 = next(v for v in build.VARIANTS if v.name == "avx2")
+    if build.machine() not in avx2.machines:
+        pytest.skip("not an x86 machine")
+    assert kernels.missing(avx2, frozenset({"avx2", "fma", "f16c"})) is None
+    assert kernels.missing(avx2, frozenset({"avx2", "fma"})) == "the CPU lacks f16c"
+    scalar = next(v for v in build.VARIANTS if v.name == "scalar")
+    assert kernels.missing(scalar, frozenset()) is None
+
+
+def greedy(path, n, **options) -> list[int]:
+    engine = jaxinfer.load(path, max_seq_len=128, **options)
+    return engine.generate([1], max_new_tokens=n, temperature=0, ignore_eos=True).token_ids
+
+
+@pytest.mark.skipif(not kernels.runnable(), reason="no CPU kernels here")
+def test_stories_q8_0_greedy_is_the_same_under_every_variant():
+    """Q8_0 products and float32 attention in each variant's kernels: the same tokens."""
+    got = {}
+    for variant in kernels.runnable():
+        with kernels.using(variant):
+            got[variant] = greedy(model_path(STORIES_Q8), 24)
+    assert len(set(map(tuple, got.values()))) == 1, got
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not kernels.runnable(), reason="no CPU kernels here")
+@pytest.mark.parametrize(
+    "model",
+    [
+        STORIES,
+        "tiny-random/qwen3_moe_e8k2_bpe/model-q8_0.gguf",
+        "tiny-random/qwen3_5_l3f1_dense_mtp/model-q8_0.gguf",
+    ],
+)
+def test_greedy_is_the_same_under_every_variant(model):
+    """stories260K (float32: its golden ids) and the tiny-random MoE and hybrid fixtures in
+    Q8_0, with float16 KV pools too: the same greedy tokens under every variant."""
+    path = model_path(model)
+    got = {}
+    for variant in kernels.runnable():
+        with kernels.using(variant):
+            got[variant] = (tuple(greedy(path, 32)),
+                            tuple(greedy(path, 32, kv_cache_dtype="float16")))  # fmt: skip
+    assert len(set(got.values())) == 1, got
+    if model == STORIES:
+        assert list(next(iter(got.values()))[0]) == GOLDEN[:32]
+
+
+CROSS = "aarch64-linux-gnu-g++"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (shutil.which(CROSS) and shutil.which("qemu-aarch64")),
+                    reason="no aarch64 cross compiler or qemu-aarch64 here")  # fmt: skip
+def test_neon_equals_scalar_under_qemu(tmp_path):
+    """tests/kernels/variants.cc (every format's dequantized weights and products at 1-13
+    rows, attention over f32, f16 and bf16 pools) built as the NEON and as the scalar variant
+    for aarch64: the weights bit for bit, the sums within float32 rounding (FMA against
+    multiply-then-add). Built at -O1 (gcc's -O3 took 4x as long here): the numerics are the
+    source's (-ffp-contract=off), not the optimizer's."""
+    out = {}
+    for variant in ("neon", "scalar"):
+        flags = next(v.flags for v in build.VARIANTS if v.name == variant)
+        exe = tmp_path / variant
+        subprocess.run(
+            [CROSS, *build.FLAGS, *flags, "-O1", "-static", f"-I{jax.ffi.include_dir()}",
+             f"-I{build.SOURCES}", str(Path(__file__).parent / "kernels/variants.cc"),
+             "-o", str(exe)],
+            check=True, capture_output=True,
+        )  # fmt: skip
+        files = tmp_path / f"{variant}.exact", tmp_path / f"{variant}.sums"
+        subprocess.run(["qemu-aarch64", str(exe), *map(str, files)], check=True)
+        out[variant] = [np.fromfile(f, np.float32) for f in files]
+    (neon_w, neon_y), (scalar_w, scalar_y) = out["neon"], out["scalar"]
+    assert neon_w.size == scalar_w.size > 0 and neon_y.size == scalar_y.size > 0
+    np.testing.assert_array_equal(neon_w.view(np.uint32), scalar_w.view(np.uint32))
+    np.testing.assert_allclose(neon_y, scalar_y, rtol=1e-5, atol=1e-5 * np.abs(scalar_y).max())
