@@ -124,7 +124,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="main table only, no crossover sweep")
     args = ap.parse_args()
     if not qkernel.available():
-        raise SystemExit("the quantized kernel is not available here (see the warning above)")
+        raise SystemExit(f"no CPU kernels here: {qkernel.status().describe()}")
     load_start = os.getloadavg()[0]
     rng = np.random.default_rng(0)
     f32 = [jnp.asarray(rng.standard_normal(s, np.float32) / np.sqrt(s[1])) for s in SHAPES]
@@ -184,7 +184,10 @@ def main():
     )
     ratio = ", ".join(f"{f} {table[f, 'kernel'][1] / table[f, 'kernel'][0]:.2f}x" for f in q)
     text_ratio = f"Kernel M=4 / M=1 time: {ratio}."
-    text = f"# Quantized matmul kernel\n\n{note}\n\n" + "\n".join(rows) + f"\n\n{text_ratio}\n"
+    used = f"CPU kernels: {qkernel.status().describe()} (JAXINFER_CPU_KERNELS forces one)."
+    text = (
+        f"# Quantized matmul kernel\n\n{used} {note}\n\n" + "\n".join(rows) + f"\n\n{text_ratio}\n"
+    )
     if sweep:
         text += (
             "\n## Crossover: kernel vs in-graph dequantize + dot (ms per chain)\n\n"

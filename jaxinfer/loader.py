@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import kernels
 from .config import ModelConfig
 from .engine import Engine
 from .errors import JaxinferError, UnsupportedModelError
@@ -95,6 +96,8 @@ def load(
     not both; see EngineOptions for each one.
     """
     o = EngineOptions.make(options, **short)
+    if jax.default_backend() == "cpu":
+        kernels.status()  # a bad JAXINFER_CPU_KERNELS fails here, before the model loads
     compute = jnp.dtype(o.dtype)
     use_persistent_cache(o.compile_cache_dir)
     t0 = time.perf_counter()

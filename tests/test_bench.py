@@ -21,8 +21,9 @@ def bench(capsys, *extra):
 def test_bench_markdown_table(capsys):
     out = bench(capsys, "--mem-bw", "10")
     lines = out.strip().splitlines()
-    assert lines[0] == "| model | size | params | backend | devices | layout | test | t/s | MBU |"
-    rows = [line for line in lines[2:] if line.startswith("|")]
+    assert lines[0].startswith("cpu kernels: ") and not lines[1]  # the variant in use
+    assert lines[2] == "| model | size | params | backend | devices | layout | test | t/s | MBU |"
+    rows = [line for line in lines[4:] if line.startswith("|")]
     assert [r.split(" | ")[6] for r in rows] == ["pp32", "tg16"]
     for row in rows:
         assert re.search(r"\| [\d.]+ ± [\d.]+ \|", row)

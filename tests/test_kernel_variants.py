@@ -41,8 +41,13 @@ def test_the_cpu_flags_decide():
 
 
 def greedy(path, n, **options) -> list[int]:
+    """Greedy ids from [BOS], from an engine whose decode programs call the variant in use."""
     engine = jaxinfer.load(path, max_seq_len=128, **options)
-    return engine.generate([1], max_new_tokens=n, temperature=0, ignore_eos=True).token_ids
+    ids = engine.generate([1], max_new_tokens=n, temperature=0, ignore_eos=True).token_ids
+    variant = kernels._in_use()
+    decode = [c.as_text() for c in engine.compile_cache.executables("decode")]
+    assert decode and all(f"_{variant}" in text for text in decode), variant
+    return ids
 
 
 @pytest.mark.skipif(not kernels.runnable(), reason="no CPU kernels here")
