@@ -4,6 +4,7 @@ is declared in pyproject.toml. Without a compiler, or with a variant that fails 
 install still succeeds: those products take the graph path, and `jaxinfer info` says why."""
 
 import importlib.util
+import sys
 from pathlib import Path
 
 from setuptools import Command, setup
@@ -18,6 +19,7 @@ def _build_module():
         "_jaxinfer_build", ROOT / "jaxinfer/kernels/build.py"
     )
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
