@@ -55,6 +55,7 @@ class Status:
 _lock = threading.Lock()
 _status: Status | None = None
 _libs: dict[str, ctypes.CDLL] = {}  # kept referenced: the registered handlers live in them
+_failed: dict[str, str] = {}  # variant -> why it did not load (tried once per process)
 _active = threading.local()  # using(): a variant for the calls traced in a block
 
 
@@ -101,7 +102,7 @@ def status() -> Status:
 
 def available() -> bool:
     """Whether a kernel variant is loaded and registered (CPU backend only)."""
-    return status().variant is not None and jax.default_backend() == "cpu"
+    return jax.default_backend() == "cpu" and status().variant is not None
 
 
 @contextlib.contextmanager
@@ -112,10 +113,12 @@ def using(variant: str):
         raise SetupError(f"the {variant} kernels do not run here ({_why(variant)})")
     before = getattr(_active, "variant", None)
     _active.variant = variant
+    jax.clear_caches()  # jit's trace caches do not see the variant: trace again inside
     try:
         yield
     finally:
         _active.variant = before
+        jax.clear_caches()  # and again after, for the variant in use
 
 
 def _choose() -> Status:
@@ -153,13 +156,14 @@ def _load(variant: build.Variant) -> str | None:
     """Loads a variant's library and registers its handlers (once); returns why it failed,
     None when it is loaded. Built at install; rebuilt here only in a source checkout whose
     sources changed (an editable install)."""
-    if variant.name in _libs:
-        return None
+    if variant.name in _libs or variant.name in _failed:
+        return _failed.get(variant.name)
     path = build.library(variant)
     try:
         if not path.exists():
             if not (Path(__file__).parents[2] / "pyproject.toml").exists():
-                return "not built (no C++ compiler at install?)"
+                _failed[variant.name] = "not built (no C++ compiler at install?)"
+                return _failed[variant.name]
             log.info("building the %s CPU kernels (their sources changed)", variant.name)
             path = build.build(variant, jax.ffi.include_dir())
         lib = ctypes.CDLL(str(path))
@@ -171,7 +175,8 @@ def _load(variant: build.Variant) -> str | None:
             jax.ffi.register_ffi_target(_attend_target(dtype, variant.name), capsule,
                                         platform="cpu")  # fmt: skip
     except (OSError, AttributeError, build.BuildError, RuntimeError) as e:
-        return f"failed to load: {str(e).splitlines()[0][:200]}"
+        _failed[variant.name] = f"failed to load: {str(e).splitlines()[0][:200]}"
+        return _failed[variant.name]
     _libs[variant.name] = lib
     return None
 

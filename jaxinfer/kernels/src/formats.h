@@ -5,7 +5,9 @@
 // Each format: kBlock values per block; row(o) -> Row (pointers to row o of every part);
 // block(row, b) -> Blk; value<g>(blk) -> the block's dequantized values [16 g, 16 g + 16);
 // formats whose rows may end inside a block (kTail) also tail(row, col, valid) for the last
-// values. Formats with a one-row dot() give decode's matvecs a cheaper form (below).
+// values. Formats with a one-row dot() give decode's matvecs a cheaper form (below). The
+// structs repeat this interface's members, each with its own parts (boilerplate, marked
+// where each struct opens).
 //
 // Numerics: each weight is dequantized bit-exactly as quant.dequantize / gguf-py compute it:
 // scale products first, then one multiply (and add / subtract) per value. That needs
@@ -38,7 +40,7 @@ INLINE F levels(const uint16_t* d, const uint16_t* m, int64_t b, float base) {
 }
 
 // Q8_0 (32 values): q int8 [O, I], d f16 [O, I / 32]; w = d * q.
-struct Q8_0 {
+struct Q8_0 {  // the format interface (boilerplate)
   static constexpr int kBlock = 32;
   static constexpr bool kTail = false;
   static constexpr int kAhead = 32;  // blocks to prefetch ahead: 1 KiB of the main stream
@@ -80,7 +82,7 @@ struct Q8_0 {
 
 // Per-channel int8 (any I: the last I % 32 values masked): q int8 [O, I], s f32 [O, 1];
 // w = q * s.
-struct Int8 {
+struct Int8 {  // the format interface (boilerplate)
   static constexpr int kBlock = 32;
   static constexpr bool kTail = true;
   static constexpr int kAhead = 32;  // blocks to prefetch ahead: 1 KiB of the main stream
@@ -108,7 +110,7 @@ struct Int8 {
 // 16-bit float weights (f16, bf16; any I: the last I % 32 values masked): w [O, I];
 // w = float(w), exact.
 template <bool kBf16>
-struct Half {
+struct Half {  // the format interface (boilerplate)
   static constexpr int kBlock = 32;
   static constexpr bool kTail = true;
   static constexpr int kAhead = 16;  // blocks to prefetch ahead: 1 KiB of the main stream
@@ -136,7 +138,7 @@ struct Half {
 
 // float32 weights (any I: the last I % 32 values masked): w [O, I]. Small-row products of a
 // float model: XLA CPU's dot at 2-8 rows costs 2-3x its one-row time, this tile ~1.2-2x.
-struct Full {
+struct Full {  // the format interface (boilerplate)
   static constexpr int kBlock = 32;
   static constexpr bool kTail = true;
   static constexpr int kAhead = 0;
@@ -159,7 +161,7 @@ struct Full {
 // Q4_0 (32 values): qs [O, I / 2] (byte j: value j low nibble, j + 16 high), d f16;
 // w = d * (q - 8). Q4_1 (kMin): plus a min m (f16); w = d * q + m.
 template <bool kMin>
-struct Q4 {
+struct Q4 {  // the format interface (boilerplate)
   static constexpr int kBlock = 32;
   static constexpr bool kTail = false;
   static constexpr int kAhead = 64;  // blocks to prefetch ahead: 1 KiB of the main stream
@@ -200,7 +202,7 @@ struct Q4 {
 // little-endian u32 is value j's fifth bit), d f16; w = d * (q - 16). Q5_1 (kMin): plus a
 // min m; w = d * q + m.
 template <bool kMin>
-struct Q5 {
+struct Q5 {  // the format interface (boilerplate)
   static constexpr int kBlock = 32;
   static constexpr bool kTail = false;
   static constexpr int kAhead = 64;  // blocks to prefetch ahead: 1 KiB of the main stream
@@ -305,7 +307,7 @@ INLINE void k_scales(float* scale, float* low, const uint8_t* sc, const uint8_t*
 // Q4_K (256 values, 8 sub-blocks of 32): qs [O, I / 2] (per 64 values, byte l: value l low
 // nibble, 32 + l high), sc and mn uint8 [O, I / 32] (6-bit, unpacked at load), d and dmin f16
 // [O, I / 256]; w = (d * sc[j]) * q - (dmin * mn[j]) in sub-block j.
-struct Q4_K {
+struct Q4_K {  // the format interface (boilerplate)
   static constexpr int kBlock = 256;
   static constexpr bool kTail = false;
   static constexpr int kAhead = 8;  // blocks to prefetch ahead: 1 KiB of the main stream
@@ -354,7 +356,7 @@ struct Q4_K {
 
 // Q5_K: Q4_K plus qh [O, I / 8] (32 bytes per block: bit j of byte l is value 32 j + l's
 // fifth bit).
-struct Q5_K {
+struct Q5_K {  // the format interface (boilerplate)
   static constexpr int kBlock = 256;
   static constexpr bool kTail = false;
   static constexpr int kAhead = 8;  // blocks to prefetch ahead: 1 KiB of the main stream
@@ -460,7 +462,7 @@ INLINE float Q5_K::dot(int64_t o, const float* x, const float* sums) const {
 // low nibble, 64 + b high), qh [O, I / 4] (per 128 values, bits 2s..2s+1 of byte l are value
 // 32 s + l's top two bits), sc int8 [O, I / 16], d f16 [O, I / 256];
 // w = (d * sc[g]) * (q - 32) in group g.
-struct Q6_K {
+struct Q6_K {  // the format interface (boilerplate)
   static constexpr int kBlock = 256;
   static constexpr bool kTail = false;
   static constexpr int kAhead = 8;  // blocks to prefetch ahead: 1 KiB of the main stream
