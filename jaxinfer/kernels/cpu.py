@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import logging
 import os
 import threading
@@ -59,6 +60,7 @@ _failed: dict[str, str] = {}  # variant -> why it did not load (tried once per p
 _active = threading.local()  # using(): a variant for the calls traced in a block
 
 
+@functools.cache
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags as the kernel reports them (/proc/cpuinfo's `flags`, or
     `Features` on Arm): only what the OS enables."""
