@@ -174,7 +174,7 @@ void head(const Shape& d, const Queries& qs, const typename Pool::T* kh,
       F mx = set1(-1e30f);
       for (int64_t c = c0; c < c1; c += 16) {
         const F v = load(sg + c);
-        mx = v > mx ? v : mx;
+        mx = where(v > mx, v, mx);
       }
       const float m_new = std::max(m[g], hmax(mx));
       scale[g] = std::exp(m[g] - m_new);

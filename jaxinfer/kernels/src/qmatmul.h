@@ -188,13 +188,34 @@ struct HasDot : std::false_type {};
 template <class Fmt>
 struct HasDot<Fmt, std::void_t<decltype(&Fmt::dot)>> : std::true_type {};
 
+// fn(std::integral_constant<int, n>{}) for a run-time n in [1, N].
+template <int N, class Fn>
+INLINE void dispatch(int64_t n, Fn&& fn) {
+  static_for<N>([&](auto k) {
+    if (n == k + 1) fn(std::integral_constant<int, k + 1>{});
+  });
+}
+
+// Tile shapes by the register file (vec::kRegisters 16-lane values): a tile keeps its R x MT
+// accumulators, its R weight vectors and one x vector in registers. With 32 (AVX-512): two
+// weight rows against up to 8 x rows, float rows four at a time, dense() 2 x 8. With 8 or 4
+// (AVX2, NEON, scalar), the same shapes spilled accumulators to the stack on every step (AVX2:
+// quantized products at 64 rows 1.5x slower than in-graph dequantize + dot): one weight row
+// against up to kNarrowRows x rows (its dequantized vector and any table beside them), float
+// rows two at a time against two x rows, dense() 2 x 2.
+constexpr bool kWide = kRegisters >= 32;
+constexpr int kNarrowRows = kRegisters >= 8 ? 4 : 2;
+constexpr int kDenseRows = kWide ? 8 : 2;
+
 // Output rows [lo, hi) for all M activation rows.
 // M = 1: one weight row at a time, all rows in one sequential stream.
-// M = 2..8: two weight rows per tile (halving the loads of x per FMA; loads, not FMAs, were
-// the limit at M = 8): rows i and i + half of the range, two sequential streams that the
+// M = 2..8 (kWide): two weight rows per tile (halving the loads of x per FMA; loads, not FMAs,
+// were the limit at M = 8): rows i and i + half of the range, two sequential streams that the
 // prefetchers follow (adjacent rows, 768 B apart and read interleaved, halved q8_0's speed).
 // Float weights: four rows per tile, from the quarters (below); from cache, quad().
-// M > 8: each row pair dequantized once into a buffer, then plain float tiles of 8
+// M = 2..8 (narrow): one weight row against x rows kNarrowRows at a time (the row comes again
+// from L1); float weights two rows from the halves against two x rows.
+// M > 8: each row pair dequantized once into a buffer, then plain float tiles of kDenseRows
 // activation rows over it (fused tiles would dequantize it again for every 8 rows), the
 // activation rows in blocks that stay in L2 (512 KiB of x) while the weight passes over
 // them: at M = 256, I = 2048, re-reading all of x (2 MiB) from L3 per row pair was slower
@@ -202,6 +223,7 @@ struct HasDot<Fmt, std::void_t<decltype(&Fmt::dot)>> : std::true_type {};
 template <class Fmt>
 void rows(const Fmt& f, const float* x, int64_t M, int64_t I, int64_t O, int64_t lo, int64_t hi,
           float* y, const float* sums) {
+  constexpr bool kFloat = std::is_same_v<Fmt, Full>;
   if (M == 1) {
     if constexpr (HasDot<Fmt>::value)
       for (int64_t o = lo; o < hi; ++o) y[o] = f.dot(o, x, sums);
@@ -209,25 +231,30 @@ void rows(const Fmt& f, const float* x, int64_t M, int64_t I, int64_t O, int64_t
       for (int64_t o = lo; o < hi; ++o) tile<Fmt, 1, 1>(f, x, I, O, o, 0, y);
     return;
   }
-  if constexpr (std::is_same_v<Fmt, Full>)
+  // tile<Fmt, R, MT> of rows o (and o + step ...) over the M x rows, MT <= `most` at a time
+  auto over_x = [&](int64_t o, int64_t step, auto r, auto most) {
+    constexpr int R = decltype(r)::value;
+    for (int64_t m0 = 0; m0 < M; m0 += most) {
+      dispatch<decltype(most)::value>(std::min<int64_t>(most, M - m0), [&](auto mt) {
+        tile<Fmt, R, decltype(mt)::value>(f, x + m0 * I, I, O, o, step, y + m0 * O);
+      });
+    }
+  };
+  using One = std::integral_constant<int, 1>;
+  using Two = std::integral_constant<int, 2>;
+  using Four = std::integral_constant<int, 4>;
+  if constexpr (kFloat && kWide)
     if (M <= 8 && O * I <= kQuadValues) {
       int64_t o = lo;
       for (; o + 4 <= hi; o += 4)
-        for (int64_t m0 = 0; m0 < M; m0 += 4) {
-          const float* xm = x + m0 * I;
-          float* ym = y + m0 * O;
-          switch (std::min<int64_t>(4, M - m0)) {
-            case 1: quad<1>(f.w, xm, I, O, o, ym); break;
-            case 2: quad<2>(f.w, xm, I, O, o, ym); break;
-            case 3: quad<3>(f.w, xm, I, O, o, ym); break;
-            default: quad<4>(f.w, xm, I, O, o, ym); break;
-          }
-        }
-      for (; o < hi; ++o)  // the last rows of an odd range, one weight row at a time
-        for (int64_t m = 0; m < M; ++m) tile<Fmt, 1, 1>(f, x + m * I, I, O, o, 0, y + m * O);
+        for (int64_t m0 = 0; m0 < M; m0 += 4)
+          dispatch<4>(std::min<int64_t>(4, M - m0), [&](auto mt) {
+            quad<decltype(mt)::value>(f.w, x + m0 * I, I, O, o, y + m0 * O);
+          });
+      for (; o < hi; ++o) over_x(o, 0, One{}, One{});  // the last rows of an odd range
       return;
     }
-  if constexpr (std::is_same_v<Fmt, Full>)
+  if constexpr (kFloat && kWide)
     if (M <= 8) {
       // Float rows from DRAM at 2-8 rows: four weight rows per tile, from the four quarters
       // of the range (four streams), each against the x rows four at a time, the groups one
@@ -235,39 +262,22 @@ void rows(const Fmt& f, const float* x, int64_t M, int64_t I, int64_t O, int64_t
       // of 86M shapes (151 MB) at 2 / 4 / 8 rows ran 1.15x / 1.26x / 1.26x faster than with
       // two weight rows per tile (4 rows: 20.7 -> 26.1 GB/s; one row: 22.9 GB/s).
       const int64_t quarter = (hi - lo) / 4;
-      auto groups = [&](int64_t o, int64_t step, auto r) {
-        constexpr int R = decltype(r)::value;
-        for (int64_t m0 = 0; m0 < M; m0 += 4) {
-          const float* xm = x + m0 * I;
-          float* ym = y + m0 * O;
-          switch (std::min<int64_t>(4, M - m0)) {
-            case 1: tile<Fmt, R, 1>(f, xm, I, O, o, step, ym); break;
-            case 2: tile<Fmt, R, 2>(f, xm, I, O, o, step, ym); break;
-            case 3: tile<Fmt, R, 3>(f, xm, I, O, o, step, ym); break;
-            default: tile<Fmt, R, 4>(f, xm, I, O, o, step, ym); break;
-          }
-        }
-      };
-      using Four = std::integral_constant<int, 4>;
-      using One = std::integral_constant<int, 1>;
-      for (int64_t o = lo; o < lo + quarter; ++o) groups(o, quarter, Four{});
-      for (int64_t o = lo + 4 * quarter; o < hi; ++o) groups(o, 0, One{});  // the last 0-3
+      for (int64_t o = lo; o < lo + quarter; ++o) over_x(o, quarter, Four{}, Four{});
+      for (int64_t o = lo + 4 * quarter; o < hi; ++o) over_x(o, 0, One{}, Four{});  // last 0-3
       return;
     }
   const int64_t half = (hi - lo + 1) / 2;
   if (M <= 8) {
-    for (int64_t o = lo; o < lo + half; ++o) {
-      const int64_t step = o + half < hi ? half : 0;  // an odd count's middle row: twice
-      switch (M) {
-        case 2: tile<Fmt, 2, 2>(f, x, I, O, o, step, y); break;
-        case 3: tile<Fmt, 2, 3>(f, x, I, O, o, step, y); break;
-        case 4: tile<Fmt, 2, 4>(f, x, I, O, o, step, y); break;
-        case 5: tile<Fmt, 2, 5>(f, x, I, O, o, step, y); break;
-        case 6: tile<Fmt, 2, 6>(f, x, I, O, o, step, y); break;
-        case 7: tile<Fmt, 2, 7>(f, x, I, O, o, step, y); break;
-        default: tile<Fmt, 2, 8>(f, x, I, O, o, step, y); break;
+    if constexpr (kWide)
+      for (int64_t o = lo; o < lo + half; ++o) {
+        const int64_t step = o + half < hi ? half : 0;  // an odd count's middle row: twice
+        dispatch<8>(M, [&](auto mt) { tile<Fmt, 2, decltype(mt)::value>(f, x, I, O, o, step, y); });
       }
-    }
+    else if constexpr (kFloat)
+      for (int64_t o = lo; o < lo + half; ++o) over_x(o, o + half < hi ? half : 0, Two{}, Two{});
+    else
+      for (int64_t o = lo; o < hi; ++o)
+        over_x(o, 0, One{}, std::integral_constant<int, kNarrowRows>{});
     return;
   }
   thread_local std::unique_ptr<float[]> buffer;
@@ -280,24 +290,14 @@ void rows(const Fmt& f, const float* x, int64_t M, int64_t I, int64_t O, int64_t
       const int64_t os[2] = {o, o + half < hi ? o + half : o};
       const float* rows = w;  // the two rows as floats: in place for f32, else dequantized
       int64_t stride = I;
-      if constexpr (std::is_same_v<Fmt, Full>)
+      if constexpr (kFloat)
         rows = f.w + os[0] * I, stride = (os[1] - os[0]) * I;
       else
         dequantize<Fmt, 2>(f, os, I, w);
-      for (int64_t m0 = mb; m0 < std::min(M, mb + block); m0 += 8) {
-        const float* xm = x + m0 * I;
-        float* ym = y + m0 * O;
-        switch (std::min<int64_t>(8, M - m0)) {
-          case 1: dense<2, 1>(rows, stride, xm, I, O, os, ym); break;
-          case 2: dense<2, 2>(rows, stride, xm, I, O, os, ym); break;
-          case 3: dense<2, 3>(rows, stride, xm, I, O, os, ym); break;
-          case 4: dense<2, 4>(rows, stride, xm, I, O, os, ym); break;
-          case 5: dense<2, 5>(rows, stride, xm, I, O, os, ym); break;
-          case 6: dense<2, 6>(rows, stride, xm, I, O, os, ym); break;
-          case 7: dense<2, 7>(rows, stride, xm, I, O, os, ym); break;
-          default: dense<2, 8>(rows, stride, xm, I, O, os, ym); break;
-        }
-      }
+      for (int64_t m0 = mb; m0 < std::min(M, mb + block); m0 += kDenseRows)
+        dispatch<kDenseRows>(std::min<int64_t>(kDenseRows, M - m0), [&](auto mt) {
+          dense<2, decltype(mt)::value>(rows, stride, x + m0 * I, I, O, os, y + m0 * O);
+        });
     }
 }
 

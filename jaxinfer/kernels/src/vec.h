@@ -27,6 +27,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 
 #define INLINE inline __attribute__((always_inline))
@@ -62,9 +63,83 @@ INLINE void static_for(F&& f) {
 
 namespace vec {
 
+// 16 lanes. With AVX-512 they are one register, and gcc's vector extensions are the type.
+// Without it gcc has no machine mode for a 64-byte vector and keeps every such value in
+// memory (each operation a round trip through the stack: the AVX2 kernels ran 2-5x slower
+// than the scalar build). There 16 lanes are Lanes: kParts native vectors, each a register,
+// with the same operators.
+#if defined(JAXINFER_AVX512)
 typedef float F __attribute__((vector_size(64), aligned(4)));      // 16 float32 lanes
 typedef int32_t Int __attribute__((vector_size(64), aligned(4)));    // 16 int32 lanes
 typedef uint32_t UInt __attribute__((vector_size(64), aligned(4)));   // 16 uint32 lanes
+#else
+#if defined(JAXINFER_AVX2)
+constexpr int kNative = 32;  // bytes of a native vector: one ymm
+#else
+constexpr int kNative = 16;  // NEON's q registers; SSE2's xmm on the scalar x86 build
+#endif
+template <class T>
+struct Lanes {
+  static constexpr int kPer = kNative / int(sizeof(T)), kParts = 16 / kPer;
+  typedef T N __attribute__((vector_size(kNative)));
+  N p[kParts];
+  INLINE T operator[](int l) const { return p[l / kPer][l % kPer]; }
+  INLINE void set(int l, T v) { p[l / kPer][l % kPer] = v; }
+};
+typedef Lanes<float> F;       // 16 float32 lanes
+typedef Lanes<int32_t> Int;   // 16 int32 lanes
+typedef Lanes<uint32_t> UInt; // 16 uint32 lanes
+
+// r.p[k] = op(a.p[k], ...) for every part: the operators' one body.
+template <class R, class Op, class... A>
+INLINE R each(Op op, const A&... a) {
+  R r;
+  static_for<R::kParts>([&](auto k) UNROLLED { r.p[k] = op(a.p[k]...); });
+  return r;
+}
+template <class T>
+using Scalar = std::enable_if_t<std::is_arithmetic_v<T>, T>;
+#define JAXINFER_LANES_OP(op)                                                             \
+  template <class T>                                                                      \
+  INLINE Lanes<T> operator op(const Lanes<T>& a, const Lanes<T>& b) {                     \
+    return each<Lanes<T>>([](auto x, auto y) UNROLLED { return x op y; }, a, b);           \
+  }                                                                                       \
+  template <class T, class S, class = Scalar<S>>                                          \
+  INLINE Lanes<T> operator op(const Lanes<T>& a, S b) {                                   \
+    return each<Lanes<T>>([b](auto x) UNROLLED { return x op T(b); }, a);                  \
+  }                                                                                       \
+  template <class T, class S, class = Scalar<S>>                                          \
+  INLINE Lanes<T> operator op(S a, const Lanes<T>& b) {                                   \
+    return each<Lanes<T>>([a](auto y) UNROLLED { return T(a) op y; }, b);                  \
+  }
+JAXINFER_LANES_OP(+)
+JAXINFER_LANES_OP(-)
+JAXINFER_LANES_OP(*)
+JAXINFER_LANES_OP(&)
+JAXINFER_LANES_OP(|)
+JAXINFER_LANES_OP(>>)
+JAXINFER_LANES_OP(<<)
+#undef JAXINFER_LANES_OP
+// Comparisons: int32 lanes of all ones where true, zeros where false (as gcc's vectors).
+#define JAXINFER_LANES_CMP(op)                                                            \
+  template <class T>                                                                      \
+  INLINE Int operator op(const Lanes<T>& a, const Lanes<T>& b) {                          \
+    return each<Int>([](auto x, auto y) UNROLLED { return Int::N(x op y); }, a, b);        \
+  }                                                                                       \
+  template <class T, class S, class = Scalar<S>>                                          \
+  INLINE Int operator op(const Lanes<T>& a, S b) {                                        \
+    return each<Int>([b](auto x) UNROLLED { return Int::N(x op T(b)); }, a);               \
+  }
+JAXINFER_LANES_CMP(<)
+JAXINFER_LANES_CMP(>)
+JAXINFER_LANES_CMP(==)
+JAXINFER_LANES_CMP(!=)
+#undef JAXINFER_LANES_CMP
+template <class T>
+INLINE Lanes<T> operator-(const Lanes<T>& a) {
+  return each<Lanes<T>>([](auto x) UNROLLED { return -x; }, a);
+}
+#endif
 typedef float F8 __attribute__((vector_size(32), aligned(4)));     // 8 float32 lanes
 typedef uint8_t B16 __attribute__((vector_size(16), aligned(1)));  // 16 bytes
 typedef int8_t S16 __attribute__((vector_size(16), aligned(1)));
@@ -76,26 +151,70 @@ typedef uint32_t Mask;  // lane l: bit l (16 lanes)
 INLINE F zero() { return F{}; }
 INLINE F set1(float x) { return F{} + x; }
 INLINE Int set1i(int32_t x) { return Int{} + x; }
-INLINE F iota(float base) {
-  return F{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} + base;
+// Unaligned loads and stores of 16 lanes (memcpy: gcc makes it one load per register).
+template <class V, class T>
+INLINE V load_as(const T* p) {
+  V r;
+  std::memcpy(&r, p, sizeof(V));
+  return r;
 }
-// Unaligned loads and stores (the typedefs' alignment is their element's).
-INLINE F load(const float* p) { return *reinterpret_cast<const F*>(p); }
-INLINE void store(float* p, F v) { *reinterpret_cast<F*>(p) = v; }
-INLINE F8 load8(const float* p) { return *reinterpret_cast<const F8*>(p); }
+#if defined(JAXINFER_AVX512)
+INLINE F load(const float* p) { return load_as<F>(p); }
+INLINE void store(float* p, F v) { std::memcpy(p, &v, 64); }
+#else
+INLINE F load(const float* p) {  // part by part: gcc keeps each in a register
+  F r;
+  static_for<F::kParts>([&](auto k) UNROLLED { r.p[k] = load_as<F::N>(p + k * F::kPer); });
+  return r;
+}
+INLINE void store(float* p, F v) {
+  static_for<F::kParts>([&](auto k) UNROLLED { std::memcpy(p + k * F::kPer, &v.p[k], kNative); });
+}
+#endif
+INLINE F8 load8(const float* p) { return load_as<F8>(p); }
+INLINE F iota(float base) {
+  static constexpr float kLanes[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  return load(kLanes) + base;
+}
+#if defined(JAXINFER_AVX512)
 INLINE Int to_int(F v) { return __builtin_convertvector(v, Int); }
 INLINE F to_float(Int v) { return __builtin_convertvector(v, F); }
 INLINE F bits_float(UInt v) { return reinterpret_cast<F&>(v); }
+INLINE F bits_float(Int v) { return reinterpret_cast<F&>(v); }
 // 16 consecutive bytes (or halves) widened to 16 int32 lanes.
-INLINE Int u8x16(const uint8_t* p) {
-  return __builtin_convertvector(*reinterpret_cast<const B16*>(p), Int);
+INLINE Int u8x16(const uint8_t* p) { return __builtin_convertvector(load_as<B16>(p), Int); }
+INLINE Int s8x16(const int8_t* p) { return __builtin_convertvector(load_as<S16>(p), Int); }
+INLINE UInt u16x16(const uint16_t* p) { return __builtin_convertvector(load_as<H16>(p), UInt); }
+// m where (all ones), else no: lane by lane.
+INLINE F where(Int m, F yes, F no) { return m ? yes : no; }
+#else
+INLINE Int to_int(F v) {
+  return each<Int>([](auto x) UNROLLED { return __builtin_convertvector(x, Int::N); }, v);
 }
-INLINE Int s8x16(const int8_t* p) {
-  return __builtin_convertvector(*reinterpret_cast<const S16*>(p), Int);
+INLINE F to_float(Int v) {
+  return each<F>([](auto x) UNROLLED { return __builtin_convertvector(x, F::N); }, v);
 }
-INLINE UInt u16x16(const uint16_t* p) {
-  return __builtin_convertvector(*reinterpret_cast<const H16*>(p), UInt);
+INLINE F bits_float(UInt v) { return each<F>([](auto x) UNROLLED { return F::N(x); }, v); }
+INLINE F bits_float(Int v) { return each<F>([](auto x) UNROLLED { return F::N(x); }, v); }
+// kPer consecutive narrow values widened to the lanes of each part.
+template <class V, class T>
+INLINE V widen(const T* p) {
+  typedef T Part __attribute__((vector_size(sizeof(T) * V::kPer), aligned(1)));
+  V r;
+  static_for<V::kParts>([&](auto k) UNROLLED {
+    r.p[k] = __builtin_convertvector(load_as<Part>(p + k * V::kPer), typename V::N);
+  });
+  return r;
 }
+// 16 consecutive bytes (or halves) widened to 16 int32 lanes.
+INLINE Int u8x16(const uint8_t* p) { return widen<Int>(p); }
+INLINE Int s8x16(const int8_t* p) { return widen<Int>(p); }
+INLINE UInt u16x16(const uint16_t* p) { return widen<UInt>(p); }
+// m where (all ones), else no: lane by lane.
+INLINE F where(Int m, F yes, F no) {
+  return each<F>([](auto c, auto y, auto n) UNROLLED { return c ? y : n; }, m, yes, no);
+}
+#endif
 // The first min(n, 16) of 16 lanes (n >= 0): a row's tail.
 INLINE Mask lanes(int64_t n) { return (1u << (n < 16 ? n : 16)) - 1; }
 // Lane l of the mask as a vector lane of all ones (or zeros).
@@ -114,6 +233,16 @@ INLINE void prefetch(const T* p, int64_t i, int locality = 3) {
   else
     __builtin_prefetch(p + i, 0, 2);
 }
+
+// The 16-lane values the vector register file holds (32 zmm; 16 ymm or 32 q registers; 16
+// xmm on the scalar x86 build): what the product tiles size their accumulators by.
+#if defined(JAXINFER_AVX512)
+constexpr int kRegisters = 32;
+#elif defined(JAXINFER_AVX2) || defined(JAXINFER_NEON)
+constexpr int kRegisters = 8;
+#else
+constexpr int kRegisters = 4;
+#endif
 
 // A register barrier: v is kept in registers and loaded once for the uses that follow (gcc
 // would fold the load into each FMA, and at one load per cycle the loads would set the pace).
@@ -204,51 +333,47 @@ INLINE F round(F v) {
 }
 INLINE F scale2(F v, F n) { return ext(_mm512_scalef_ps(x86(v), x86(n))); }  // v 2^n
 #else
-// The generic bodies, split where an instruction set has a faster one.
+// The generic bodies (on Lanes), split where an instruction set has a faster one.
 INLINE F fma(F a, F b, F c) {
 #if defined(JAXINFER_AVX2)
-  const F8 lo = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7);
-  const F8 hi = __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
-  const F8 bl = __builtin_shufflevector(b, b, 0, 1, 2, 3, 4, 5, 6, 7);
-  const F8 bh = __builtin_shufflevector(b, b, 8, 9, 10, 11, 12, 13, 14, 15);
-  const F8 cl = __builtin_shufflevector(c, c, 0, 1, 2, 3, 4, 5, 6, 7);
-  const F8 ch = __builtin_shufflevector(c, c, 8, 9, 10, 11, 12, 13, 14, 15);
-  const F8 rl = F8(_mm256_fmadd_ps(__m256(lo), __m256(bl), __m256(cl)));
-  const F8 rh = F8(_mm256_fmadd_ps(__m256(hi), __m256(bh), __m256(ch)));
-  return __builtin_shufflevector(rl, rh, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  return each<F>([](auto x, auto y, auto z) UNROLLED {
+    return F::N(_mm256_fmadd_ps(__m256(x), __m256(y), __m256(z)));
+  }, a, b, c);
 #elif defined(JAXINFER_NEON)
-  F r;
-  for (int k = 0; k < 4; ++k) {
-    float32x4_t av, bv, cv;
-    std::memcpy(&av, reinterpret_cast<const float*>(&a) + 4 * k, 16);
-    std::memcpy(&bv, reinterpret_cast<const float*>(&b) + 4 * k, 16);
-    std::memcpy(&cv, reinterpret_cast<const float*>(&c) + 4 * k, 16);
-    const float32x4_t rv = vfmaq_f32(cv, av, bv);
-    std::memcpy(reinterpret_cast<float*>(&r) + 4 * k, &rv, 16);
-  }
-  return r;
+  return each<F>([](auto x, auto y, auto z) UNROLLED {
+    return F::N(vfmaq_f32(float32x4_t(z), float32x4_t(x), float32x4_t(y)));
+  }, a, b, c);
 #else  // two roundings: an FMA without the instruction is a library call per lane
   return a * b + c;
 #endif
 }
-INLINE float hsum(F v) {  // pairwise: lanes l and l + 8, then l + 4, ...
-  const F8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-               __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  typedef float F4 __attribute__((vector_size(16)));
-  const F4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  return (b[0] + b[2]) + (b[1] + b[3]);
+// Lanes l and l + 8 first, then l + 4, l + 2, l + 1: the order of AVX-512's reduction.
+template <class T, class Op>
+INLINE T reduce(const Lanes<T>& v, Op op) {
+  typedef T N8 __attribute__((vector_size(8 * sizeof(T))));
+  typedef T N4 __attribute__((vector_size(4 * sizeof(T))));
+  N8 a;
+  if constexpr (Lanes<T>::kPer == 8) {
+    a = op(v.p[0], v.p[1]);
+  } else {
+    const auto lo = op(v.p[0], v.p[2]), hi = op(v.p[1], v.p[3]);
+    std::memcpy(&a, &lo, sizeof(lo)), std::memcpy(reinterpret_cast<char*>(&a) + sizeof(lo), &hi, sizeof(hi));
+  }
+  const N4 b = op(__builtin_shufflevector(a, a, 0, 1, 2, 3), __builtin_shufflevector(a, a, 4, 5, 6, 7));
+  return op(op(b[0], b[2]), op(b[1], b[3]));
+}
+INLINE float hsum(F v) {
+  return reduce(v, [](auto x, auto y) UNROLLED { return x + y; });
 }
 INLINE float hmax(F v) {
-  float m = v[0];
-  for (int l = 1; l < 16; ++l) m = v[l] > m ? v[l] : m;
-  return m;
+  return reduce(v, [](auto x, auto y) UNROLLED { return x > y ? x : y; });
 }
-INLINE F select(Mask m, F yes, F no) { return expand(m) ? yes : no; }
+INLINE F select(Mask m, F yes, F no) { return where(expand(m), yes, no); }
 INLINE F load_n(const float* p, Mask m) {
   if (m == 0xFFFF) return load(p);
   F r = F{};
   for (int l = 0; l < 16; ++l)
-    if (m >> l & 1) r[l] = p[l];
+    if (m >> l & 1) r.set(l, p[l]);
   return r;
 }
 INLINE void store_n(float* p, Mask m, F v) {
@@ -259,22 +384,24 @@ INLINE void store_n(float* p, Mask m, F v) {
 INLINE Int s8x16_n(const int8_t* p, Mask m) {
   Int r = Int{};
   for (int l = 0; l < 16; ++l)
-    if (m >> l & 1) r[l] = p[l];
+    if (m >> l & 1) r.set(l, p[l]);
   return r;
 }
 INLINE UInt u16x16_n(const uint16_t* p, Mask m) {
   UInt r = UInt{};
   for (int l = 0; l < 16; ++l)
-    if (m >> l & 1) r[l] = p[l];
+    if (m >> l & 1) r.set(l, p[l]);
   return r;
 }
 #if defined(JAXINFER_AVX2)
 INLINE float h2f(uint16_t h) { return _cvtsh_ss(h); }
 INLINE uint16_t f2h(float x) { return _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 INLINE F halves(const uint16_t* p) {
-  const F8 lo = F8(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-  const F8 hi = F8(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8))));
-  return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  F r;
+  static_for<2>([&](auto k) UNROLLED {
+    r.p[k] = F::N(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8 * k))));
+  });
+  return r;
 }
 #elif defined(JAXINFER_NEON)
 INLINE float h2f(uint16_t h) {
@@ -290,10 +417,9 @@ INLINE uint16_t f2h(float x) {
 }
 INLINE F halves(const uint16_t* p) {
   F r;
-  for (int k = 0; k < 4; ++k) {
-    const float32x4_t v = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p + 4 * k)));
-    std::memcpy(reinterpret_cast<float*>(&r) + 4 * k, &v, 16);
-  }
+  static_for<4>([&](auto k) UNROLLED {
+    r.p[k] = F::N(vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p + 4 * k))));
+  });
   return r;
 }
 #else
@@ -301,7 +427,7 @@ INLINE float h2f(uint16_t h) { return h2f_soft(h); }
 INLINE uint16_t f2h(float x) { return f2h_soft(x); }
 INLINE F halves(const uint16_t* p) {
   F r;
-  for (int l = 0; l < 16; ++l) r[l] = h2f_soft(p[l]);
+  for (int l = 0; l < 16; ++l) r.set(l, h2f_soft(p[l]));
   return r;
 }
 #endif
@@ -313,33 +439,21 @@ INLINE F halves_n(const uint16_t* p, Mask m) {
 }
 // table[idx & 15] per lane.
 INLINE F lookup(Int idx, F table) {
-#if defined(JAXINFER_AVX2)  // two 8-entry permutes, then a blend on bit 3
-  const F8 tl = __builtin_shufflevector(table, table, 0, 1, 2, 3, 4, 5, 6, 7);
-  const F8 th = __builtin_shufflevector(table, table, 8, 9, 10, 11, 12, 13, 14, 15);
-  typedef int32_t Int8v __attribute__((vector_size(32)));
-  F8 half[2];
-  static_for<2>([&](auto k) UNROLLED {
-    constexpr int o = 8 * decltype(k)::value;
-    const Int8v ix =
-        __builtin_shufflevector(idx, idx, o, o + 1, o + 2, o + 3, o + 4, o + 5, o + 6, o + 7);
-    const __m256 lo = _mm256_permutevar8x32_ps(__m256(tl), __m256i(ix));
-    const __m256 hi = _mm256_permutevar8x32_ps(__m256(th), __m256i(ix));
-    half[k] = F8(_mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32(__m256i(ix), 28))));
-  });
-  return __builtin_shufflevector(half[0], half[1], 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,
-                                 13, 14, 15);
+#if defined(JAXINFER_AVX2)  // two 8-entry permutes per half, then a blend on bit 3
+  return each<F>([&](auto ix) UNROLLED {
+    const __m256i i = __m256i(ix);
+    const __m256 lo = _mm256_permutevar8x32_ps(__m256(table.p[0]), i);
+    const __m256 hi = _mm256_permutevar8x32_ps(__m256(table.p[1]), i);
+    return F::N(_mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32(i, 28))));
+  }, idx);
 #else
-  float t[16], r[16];
-  int32_t i[16];
-  std::memcpy(t, &table, 64), std::memcpy(i, &idx, 64);
-  for (int l = 0; l < 16; ++l) r[l] = t[i[l] & 15];
-  F out;
-  std::memcpy(&out, r, 64);
-  return out;
+  F r;
+  for (int l = 0; l < 16; ++l) r.set(l, table[idx[l] & 15]);
+  return r;
 #endif
 }
 INLINE Mask test_bytes(const uint8_t* p, uint8_t bit) {
-  const B16 b = *reinterpret_cast<const B16*>(p);
+  const B16 b = load_as<B16>(p);
   const auto set = (b & bit) != 0;  // bytes of all ones or zeros
   Mask m = 0;
   for (int l = 0; l < 16; ++l) m |= Mask(set[l] & 1) << l;
@@ -351,7 +465,7 @@ INLINE F round(F v) { return (v + 12582912.0f) - 12582912.0f; }
 // v 2^n for integral n in [-252, 128): two exact power-of-two factors.
 INLINE F scale2(F v, F n) {
   const Int ni = to_int(n), a = ni >> 1, b = ni - a;
-  return v * bits_float(UInt((a + 127) << 23)) * bits_float(UInt((b + 127) << 23));
+  return v * bits_float((a + 127) << 23) * bits_float((b + 127) << 23);
 }
 #endif
 
@@ -390,7 +504,7 @@ INLINE F sums16(const F (&v)[16]) {
 #else
   F r;
   static_for<4>([&](auto m) UNROLLED {
-    static_for<4>([&](auto q) UNROLLED { r[4 * m + q] = hsum(v[slot(q, m)]); });
+    static_for<4>([&](auto q) UNROLLED { r.set(4 * m + q, hsum(v[slot(q, m)])); });
   });
   return r;
 #endif
@@ -400,8 +514,8 @@ INLINE F sums16(const F (&v)[16]) {
 // e^r by Cephes' expf polynomial (relative error ~1e-7), scaled by 2^n. Inputs below -104
 // give 0 (or a subnormal), as exp does in float32.
 INLINE F exp16(F x) {
-  x = x < -104.0f ? set1(-104.0f) : x;
-  x = x > 88.7f ? set1(88.7f) : x;
+  x = where(x < -104.0f, set1(-104.0f), x);
+  x = where(x > 88.7f, set1(88.7f), x);
   const F n = round(x * 1.44269504088896341f);
   F r = fma(-n, set1(0.693359375f), x);
   r = fma(-n, set1(-2.12194440e-4f), r);
