@@ -136,7 +136,7 @@ def main():
     )
 
     # quantized weights, M rows
-    rows_q = (64, 256, 512) if args.quick else (32, 64, 128, 192, 256, 384, 512, 768)
+    rows_q = (16, 64, 256) if args.quick else (8, 16, 32, 64, 128, 192, 256, 384, 512, 768)
     fmts = ("q8_0", "q4_k")
     q = {f: [bench.random_weight(f, s, rng) for s in bench.SHAPES] for f in fmts}
 
@@ -171,7 +171,7 @@ def main():
         r = results[v]
         summary.append(
             f"| {v} | {r['float_rows']} | {r['one_row_values']} | {r['max_rows']} | "
-            f"{kernels.CROSSOVERS[v] if hasattr(kernels, 'CROSSOVERS') else '-'} |"
+            f"{kernels.CROSSOVERS[v]} |"
         )
     text = (
         "# Kernel / XLA crossovers per CPU kernel variant\n\n"

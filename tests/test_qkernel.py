@@ -161,8 +161,9 @@ def test_linears_groups_by_format():
 def test_linears_fold_the_norm(variant):
     """`linear.linears(x, ws, norm=(w, eps))`: the kernel's calls normalize x's rows themselves
     (one call per format), the other weights take XLA's norm; each result matches a float64
-    RMSNorm and product, at 1 and 6 rows and at 64 (past FLOAT_ROWS: the f32 weight takes
-    XLA's norm and dot there, the q8_0 one the kernel's). check's bound holds with room:
+    RMSNorm and product, at 1 and 6 rows and at 64 (past every variant's float_rows: the f32
+    weight takes XLA's norm and dot there, the q8_0 one the kernel's where the variant's
+    max_rows reaches 64). check's bound holds with room:
     measured at most 8.4e-8 of the sum of |terms| over 5 seeds."""
     rng = np.random.default_rng(9)
     cols = 512

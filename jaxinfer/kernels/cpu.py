@@ -2,9 +2,9 @@
 (build.py), built when the package is installed and chosen when first used: the best variant
 the CPU runs, or the one JAXINFER_CPU_KERNELS names (avx512, avx2, neon, scalar; off: none).
 `qmatmul` reads a `QArray`'s blocks once and dequantizes in registers; `model.linear` sends it
-products of up to MAX_ROWS activation rows; the rest, and any backend without the kernels,
-dequantize inside the graph. Float32 weights placed for it ("f32" QArrays) go to it at
-FLOAT_ROWS: small batches, where XLA CPU's dot leaves its fast one-row path. `attend` is paged
+the products where it beats XLA (CROSSOVERS, per variant); the rest, and any backend without
+the kernels, dequantize inside the graph. Float32 weights placed for it ("f32" QArrays) go to it
+at small batches, where XLA CPU's dot leaves its fast one-row path. `attend` is paged
 attention with the K/V write.
 """
 
@@ -32,9 +32,6 @@ log = logging.getLogger("jaxinfer")
 ENV = "JAXINFER_CPU_KERNELS"
 CHOICES = (*build.NAMES, "off")
 
-# Largest activation row count the kernel serves: the crossover with XLA's dot on an in-graph
-# dequantized weight, which wins only from about 512 rows (benchmarks/results/qkernel.md).
-MAX_ROWS = 256
 MAX_WEIGHTS = 8  # weights in one call (kMaxWeights in qmatmul.h)
 
 
@@ -190,22 +187,43 @@ def _in_use() -> str:
     return variant
 
 
-# Float32 weights ("f32" QArrays) go to the kernel for 2 to FLOAT_ROWS rows, where it beats
-# XLA's own dot. One row goes to it only for weights of at least ONE_ROW_VALUES: XLA's one-row
-# dot is a fused matvec, as fast on large weights and faster on small ones, where a custom
-# call's fixed cost shows (figures: benchmarks/results/qkernel.md, "Moved from the code").
-FLOAT_ROWS = 32
-ONE_ROW_VALUES = 1 << 18
+@dataclasses.dataclass(frozen=True)
+class Crossovers:
+    """Where a variant's products beat XLA's, so go to the kernel: float32 weights ("f32"
+    QArrays) at 2 to `float_rows` activation rows, and at one row from `one_row_values`
+    weight values (None: never; XLA's one-row dot is a fused matvec whose fixed cost is
+    lower); quantized weights up to `max_rows` rows (past them XLA's dot on the in-graph
+    dequantized weight wins). Measured per variant by benchmarks/crossovers.py."""
+
+    float_rows: int
+    one_row_values: int | None
+    max_rows: int
+
+
+# benchmarks/results/crossovers.md. avx512: Intel Xeon VMs, 2 cores (results/qkernel.md,
+# "Moved from the code"); avx2 and scalar: an AMD EPYC (Zen 1), 2 cores. neon is not measured
+# on Arm hardware: avx2's, whose register file holds as many 16-lane values (vec.h).
+CROSSOVERS = {
+    "avx512": Crossovers(float_rows=32, one_row_values=1 << 18, max_rows=256),
+    "avx2": Crossovers(float_rows=16, one_row_values=None, max_rows=32),
+    "neon": Crossovers(float_rows=16, one_row_values=None, max_rows=32),
+    # at 32 rows scalar's kernel ties in-graph (q8_0 0.94x, q4_k 1.01x of its time)
+    "scalar": Crossovers(float_rows=8, one_row_values=None, max_rows=16),
+}
+# The most activation rows any variant's kernel serves.
+MAX_ROWS = max(c.max_rows for c in CROSSOVERS.values())
 
 
 def serves(rows: int, fmt: str = "q8_0", values: int = 0) -> bool:
     """Whether a product of `rows` activation rows with a `fmt` weight of `values` values
-    goes to the kernel."""
+    goes to the kernel (the variant in use's CROSSOVERS)."""
+    if not available():
+        return False
+    c = CROSSOVERS[_in_use()]
     if fmt == "f32":
-        ok = 2 <= rows <= FLOAT_ROWS or (rows == 1 and values >= ONE_ROW_VALUES)
-    else:
-        ok = rows <= MAX_ROWS
-    return ok and available()
+        one = rows == 1 and c.one_row_values is not None and values >= c.one_row_values
+        return 2 <= rows <= c.float_rows or one
+    return rows <= c.max_rows
 
 
 def matmul(x: jax.Array, fmt: str, parts: dict[str, jax.Array], out_features: int) -> jax.Array:

@@ -118,7 +118,7 @@ def kernel_fits(mesh: Mesh) -> bool:
 
 def for_kernel(path: tuple, array: jax.Array, kernel: bool, lead: int = 0):
     """A float32 matrix [*lead, O, I] as an "f32" QArray that the CPU kernel multiplies at the
-    row counts where it beats XLA's dot (kernels.cpu.FLOAT_ROWS: XLA CPU's dot at 2-8 rows costs
+    row counts where it beats XLA's dot (kernels.cpu.CROSSOVERS: XLA CPU's dot at 2-8 rows costs
     2-4x its one-row time); other weights (stacked experts, other dtypes) unchanged."""
     if kernel and quantizable(path) and array.dtype == np.float32 and array.ndim == 2 + lead:
         return QArray({"w": array}, "f32", array.shape[-1], True)

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The prepared run for a lent accelerator machine (the device tool; one call), from the
+# repository root: `bash benchmarks/device.sh OUT_DIR`. Its x86-64 host first: the CPU kernels'
+# tests under every variant it runs (AVX-512 where this machine has no such CPU), with the
+# crossover and variant benchmarks pinned to two other cores at the same time; then the GPU's
+# figures (benchmarks/gpu.py). Wheels the machine lacks travel in .whl/ (gguf); the shared
+# tiny models in shared/models (linked to where tests/support/models.py looks).
+set -uo pipefail
+out=${1:-${OUT:-/tmp/device-out}}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+[ -d shared/models ] && [ ! -e ../shared ] && ln -s "$PWD/shared" ../shared
+lscpu >"$out/lscpu.txt"
+nvidia-smi >"$out/nvidia-smi.txt" 2>&1
+start=$SECONDS
+cpu() { JAX_PLATFORMS=cpu "$@"; }
+# every variant built at once (the tests' workers would otherwise each build them)
+cpu python3 -c "
+from jaxinfer.kernels import build, cpu
+print(cpu.status().describe(), cpu.runnable())" 2>&1 | tee "$out/kernels.txt"
+variants=$(cpu python3 -c "
+from jaxinfer.kernels import cpu
+print(','.join(v for v in cpu.runnable() if v != 'scalar'))")
+echo "built in $((SECONDS - start)) s; benchmarked variants: $variants" | tee -a "$out/kernels.txt"
+(cpu taskset -c 4-15 timeout 400 python3 -m pytest -q -p no:cacheprovider -m "slow or not slow" \
+  -n 6 tests/test_qkernel.py tests/test_kernel_variants.py tests/test_quant.py >"$out/tests.log" 2>&1
+  echo "pytest exit $? after $((SECONDS - start)) s" >>"$out/tests.log") &
+cpu taskset -c 0,1 timeout 240 python3 benchmarks/crossovers.py -n 5 --variants "$variants" \
+  --out "$out/crossovers.md" >"$out/crossovers.log" 2>&1
+cpu taskset -c 0,1 timeout 160 python3 benchmarks/variants.py -r 3 --variants "$variants,off" \
+  --out "$out/variants.md" >"$out/variants.log" 2>&1
+wait
+echo "CPU part done after $((SECONDS - start)) s" | tee -a "$out/kernels.txt"
+timeout 100 python3 benchmarks/gpu.py "$out" -r 3 >"$out/gpu.log" 2>&1
+echo "all done after $((SECONDS - start)) s" | tee -a "$out/kernels.txt"
