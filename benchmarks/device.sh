@@ -14,6 +14,8 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+# the package as an install maps it (pyproject: jaxinfer.shardings is shardings/)
+[ -e jaxinfer/shardings ] || ln -s ../shardings jaxinfer/shardings
 [ -d shared/models ] && [ ! -e ../shared ] && ln -s "$PWD/shared" ../shared
 lscpu >"$out/lscpu.txt"
 nvidia-smi >"$out/nvidia-smi.txt" 2>&1
@@ -32,9 +34,9 @@ echo "built in $((SECONDS - start)) s; benchmarked variants: $variants" | tee -a
   echo "pytest exit $? after $((SECONDS - start)) s" >>"$out/tests.log") &
 cpu taskset -c 0,1 timeout 240 python3 benchmarks/crossovers.py -n 5 --variants "$variants" \
   --out "$out/crossovers.md" >"$out/crossovers.log" 2>&1
-cpu taskset -c 0,1 timeout 160 python3 benchmarks/variants.py -r 3 --variants "$variants,off" \
+cpu taskset -c 0,1 timeout 300 python3 benchmarks/variants.py -r 3 --variants "$variants,off" \
   --out "$out/variants.md" >"$out/variants.log" 2>&1
 wait
 echo "CPU part done after $((SECONDS - start)) s" | tee -a "$out/kernels.txt"
-timeout 100 python3 benchmarks/gpu.py "$out" -r 3 >"$out/gpu.log" 2>&1
+timeout 240 python3 benchmarks/gpu.py "$out" -r 3 >"$out/gpu.log" 2>&1
 echo "all done after $((SECONDS - start)) s" | tee -a "$out/kernels.txt"

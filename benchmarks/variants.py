@@ -69,7 +69,7 @@ def main():
     commands = {t: {"test": t[:2], "n": n, "depth": 0} for t, n in tests.items()}
     rounds = 1 if args.quick else args.rounds
     with tempfile.TemporaryDirectory() as tmp:
-        f32 = harness.write_random_gguf(Path(tmp) / "86m-f32.gguf", **harness.LLAMA_86M_GGUF)
+        f32 = harness.write_random_gguf(Path(tmp) / "86m-f32.gguf", **harness.LLAMA_86M)
         files = {"F32": f32, "Q8_0": quantize_q8_0(f32, Path(tmp) / "86m-q8_0.gguf")}
         workers = {}
         for variant in variants:

@@ -200,11 +200,13 @@ class Crossovers:
     max_rows: int
 
 
-# benchmarks/results/crossovers.md. avx512: Intel Xeon VMs, 2 cores (results/qkernel.md,
-# "Moved from the code"); avx2 and scalar: an AMD EPYC (Zen 1), 2 cores. neon is not measured
-# on Arm hardware: avx2's, whose register file holds as many 16-lane values (vec.h).
+# benchmarks/results/crossovers.md. avx512: an Intel Xeon (Sapphire Rapids class) host, two
+# pinned cores (one_row_values from an earlier Xeon VM, where it gave 86M decode 1.04x; the
+# host's one-row figures are within noise of XLA's); avx2 and scalar: an AMD EPYC (Zen 1), 2
+# cores. neon is not measured on Arm hardware: avx2's, whose register file holds as many
+# 16-lane values (vec.h).
 CROSSOVERS = {
-    "avx512": Crossovers(float_rows=32, one_row_values=1 << 18, max_rows=256),
+    "avx512": Crossovers(float_rows=24, one_row_values=1 << 18, max_rows=128),
     "avx2": Crossovers(float_rows=16, one_row_values=None, max_rows=32),
     "neon": Crossovers(float_rows=16, one_row_values=None, max_rows=32),
     # at 32 rows scalar's kernel ties in-graph (q8_0 0.94x, q4_k 1.01x of its time)
