@@ -298,9 +298,8 @@ INLINE float Q5<kMin>::dot(int64_t o, const float* x, const float* sums) const {
 // (8 at once, the reference's products), kept in memory for broadcast loads.
 INLINE void k_scales(float* scale, float* low, const uint8_t* sc, const uint8_t* mn, uint16_t d,
                      uint16_t dmin) {
-  typedef uint8_t B8 __attribute__((vector_size(8), aligned(1)));
-  const F8 s = __builtin_convertvector(*reinterpret_cast<const B8*>(sc), F8) * h2f(d);
-  const F8 m = __builtin_convertvector(*reinterpret_cast<const B8*>(mn), F8) * h2f(dmin);
+  const F8 s = u8x8(sc) * h2f(d);
+  const F8 m = u8x8(mn) * h2f(dmin);
   std::memcpy(scale, &s, 32), std::memcpy(low, &m, 32);
 }
 

@@ -18,7 +18,7 @@
 #define JAXINFER_NEON 1
 #endif
 
-#if defined(JAXINFER_AVX512) || defined(JAXINFER_AVX2)
+#if defined(__x86_64__)
 #include <immintrin.h>
 #elif defined(JAXINFER_NEON)
 #include <arm_neon.h>
@@ -206,15 +206,59 @@ INLINE V widen(const T* p) {
   });
   return r;
 }
-// 16 consecutive bytes (or halves) widened to 16 int32 lanes.
+// 16 consecutive bytes (or halves) widened to 16 int32 lanes: vpmovsx / vmovl, where the
+// generic form (8-byte parts) went through a general register byte by byte.
+#if defined(JAXINFER_AVX2)
+INLINE __m128i load16(const void* p) { return _mm_loadu_si128(static_cast<const __m128i*>(p)); }
+INLINE Int u8x16(const uint8_t* p) {
+  const __m128i b = load16(p);
+  return Int{{Int::N(_mm256_cvtepu8_epi32(b)), Int::N(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(b, b)))}};
+}
+INLINE Int s8x16(const int8_t* p) {
+  const __m128i b = load16(p);
+  return Int{{Int::N(_mm256_cvtepi8_epi32(b)), Int::N(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(b, b)))}};
+}
+INLINE UInt u16x16(const uint16_t* p) {
+  return UInt{{UInt::N(_mm256_cvtepu16_epi32(load16(p))), UInt::N(_mm256_cvtepu16_epi32(load16(p + 8)))}};
+}
+#elif defined(JAXINFER_NEON)
+INLINE Int u8x16(const uint8_t* p) {
+  const uint8x16_t b = vld1q_u8(p);
+  const uint16x8_t lo = vmovl_u8(vget_low_u8(b)), hi = vmovl_high_u8(b);
+  return Int{{Int::N(vmovl_u16(vget_low_u16(lo))), Int::N(vmovl_high_u16(lo)),
+              Int::N(vmovl_u16(vget_low_u16(hi))), Int::N(vmovl_high_u16(hi))}};
+}
+INLINE Int s8x16(const int8_t* p) {
+  const int8x16_t b = vld1q_s8(p);
+  const int16x8_t lo = vmovl_s8(vget_low_s8(b)), hi = vmovl_high_s8(b);
+  return Int{{Int::N(vmovl_s16(vget_low_s16(lo))), Int::N(vmovl_high_s16(lo)),
+              Int::N(vmovl_s16(vget_low_s16(hi))), Int::N(vmovl_high_s16(hi))}};
+}
+INLINE UInt u16x16(const uint16_t* p) {
+  const uint16x8_t lo = vld1q_u16(p), hi = vld1q_u16(p + 8);
+  return UInt{{UInt::N(vmovl_u16(vget_low_u16(lo))), UInt::N(vmovl_high_u16(lo)),
+               UInt::N(vmovl_u16(vget_low_u16(hi))), UInt::N(vmovl_high_u16(hi))}};
+}
+#else
 INLINE Int u8x16(const uint8_t* p) { return widen<Int>(p); }
 INLINE Int s8x16(const int8_t* p) { return widen<Int>(p); }
 INLINE UInt u16x16(const uint16_t* p) { return widen<UInt>(p); }
+#endif
 // m where (all ones), else no: lane by lane.
 INLINE F where(Int m, F yes, F no) {
   return each<F>([](auto c, auto y, auto n) UNROLLED { return c ? y : n; }, m, yes, no);
 }
 #endif
+// 8 consecutive bytes as 8 float32 lanes (the K-quants' sub-block scales).
+INLINE F8 u8x8(const uint8_t* p) {
+#if defined(JAXINFER_AVX512) || defined(JAXINFER_AVX2)
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return F8(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)));
+#else
+  typedef uint8_t B8 __attribute__((vector_size(8), aligned(1)));
+  return __builtin_convertvector(load_as<B8>(p), F8);
+#endif
+}
 // The first min(n, 16) of 16 lanes (n >= 0): a row's tail.
 INLINE Mask lanes(int64_t n) { return (1u << (n < 16 ? n : 16)) - 1; }
 // Lane l of the mask as a vector lane of all ones (or zeros).
@@ -453,11 +497,17 @@ INLINE F lookup(Int idx, F table) {
 #endif
 }
 INLINE Mask test_bytes(const uint8_t* p, uint8_t bit) {
+#if defined(__SSE2__)  // every x86-64 build: one compare and movemask
+  const __m128i b = _mm_and_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)),
+                                  _mm_set1_epi8(char(bit)));
+  return Mask(_mm_movemask_epi8(_mm_cmpeq_epi8(b, _mm_setzero_si128()))) ^ 0xFFFF;
+#else
   const B16 b = load_as<B16>(p);
   const auto set = (b & bit) != 0;  // bytes of all ones or zeros
   Mask m = 0;
   for (int l = 0; l < 16; ++l) m |= Mask(set[l] & 1) << l;
   return m;
+#endif
 }
 INLINE F bcast(const float* p) { return set1(*p); }
 // Round to nearest even for |v| < 2^22 (the exp's argument is clamped far inside that).
