@@ -69,7 +69,6 @@ def main():
     calls = 3 if args.quick else args.n
     f32 = [jnp.asarray(rng.standard_normal(s, np.float32) / np.sqrt(s[1])) for s in bench.SHAPES]
 
-    f32q = [quant.QArray({"w": w}, "f32", w.shape[1]) for w in f32]
     results: dict[str, dict] = {v: {} for v in variants}
     sections = []
 
@@ -90,14 +89,17 @@ def main():
     # float32 weights, M rows
     rows_f = (1, 2, 4, 8, 16, 32) if args.quick else (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96)
 
+    def float_paths(x, weights):
+        """XLA's dot and each variant's kernel on the float32 `weights`, compiled for x."""
+        wq = [quant.QArray({"w": w}, "f32", w.shape[1]) for w in weights]
+        fns = {"XLA dot": compiled(bench.dense, x, weights)}
+        fns.update({v: compiled(bench.kernel, x, wq, v) for v in variants})
+        return x, fns, {"XLA dot": weights, **{v: wq for v in variants}}
+
     def make_f(m):
-        x = jnp.asarray(rng.standard_normal((m, bench.SHAPES[0][1]), np.float32))
-        fns = {"XLA dot": compiled(bench.dense, x, f32)}
-        ws = {"XLA dot": f32}
-        for v in variants:
-            fns[v] = compiled(bench.kernel, x, f32q, v)
-            ws[v] = f32q
-        return x, fns, ws
+        return float_paths(
+            jnp.asarray(rng.standard_normal((m, bench.SHAPES[0][1]), np.float32)), f32
+        )
 
     lines, wins = sweep(
         "M (f32)", rows_f, make_f, ["XLA dot", *variants],
@@ -109,19 +111,10 @@ def main():
 
     # float32 weights at one row, by weight size
     sizes = (256, 512, 1024) if args.quick else (128, 256, 384, 512, 768, 1024, 1536, 2048)
-    weights_by_size = {}
 
     def make_one(n):
-        ws_f = [jnp.asarray(rng.standard_normal((n, n), np.float32) / np.sqrt(n))] * 24
-        wq = [quant.QArray({"w": w}, "f32", n) for w in ws_f]
-        weights_by_size[n] = n * n
-        x = jnp.asarray(rng.standard_normal((1, n), np.float32))
-        fns = {"XLA dot": compiled(bench.dense, x, ws_f)}
-        ws = {"XLA dot": ws_f}
-        for v in variants:
-            fns[v] = compiled(bench.kernel, x, wq, v)
-            ws[v] = wq
-        return x, fns, ws
+        weights = [jnp.asarray(rng.standard_normal((n, n), np.float32) / np.sqrt(n))] * 24
+        return float_paths(jnp.asarray(rng.standard_normal((1, n), np.float32)), weights)
 
     lines, wins = sweep(
         "n (one row, [n, n])", sizes, make_one, ["XLA dot", *variants],

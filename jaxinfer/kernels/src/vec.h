@@ -1,12 +1,13 @@
 // The CPU kernels' vector API: 16 float32 (or int32) lanes, the width of every GGUF block's
-// sub-groups, and the few operations the kernels need. Written once with GCC vector
-// extensions (+ - * & | >> and comparisons on whole vectors, which gcc lowers to the target's
-// registers: one zmm on AVX-512, two ymm on AVX2, four q registers on NEON, plain code on the
-// scalar build); one body per instruction set only where the generic form is slow or inexact:
-// fused multiply-add, horizontal sums, f16 conversion, table lookups, lane masks, the exp's
-// rounding and scaling. The variant is chosen by the compiler flags of its build
-// (kernels/build.py: -mavx512f ..., -mavx2 -mfma -mf16c, aarch64's NEON, none), never by
-// -march=native.
+// sub-groups, and the few operations the kernels need. Written once with operators on whole
+// vectors (+ - * & | >> << and comparisons): gcc's vector extensions, one zmm, on AVX-512;
+// elsewhere Lanes, two ymm (AVX2) or four 128-bit registers (NEON, SSE2 for the scalar x86
+// build), each part a gcc vector. One body per instruction set only where the generic form is
+// slow or inexact: fused multiply-add, horizontal sums, f16 conversion, byte widening, table
+// lookups, lane masks, the exp's rounding and scaling. The variant is chosen by the compiler
+// flags of its build (kernels/build.py: -mavx512f ..., -mavx2 -mfma -mf16c, aarch64's NEON,
+// none), never by -march=native. Reading the assembly of a hot loop is how a slow generic form
+// shows (values round-tripping through the stack, bytes moved through general registers).
 #pragma once
 
 #if defined(JAXINFER_SCALAR)  // the generic bodies only, whatever the target
