@@ -280,11 +280,13 @@ def ratio_rows(med: dict, ratios, tests) -> list[str]:
 # llama-bench
 
 
-def llama_bench(exe: str, path: Path, threads: int) -> dict[str, float]:
+def llama_bench(exe: str, path: Path, threads: int, depths=(512,)) -> dict[str, float]:
     """One round of llama-bench itself (its warm-up, then one timed run of each test), with its
-    defaults but flash attention forced on (auto picks it on CPU too)."""
+    defaults but flash attention forced on (auto picks it on CPU too): pp512, tg128 and
+    "tg128 @ d<depth>" for each of `depths`."""
+    ds = ",".join(str(d) for d in (0, *depths))
     out = subprocess.run(
-        [exe, "-m", str(path), "-p", "512", "-n", "128", "-d", "0,512", "-t", str(threads),
+        [exe, "-m", str(path), "-p", "512", "-n", "128", "-d", ds, "-t", str(threads),
          "-r", "1", "-fa", "1", "-o", "json"],
         capture_output=True, text=True, check=True,
     )  # fmt: skip
@@ -292,7 +294,7 @@ def llama_bench(exe: str, path: Path, threads: int) -> dict[str, float]:
     return {
         "pp512": get[(512, 0, 0)],
         "tg128": get[(0, 128, 0)],
-        "tg128 @ d512": get[(0, 128, 512)],
+        **{f"tg128 @ d{d}": get[(0, 128, d)] for d in depths},
     }
 
 
@@ -301,12 +303,13 @@ def llama_bench_rounds(exe: str | None, threads: int, runs: dict, tests):
     figures for `tests` under (name, test); None without a llama-bench."""
     if not exe:
         return None
+    depths = sorted({int(t.split("@ d")[1]) for t in tests if "@ d" in t})
 
     def extra():
         return {
             (name, test): value
             for name, path in runs.items()
-            for test, value in llama_bench(exe, path, threads).items()
+            for test, value in llama_bench(exe, path, threads, depths).items()
             if test in tests
         }
 

@@ -36,13 +36,14 @@ TESTS = {
     "pp512": dict(test="pp", n=512, depth=0),
     "tg128": dict(test="tg", n=128, depth=0),
     "tg128 @ d512": dict(test="tg", n=128, depth=512),
+    "tg128 @ d1536": dict(test="tg", n=128, depth=1536),
 }
 
 
 def main():
     args = harness.parser(__doc__, 5, peer=True).parse_args()
     harness.require_llama_cpp()
-    n_ctx = 1024
+    n_ctx = 2048  # depth 1536 + 128 new tokens
     bench = args.llama_bench
     lines = [
         f"# jaxinfer vs llama.cpp ({time.strftime('%Y-%m-%d')}, F32 GGUF, {args.threads} threads, "
