@@ -51,6 +51,15 @@ def greedy(path, n, **options) -> list[int]:
 
 
 @pytest.mark.skipif(not kernels.runnable(), reason="no CPU kernels here")
+def test_every_variant_has_its_crossovers():
+    """Each variant routes products by its own measured row counts (kernels.cpu.CROSSOVERS):
+    a new variant without them would fail at its first product."""
+    assert set(kernels.CROSSOVERS) == set(build.NAMES)
+    for name, c in kernels.CROSSOVERS.items():
+        assert 1 <= c.max_rows <= kernels.MAX_ROWS, name
+        assert c.float_rows >= 2 and (c.one_row_values is None or c.one_row_values > 0), name
+
+
 def test_stories_q8_0_greedy_is_the_same_under_every_variant():
     """Q8_0 products and float32 attention in each variant's kernels: the same tokens."""
     got = {}
