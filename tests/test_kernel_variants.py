@@ -52,12 +52,17 @@ def greedy(path, n, **options) -> list[int]:
 
 @pytest.mark.skipif(not kernels.runnable(), reason="no CPU kernels here")
 def test_every_variant_has_its_crossovers():
-    """Each variant routes products by its own measured row counts (kernels.cpu.CROSSOVERS):
-    a new variant without them would fail at its first product."""
+    """Each variant routes products by its own measured row counts (kernels.cpu.CROSSOVERS),
+    and serves() follows the variant in use: quantized up to max_rows, float32 from 2 to
+    float_rows rows (and at one row only from one_row_values)."""
     assert set(kernels.CROSSOVERS) == set(build.NAMES)
-    for name, c in kernels.CROSSOVERS.items():
-        assert 1 <= c.max_rows <= kernels.MAX_ROWS, name
-        assert c.float_rows >= 2 and (c.one_row_values is None or c.one_row_values > 0), name
+    for name in kernels.runnable():
+        c = kernels.CROSSOVERS[name]
+        with kernels.using(name):
+            assert kernels.serves(c.max_rows, "q8_0") and not kernels.serves(c.max_rows + 1, "q8_0")
+            assert kernels.serves(2, "f32") and kernels.serves(c.float_rows, "f32")
+            assert not kernels.serves(c.float_rows + 1, "f32")
+            assert kernels.serves(1, "f32", 1 << 30) == (c.one_row_values is not None), name
 
 
 def test_stories_q8_0_greedy_is_the_same_under_every_variant():
