@@ -21,7 +21,7 @@ from .engine import Engine
 from .errors import JaxinferError, UnsupportedModelError
 from .formats import open_checkpoint
 from .formats.tokenizer import Tokenizer
-from .ops.quant import HostQuant, quantize_int8
+from .ops.quant import HostQuant, quantize_int8, with_activations
 from .options import EngineOptions
 from .parallel.pipeline import place_pipeline
 from .parallel.placement import Placement, Reader, place_dense, random_reader
@@ -72,13 +72,16 @@ def quantizing(read: Reader, how: str, compute) -> Reader:
     return reader
 
 
-def place(read: Reader, cfg: ModelConfig, dtype, kv_dtype, layout, devices) -> Placement:
-    """The model on a layout's mesh: pipeline stages when the layout splits the layers."""
+def place(read: Reader, cfg: ModelConfig, dtype, kv_dtype, activations: str, layout, devices
+          ) -> Placement:  # fmt: skip
+    """The model on a layout's mesh: pipeline stages when the layout splits the layers; the
+    GGUF block weights multiply `activations` ("int8": quantized to 8 bits, or "float")."""
     plan = load_layout(layout)
     mesh = make_mesh(plan, select_devices(devices, plan))
     rules = effective_rules(plan, mesh, cfg)
     how = place_pipeline if "layers" in rules else place_dense
-    return how(read, cfg, dtype, plan.name, mesh, rules, kv_dtype=kv_dtype)
+    placement = how(read, cfg, dtype, plan.name, mesh, rules, kv_dtype=kv_dtype)
+    return dataclasses.replace(placement, params=with_activations(placement.params, activations))
 
 
 def load(
@@ -118,7 +121,7 @@ def load(
         source = ckpt.format
         name = "stories260K (built in)" if model == BUILTIN_MODEL else str(model)
     read = quantizing(read, o.quantize, compute)
-    dtypes = (compute, kv_dtype(o))
+    dtypes = (compute, kv_dtype(o), o.activations)
     spec, place_draft = _speculative(o.speculative, o.draft_tokens, cfg, tokenizer, dtypes, name)
     if cfg.mtp_layers and (spec is None or spec.method != "mtp"):
         cfg = dataclasses.replace(cfg, mtp_layers=0)  # the MTP head is built only to draft
@@ -135,8 +138,8 @@ def load(
 
 def _speculative(how, k, cfg: ModelConfig, tokenizer: Tokenizer, dtypes, model: str):
     """The speculative config and, for a draft model, its placer (layout, devices) ->
-    Placement (`dtypes`: the compute and KV dtypes); a bad choice raises here, before
-    anything is placed."""
+    Placement (`dtypes`: the compute and KV dtypes, the activations' type); a bad choice
+    raises here, before anything is placed."""
     if how is None:
         return None, None
     if how == "ngram":

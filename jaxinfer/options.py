@@ -22,6 +22,7 @@ DTYPES = ("float32", "bfloat16", "float16")  # compute and KV cache dtypes
 # keep: quantized GGUF tensors stay in block form; int8: float weights too become per-channel
 # int8; none: every weight dequantized to the compute dtype at load (the reference)
 QUANTIZE = ("keep", "int8", "none")
+ACTIVATIONS = ("int8", "float")  # what GGUF block weights multiply (EngineOptions.activations)
 PAGE_SIZES = (16, 32, 64, 128, 256)  # 128 measured fastest: benchmarks/results/paged_kv.md
 SPECULATIVE = ("ngram", "mtp")  # or a draft model: a path, or a ModelConfig (random weights)
 MAX_DRAFT_TOKENS = 16
@@ -139,6 +140,9 @@ class EngineOptions:
     # the weights and where they live
     dtype: str = "float32"  # compute dtype (norms, softmax and logits stay float32)
     quantize: str = "keep"  # one of QUANTIZE
+    # GGUF block weights (Q4_K, Q8_0, ...) multiply activations quantized to 8 bits as
+    # llama.cpp does ("int8": integer products, its numerics) or float32 ones ("float")
+    activations: str = "int8"
     layout: str | Path = "single"  # a built-in layout name or a .toml path
     devices: Any = None  # None: all devices; N: the first N; or a sequence of devices
     # the context and the shape plan (every program is compiled for these shapes)
@@ -175,6 +179,7 @@ class EngineOptions:
 
         one_of("dtype", DTYPES)
         one_of("kv_cache_dtype", ("auto", *DTYPES))
+        one_of("activations", ACTIVATIONS)
         if self.quantize not in QUANTIZE:
             raise JaxinferError(
                 f"quantize = {self.quantize!r} is not supported; use one of {', '.join(QUANTIZE)}"

@@ -32,7 +32,8 @@ def test_hf_text_matches_golden_text(stories_hf):
     ],
 )
 def test_quantized_gguf(engines, rel, n_match):
-    engine = engines(model_path(rel), max_seq_len=512)  # test_quant's engines too
+    """float32 activations (the dequantized weights' products: test_quant's engines too)."""
+    engine = engines(model_path(rel), activations="float", max_seq_len=512)
     assert greedy_from_bos(engine)[:n_match] == GOLDEN[:n_match]
 
 

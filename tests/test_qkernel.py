@@ -264,6 +264,76 @@ def test_linear_seam():
         check(jax.jit(linear.linear)(x, w), x, ref)
 
 
+BLOCK_FORMATS = tuple(quant.INT8_ACTIVATIONS)
+
+
+def q8_reference(x, kind):
+    """x float32 [M, I] quantized as llama.cpp's x86 code quantizes activations (written
+    separately from quant.quantize_activations; float32 steps in NumPy's float32) -> (the
+    dequantized activations float64 [M, I], Q8_1's s float64 [M, I / 32] or None)."""
+    x = np.asarray(x, np.float32)
+    M, I = x.shape
+    out, s = np.zeros((M, I)), np.zeros((M, I // 32))
+    size = 256 if kind == "q8_k" else 32
+    for m, b in np.ndindex(M, I // size):
+        blk = x[m, size * b : size * (b + 1)]
+        if kind == "q8_k":  # quantize_row_q8_K_ref
+            top = blk[np.argmax(np.abs(blk))]  # the first of largest magnitude
+            if top == 0:
+                continue
+            iscale = np.float32(-127.0) / top
+            q = np.minimum(np.rint(iscale * blk), 127)
+            out[m, size * b : size * (b + 1)] = q * np.float64(np.float32(1.0) / iscale)
+        else:  # quantize_row_q8_0 / q8_1 (AVX2)
+            amax = np.abs(blk).max()
+            d = amax / np.float32(127.0)
+            q = np.rint(blk * (np.float32(127.0) / amax if amax else np.float32(0)))
+            out[m, size * b : size * (b + 1)] = q * np.float64(np.float16(d))
+            s[m, b] = np.float16(d * np.float32(q.sum()))
+    return out, (s if kind == "q8_1" else None)
+
+
+def int8_reference(x, fmt, parts, ref):
+    """llama.cpp's product of x [M, I] with the weight (gguf-py's float64 values `ref`) under
+    8-bit activations: the quantized activations times the weight, where Q4_1 / Q5_1 take
+    their mins times s (vec_dot_q4_1_q8_1) -> (float64 [M, O], the dequantized activations)."""
+    xq, s = q8_reference(x, quant.INT8_ACTIVATIONS[fmt])
+    if s is None:
+        return xq @ ref.T, xq
+    m = np.asarray(parts["m"], np.float64)  # [O, I / 32]
+    return xq @ (ref - np.repeat(m, 32, axis=1)).T + s @ m.T, xq
+
+
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_int8_activations_match_reference(fmt, variant):
+    """8-bit activations: the kernel's integer products (1-13 rows) and the graph path's
+    (quantize_activations times the dequantized weight, past the kernel's rows) equal
+    llama.cpp's quantize-then-multiply within float32 rounding (check's bound, on the
+    quantized activations' terms). Activations with exact ties and zero blocks included."""
+    rng = np.random.default_rng(BLOCK_FORMATS.index(fmt) + 50)
+    cols, rows = width(fmt), 37
+    parts, ref = random_weight(fmt, rows, cols, rng)
+    x = rng.standard_normal((13, cols)).astype(np.float32)
+    x[1, :64] = 0.0  # zero blocks
+    x[2, :32] = np.arange(32) - 15.5  # values at .5 after scaling: rounding ties
+    x[3, 7] = -x[3].__abs__().max() * 2  # a negative value of largest magnitude (Q8_K's sign)
+    w = quant.QArray({k: jnp.asarray(v) for k, v in parts.items()}, fmt, cols, True, "int8")
+    for m in (1, 2, 3, 5, 8, 13):
+        y = qkernel.matmuls(jnp.asarray(x[:m]), fmt, [parts], [rows], int8=True)[0]
+        want, xq = int8_reference(x[:m], fmt, parts, ref)
+        check_int8(y, want, xq, ref)
+    graph = jax.jit(lambda x, w: quant.product_int8(x, w, jnp.float32))(x, w)
+    want, xq = int8_reference(x, fmt, parts, ref)
+    check_int8(graph, want, xq, ref)
+
+
+def check_int8(y, want, xq, ref):
+    """check's bound on the quantized activations' terms (|s m| terms are within it too)."""
+    bound = 1e-5 * (np.abs(xq) @ np.abs(ref).T) + 1e-30
+    err = np.abs(np.asarray(y, np.float64) - want)
+    assert np.all(err <= bound), f"max error / bound {np.max(err / bound):.3g}"
+
+
 def attention_reference(q, pool_k, pool_v, table, start, length, window):
     """float64 softmax attention of token t of row b (at p = start + t) over the positions
     [n - window, n) (without a window, [0, n)) with n = min(p + 1, start + max(length, 1)),

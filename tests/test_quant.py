@@ -102,7 +102,7 @@ def both(engines, path, **kw):
     At stories260K's own context (512), the dequantized model has the shapes of the float
     stories engines elsewhere: its programs come from the session's compilation cache."""
     opts = {"max_seq_len": 512, **kw}
-    return engines(path, **opts), engines(path, quantize="none", **opts)
+    return engines(path, activations="float", **opts), engines(path, quantize="none", **opts)
 
 
 def assert_same_model(q, f, prompts, n: int = 16):
@@ -186,7 +186,8 @@ def test_quantized_layouts_keep_the_tokens(engines, stories_q8):
     # layer: 5 layers over 2 stages (uneven, slots stacking Q8_0 and F16 layers alike);
     # the mixed file's slots stack different formats (read in float)
     for path, layout, devices in ((Q8, "layer", 2), (Q8, "tensor", 2), (MIXED, "layer", 4)):
-        engine = jaxinfer.load(model_path(path), layout=layout, devices=devices, max_seq_len=128)
+        engine = jaxinfer.load(model_path(path), layout=layout, devices=devices, max_seq_len=128,
+                               activations="float")  # fmt: skip
         ref = (
             want
             if path == Q8

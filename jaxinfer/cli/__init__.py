@@ -13,7 +13,7 @@ import time
 import traceback
 
 from ..errors import JaxinferError
-from ..options import DTYPES, QUANTIZE, EngineOptions, SamplingParams
+from ..options import ACTIVATIONS, DTYPES, QUANTIZE, EngineOptions, SamplingParams
 from ..shardings import BUILTIN
 
 SAMPLING = SamplingParams()  # the defaults of every sampling flag
@@ -60,6 +60,11 @@ def _common(p: argparse.ArgumentParser) -> None:
         "--quantize", default=ENGINE.quantize, choices=QUANTIZE,
         help="keep: GGUF quantized tensors stay in their blocks (default); int8: float weights "
         "too, per-channel int8; none: dequantize everything at load",
+    )  # fmt: skip
+    p.add_argument(
+        "--activations", default=ENGINE.activations, choices=ACTIVATIONS,
+        help="int8: GGUF block weights multiply activations quantized to 8 bits, as llama.cpp "
+        "does (default); float: float32 activations (the dequantized model's products)",
     )  # fmt: skip
     p.add_argument(
         "--layout", default=ENGINE.layout,
@@ -169,7 +174,8 @@ def _parser() -> argparse.ArgumentParser:
 def _options(args, **overrides) -> EngineOptions:
     """The engine options the flags give (each checked by EngineOptions)."""
     kw = dict(
-        dtype=args.dtype, quantize=args.quantize, layout=args.layout, devices=args.devices,
+        dtype=args.dtype, quantize=args.quantize, activations=args.activations,
+        layout=args.layout, devices=args.devices,
         max_seq_len=args.ctx_size, kv_cache_tokens=args.kv_cache_tokens,
         page_size=args.page_size, kv_cache_dtype=args.kv_cache_dtype,
     )  # fmt: skip
@@ -402,6 +408,7 @@ def _info(args) -> None:
         f"{len(engine.compile_plan())} programs in the compile plan",
     ))  # fmt: skip
     rows.append(("weights", _weight_rows(engine)))
+    rows.append(("activations", _activations_row(engine)))
     if kv.get("state_bytes_per_slot"):
         rows.append((
             "linear state",
@@ -439,6 +446,26 @@ def _weight_rows(engine) -> str:
         f"{kind} {n / 2**20:.2f} MiB in {c} tensors" for kind, (c, n) in sorted(by_type.items())
     )
     return f"{engine.weight_bytes() / 2**20:.2f} MiB on the devices ({parts})"
+
+
+def _activations_row(engine) -> str:
+    """What the GGUF block weights multiply: both modes, the one in use first."""
+    import jax
+
+    from ..ops.quant import INT8_ACTIVATIONS, QArray
+
+    leaves = jax.tree.leaves(engine.params, is_leaf=lambda x: isinstance(x, QArray))
+    fmts = sorted({x.fmt.upper() for x in leaves if isinstance(x, QArray)
+                   and x.fmt in INT8_ACTIVATIONS})  # fmt: skip
+    if not fmts:
+        return "float32 (no GGUF block weights; --activations applies to Q4_K, Q8_0, ...)"
+    modes = {
+        "int8": "quantized to 8 bits per block as llama.cpp does, integer products",
+        "float": "float32, the dequantized weights' products",
+    }
+    mode = engine.options.activations
+    other = next(m for m in modes if m != mode)
+    return f"{mode} ({modes[mode]}) for {', '.join(fmts)}; --activations {other}: {modes[other]}"
 
 
 def _linear_rows(cfg) -> list[tuple[str, str]]:

@@ -233,11 +233,13 @@ def matmul(x: jax.Array, fmt: str, parts: dict[str, jax.Array], out_features: in
     return matmuls(x, fmt, [parts], [out_features])[0]
 
 
-def matmuls(x: jax.Array, fmt: str, weights, out_features, norm=None) -> list[jax.Array]:
+def matmuls(x: jax.Array, fmt: str, weights, out_features, norm=None, int8: bool = False
+             ) -> list[jax.Array]:  # fmt: skip
     """x f32 [M, I] times each of up to MAX_WEIGHTS `fmt` weights [O_w, I] (their parts) in one
     call -> [f32 [M, O_w]]: the weights share one split over the threads. With `norm` (weight
     f32 [I], eps > 0), x's rows are first RMS-normalized and scaled (`norm.rms_norm`) in the
-    kernel, once per call."""
+    kernel, once per call. `int8`: x's rows quantized to 8 bits as llama.cpp does for `fmt`
+    (quant.INT8_ACTIVATIONS) and multiplied as integers (GGUF block formats only)."""
     variant = _in_use()
     extra = () if norm is None else (norm[0].astype(jnp.float32),)
     eps = np.float32(0.0 if norm is None else norm[1])
@@ -250,7 +252,7 @@ def matmuls(x: jax.Array, fmt: str, weights, out_features, norm=None) -> list[ja
             vmap_method="sequential",  # the kernel takes one [M, I] x
         )
         parts = (parts[p.name] for parts in group for p in FORMATS[fmt].parts)
-        outs += call(x, *parts, *extra, eps=eps)
+        outs += call(x, *parts, *extra, eps=eps, int8=np.int32(int8))
     return outs
 
 

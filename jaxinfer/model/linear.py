@@ -1,7 +1,8 @@
 """The one matmul seam: `linear(x, w)` for a plain or quantized weight, and `embed` for lookups.
 
 Kernel weights (QArrays placed for the CPU kernel) go to it where it serves; everything else
-dequantizes inside the graph, so the model never branches on the weight's type.
+dequantizes inside the graph, so the model never branches on the weight's type. Weights with
+8-bit activations (`QArray.acts`) quantize x as llama.cpp does on either path.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import numpy as np
 
 from .. import kernels
 from ..ops.norm import rms_norm
-from ..ops.quant import QArray, dequantize
+from ..ops.quant import QArray, dequantize, product_int8
 
 
 def linear(x: jax.Array, w, out_dtype=None) -> jax.Array:
@@ -29,24 +30,27 @@ def linears(x: jax.Array, ws, out_dtype=None, norm=None) -> list[jax.Array]:
     out_dtype = out_dtype or x.dtype
     rows = int(np.prod(x.shape[:-1]))
     outs: list = [None] * len(ws)
-    groups: dict[str, list[int]] = {}
+    groups: dict[tuple[str, str], list[int]] = {}
     for i, w in enumerate(ws):
         if isinstance(w, QArray) and w.kernel:
-            groups.setdefault(w.fmt, []).append(i)
+            groups.setdefault((w.fmt, w.acts), []).append(i)
     if groups:
         flat = x.reshape(rows, x.shape[-1]).astype(jnp.float32)  # [M, I]
-    for fmt, picked in groups.items():
+    for (fmt, acts), picked in groups.items():
         values = sum(int(np.prod(ws[i].shape[-2:])) for i in picked)
         if kernels.serves(rows, fmt, values):
             ys = kernels.matmuls(flat, fmt, [ws[i].parts for i in picked],
-                                 [ws[i].shape[-2] for i in picked], norm)  # fmt: skip
+                                 [ws[i].shape[-2] for i in picked], norm,
+                                 int8=acts == "int8")  # fmt: skip
             for i, y in zip(picked, ys, strict=True):  # y [M, O]
                 outs[i] = y.reshape(*x.shape[:-1], y.shape[-1]).astype(out_dtype)
     wide = None if out_dtype == x.dtype else out_dtype
     if norm is not None and any(out is None for out in outs):
         x = rms_norm(x, *norm)
     for i, w in enumerate(ws):
-        if outs[i] is None:
+        if outs[i] is None and isinstance(w, QArray) and w.acts == "int8":
+            outs[i] = product_int8(x, w, out_dtype)
+        elif outs[i] is None:
             w = dequantize(w, x.dtype) if isinstance(w, QArray) else w
             outs[i] = jnp.einsum("...I,OI->...O", x, w, preferred_element_type=wide)
     return outs

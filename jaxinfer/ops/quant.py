@@ -15,6 +15,7 @@ small-row products there go to a custom kernel (kernels/cpu.py) that reads the b
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import jax
@@ -92,12 +93,15 @@ class QArray:
     axes are the weight's (so slicing every part slices the weight's rows); `width` is I.
 
     `kernel`: multiply with the CPU kernel (set at placement, where the weight's sharding is
-    known: the kernel runs on whole, unsharded weights)."""
+    known: the kernel runs on whole, unsharded weights). `acts`: "int8" multiplies activations
+    quantized to 8 bits as llama.cpp does (`product_int8`; GGUF block formats only), "float"
+    the float32 activations."""
 
     parts: dict[str, jax.Array]
     fmt: str = field(metadata=dict(static=True))
     width: int = field(metadata=dict(static=True))
     kernel: bool = field(default=False, metadata=dict(static=True))
+    acts: str = field(default="float", metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -119,7 +123,7 @@ class QArray:
     def rows(self, fn) -> QArray:
         """The same weight with `fn` applied to every part's leading (row) axes, e.g.
         `w.rows(lambda a: a[e])` for expert e; fn must keep the last axis."""
-        return QArray({k: fn(v) for k, v in self.parts.items()}, self.fmt, self.width, self.kernel)
+        return dataclasses.replace(self, parts={k: fn(v) for k, v in self.parts.items()})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -205,6 +209,74 @@ def dequantize(w: QArray, dtype=jnp.float32) -> jax.Array:
     else:
         raise ValueError(f"unknown quantized format {f!r}")
     return out.astype(dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# 8-bit activations: llama.cpp's products with its 4-8 bit formats quantize the activations to
+# 8 bits (the format's vec_dot_type) and multiply integers. The same quantization here gives
+# its numerics on every path: the CPU kernel's integer products (kernels/src/formats.h) and,
+# where XLA multiplies, the dequantized activations times the dequantized weight.
+
+# The activations' 8-bit type for each weight format (llama.cpp's vec_dot_type).
+INT8_ACTIVATIONS = {
+    "q8_0": "q8_0", "q4_0": "q8_0", "q5_0": "q8_0", "q4_1": "q8_1", "q5_1": "q8_1",
+    "q4_k": "q8_k", "q5_k": "q8_k", "q6_k": "q8_k",
+}  # fmt: skip
+
+
+def quantize_activations(x: jax.Array, kind: str) -> tuple[jax.Array, jax.Array | None]:
+    """x [..., I] quantized to 8 bits as llama.cpp quantizes activations of type `kind`, and
+    dequantized -> (float32 [..., I], Q8_1's s [..., I / 32] or None).
+    q8_0 / q8_1: blocks of 32, q = round-half-even(x * (127 / max|x|)), d = f16(max|x| / 127)
+    (q8_1's s = f16(d * sum q), its min term); q8_k: blocks of 256, iscale = -127 / the value
+    of largest magnitude (the first), q = min(127, round(iscale x)), d = 1 / iscale."""
+    x = x.astype(jnp.float32)
+    size = 256 if kind == "q8_k" else 32
+    g = x.reshape(*x.shape[:-1], -1, size)  # [..., I / size, size]
+    a = jnp.abs(g)
+    s = None
+    if kind == "q8_k":
+        first = jnp.argmax(a, axis=-1, keepdims=True)
+        top, amax = jnp.take_along_axis(g, first, -1), jnp.take_along_axis(a, first, -1)
+        iscale = jnp.where(amax > 0, -127.0 / jnp.where(amax > 0, top, 1.0), 0.0)
+        q = jnp.minimum(jnp.rint(iscale * g), 127.0)
+        d = jnp.where(amax > 0, 1.0 / jnp.where(amax > 0, iscale, 1.0), 0.0)
+    else:
+        amax = jnp.max(a, axis=-1, keepdims=True)
+        inv = jnp.where(amax > 0, 127.0 / jnp.where(amax > 0, amax, 1.0), 0.0)
+        q = jnp.rint(g * inv)
+        d = amax / 127.0
+        if kind == "q8_1":
+            s = (d[..., 0] * q.sum(-1)).astype(jnp.float16).astype(jnp.float32)
+        d = d.astype(jnp.float16).astype(jnp.float32)
+    return (q * d).reshape(x.shape), s
+
+
+def with_activations(params, activations: str):
+    """params with every GGUF block weight's `acts` set to `activations` ("int8" or "float");
+    other leaves unchanged."""
+
+    def mark(leaf):
+        if isinstance(leaf, QArray) and leaf.fmt in INT8_ACTIVATIONS:
+            return dataclasses.replace(leaf, acts=activations)
+        return leaf
+
+    return jax.tree.map(mark, params, is_leaf=lambda leaf: isinstance(leaf, QArray))
+
+
+def product_int8(x: jax.Array, w: QArray, out_dtype) -> jax.Array:
+    """x [..., I] times the block-format weight w [O, I] with x quantized to 8 bits (w's
+    INT8_ACTIVATIONS type) -> [..., O] float32 accumulated, in `out_dtype`: the CPU kernel's
+    integer products within float32 rounding. Q4_1 / Q5_1 add their mins times s, as
+    llama.cpp does."""
+    kind = INT8_ACTIVATIONS[w.fmt]
+    xq, s = quantize_activations(x, kind)
+    if kind != "q8_1":
+        y = jnp.einsum("...I,OI->...O", xq, dequantize(w))
+        return y.astype(out_dtype)
+    y = jnp.einsum("...I,OI->...O", xq, _per(w.parts["d"], 32) * values(w))  # d q, no min
+    y = y + jnp.einsum("...b,Ob->...O", s, w.parts["m"].astype(jnp.float32))
+    return y.astype(out_dtype)
 
 
 # ---------------------------------------------------------------------------------------------

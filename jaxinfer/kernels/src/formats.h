@@ -15,6 +15,7 @@
 // `scale * q - low` into one rounding; the accumulations' FMAs are explicit (vec::fma).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -37,6 +38,65 @@ INLINE F levels(const uint16_t* d, const uint16_t* m, int64_t b, float base) {
   F v = set1(h2f(d[b])) * iota(base);
   if constexpr (kMin) v = v + h2f(m[b]);
   return v;
+}
+
+// ---- 8-bit activations ----
+// A product's activation row quantized to 8 bits as llama.cpp quantizes it for the weight's
+// format (its vec_dot_type), so that the integer products are llama.cpp's: Q8_0 (blocks of 32,
+// d = max|x| / 127 rounded to f16, q = x * (127 / max|x|) rounded to nearest even) for Q8_0,
+// Q4_0 and Q5_0; Q8_1 (Q8_0 plus s = f16(d * sum q)) for Q4_1 and Q5_1; Q8_K (blocks of 256,
+// iscale = -127 / the value of largest magnitude, q = min(127, round(iscale x)), float
+// d = 1 / iscale) for the K-quants. ops/quant.py's quantize_activations is the same in jnp.
+enum class Q8 { k0, k1, kK };
+struct Acts {        // one activation row of I values
+  const int8_t* q;   // [I]
+  const float* d;    // [I / 32] (Q8_0, Q8_1) or [I / 256] (Q8_K)
+  const float* s;    // [I / 32]: Q8_1's s
+  const int32_t* sums;  // [I / 32]: Q8_K's sums of q per 32 values
+};
+
+// llama.cpp's nearest_int: round to nearest even for |v| < 2^22.
+INLINE int32_t nearest(float v) {
+  const float f = v + 12582912.0f;
+  int32_t i;
+  std::memcpy(&i, &f, 4);
+  return (i & 0x007FFFFF) - 0x00400000;
+}
+
+// x [I] quantized into q [I], d, s and sums (each at least I / 32 entries); returns the row.
+inline Acts quantize(Q8 kind, const float* x, int64_t I, int8_t* q, float* d, float* s,
+                     int32_t* sums) {
+  if (kind == Q8::kK) {
+    for (int64_t b = 0; b < I / 256; ++b) {
+      const float* xb = x + 256 * b;
+      float amax = 0.0f, max = 0.0f;
+      for (int j = 0; j < 256; ++j)
+        if (std::fabs(xb[j]) > amax) amax = std::fabs(xb[j]), max = xb[j];
+      const float iscale = amax != 0.0f ? -127.0f / max : 0.0f;
+      for (int j = 0; j < 256; ++j) {
+        const int32_t v = nearest(iscale * xb[j]);
+        q[256 * b + j] = int8_t(v < 127 ? v : 127);
+      }
+      d[b] = amax != 0.0f ? 1.0f / iscale : 0.0f;
+      for (int j = 0; j < 8; ++j) {
+        int32_t sum = 0;
+        for (int i = 0; i < 32; ++i) sum += q[256 * b + 32 * j + i];
+        sums[8 * b + j] = sum;
+      }
+    }
+    return {q, d, nullptr, sums};
+  }
+  for (int64_t b = 0; b < I / 32; ++b) {
+    const float* xb = x + 32 * b;
+    float amax = 0.0f;
+    for (int j = 0; j < 32; ++j) amax = std::fmax(amax, std::fabs(xb[j]));
+    const float db = amax / 127.0f, id = amax != 0.0f ? 127.0f / amax : 0.0f;
+    int32_t sum = 0;
+    for (int j = 0; j < 32; ++j) sum += q[32 * b + j] = int8_t(nearest(xb[j] * id));
+    d[b] = h2f(f2h(db));
+    if (kind == Q8::k1) s[b] = h2f(f2h(db * float(sum)));
+  }
+  return {q, d, s, nullptr};
 }
 
 // Q8_0 (32 values): q int8 [O, I], d f16 [O, I / 32]; w = d * q.
@@ -78,6 +138,9 @@ struct Q8_0 {  // the format interface (boilerplate)
     }
     return hsum(acc);
   }
+  static constexpr Q8 kActs = Q8::k0;
+  template <int MT>
+  INLINE void idot(int64_t o, const Acts* a, float* out) const;
 };
 
 // Per-channel int8 (any I: the last I % 32 values masked): q int8 [O, I], s f32 [O, 1];
@@ -196,6 +259,9 @@ struct Q4 {  // the format interface (boilerplate)
   // One-row products: block_dot (below).
   static constexpr bool kSums = true;
   INLINE float dot(int64_t o, const float* x, const float* sums) const;
+  static constexpr Q8 kActs = kMin ? Q8::k1 : Q8::k0;
+  template <int MT>
+  INLINE void idot(int64_t o, const Acts* a, float* out) const;
 };
 
 // Q5_0 (32 values): qs as Q4_0, qh [O, I / 8] (4 bytes per block: bit j of their
@@ -244,6 +310,9 @@ struct Q5 {  // the format interface (boilerplate)
   // One-row products: block_dot (below).
   static constexpr bool kSums = true;
   INLINE float dot(int64_t o, const float* x, const float* sums) const;
+  static constexpr Q8 kActs = kMin ? Q8::k1 : Q8::k0;
+  template <int MT>
+  INLINE void idot(int64_t o, const Acts* a, float* out) const;
 };
 
 // The levels of 16 bytes of nibbles as floats, widened once for both halves: lo = the low
@@ -351,6 +420,9 @@ struct Q4_K {  // the format interface (boilerplate)
   // One-row products: k_dot (below).
   static constexpr bool kSums = true;
   INLINE float dot(int64_t o, const float* x, const float* sums) const;
+  static constexpr Q8 kActs = Q8::kK;
+  template <int MT>
+  INLINE void idot(int64_t o, const Acts* a, float* out) const;
 };
 
 // Q5_K: Q4_K plus qh [O, I / 8] (32 bytes per block: bit j of byte l is value 32 j + l's
@@ -402,6 +474,9 @@ struct Q5_K {  // the format interface (boilerplate)
   // One-row products: k_dot (below).
   static constexpr bool kSums = true;
   INLINE float dot(int64_t o, const float* x, const float* sums) const;
+  static constexpr Q8 kActs = Q8::kK;
+  template <int MT>
+  INLINE void idot(int64_t o, const Acts* a, float* out) const;
 };
 
 // One row o of a Q4_K or Q5_K weight times one activation row x [I], given x's sums over
@@ -516,6 +591,139 @@ struct Q6_K {  // the format interface (boilerplate)
   INLINE F value(const Blk& k) const {
     return bcast(&k.scale[G]) * to_float(s8x16(k.q + 16 * G));
   }
+  static constexpr Q8 kActs = Q8::kK;
+  template <int MT>
+  INLINE void idot(int64_t o, const Acts* a, float* out) const;
 };
+
+// ---- One weight row times MT activation rows quantized to 8 bits (Acts) ----
+// out[m] = the row's product with a[m]: integer products of the weight's values and the
+// activations' q (vec::dot), scaled per block as llama.cpp's vec_dot_<format>_q8 does (float32
+// accumulation in 8 lanes; its order differs from llama.cpp's only in rounding). The weight's
+// bytes are assembled once per 32 values for all MT rows.
+
+// Q8_0, Q4_0, Q4_1, Q5_0, Q5_1: per block of 32, (dw dx) (q . qx) [+ m s].
+template <class Fmt, int MT>
+INLINE void block_idot(const Fmt& f, int64_t o, const Acts* a, float* out) {
+  constexpr bool kQ8 = std::is_same_v<Fmt, Q8_0>;
+  constexpr bool kFifth = std::is_same_v<Fmt, Q5<false>> || std::is_same_v<Fmt, Q5<true>>;
+  constexpr bool kMin = std::is_same_v<Fmt, Q4<true>> || std::is_same_v<Fmt, Q5<true>>;
+  const typename Fmt::Row r = f.row(o);
+  F8 acc[MT] = {};
+  float mins[MT] = {};
+  for (int64_t b = 0; b < f.I / 32; ++b) {
+    f.prefetch(r, b + Fmt::kAhead);
+    S8 w;
+    if constexpr (kQ8) {
+      w = load32(r.q + 32 * b);
+    } else {
+      B32 z = nibbles(r.qs + 16 * b);
+      if constexpr (kFifth) {
+        uint32_t high;
+        std::memcpy(&high, r.qh + 4 * b, 4);
+        z = z | bit_bytes(high);
+      }
+      w = S8(z);
+      if constexpr (!kMin) w = w - int8_t(kFifth ? 16 : 8);
+    }
+    const float dw = h2f(r.d[b]);
+    static_for<MT>([&](auto m) UNROLLED {
+      const I8 p = dot(w, load32(a[m].q + 32 * b));
+      acc[m] = fma(set8(dw * a[m].d[b]), to_float(p), acc[m]);
+      if constexpr (kMin) mins[m] += h2f(r.m[b]) * a[m].s[b];
+    });
+  }
+  static_for<MT>([&](auto m) UNROLLED { out[m] = hsum(acc[m]) + mins[m]; });
+}
+template <int MT>
+INLINE void Q8_0::idot(int64_t o, const Acts* a, float* out) const {
+  block_idot<Q8_0, MT>(*this, o, a, out);
+}
+template <bool kMin>
+template <int MT>
+INLINE void Q4<kMin>::idot(int64_t o, const Acts* a, float* out) const {
+  block_idot<Q4<kMin>, MT>(*this, o, a, out);
+}
+template <bool kMin>
+template <int MT>
+INLINE void Q5<kMin>::idot(int64_t o, const Acts* a, float* out) const {
+  block_idot<Q5<kMin>, MT>(*this, o, a, out);
+}
+
+// Q4_K, Q5_K: per block of 256, dw dx sum_j sc[j] (q_j . qx_j) - dminw dx sum_j mn[j] sums[j]
+// (the sub-block scales applied in the integer products, as llama.cpp does).
+template <class Fmt, int MT>
+INLINE void k_idot(const Fmt& f, int64_t o, const Acts* a, float* out) {
+  constexpr bool kFifth = std::is_same_v<Fmt, Q5_K>;
+  const typename Fmt::Row r = f.row(o);
+  F8 acc[MT] = {};
+  float mins[MT] = {};
+  for (int64_t b = 0; b < f.I / 256; ++b) {
+    f.prefetch(r, b + Fmt::kAhead);
+    I8 sum[MT] = {};
+    B32 high;
+    if constexpr (kFifth) high = load32(r.qh + 32 * b);  // bit j of byte l: value 32 j + l
+    const uint8_t* sc = r.sc + 8 * b;
+    static_for<4>([&](auto c) UNROLLED {  // values [64 c, 64 c + 64): sub-blocks 2c, 2c + 1
+      const B32 z = load32(r.qs + 128 * b + 32 * c);
+      B32 lo = z & 15, hi = z >> 4;
+      if constexpr (kFifth) {
+        lo = lo | (((high >> (2 * c)) & 1) << 4);
+        hi = hi | (((high >> (2 * c + 1)) & 1) << 4);
+      }
+      const int16_t s0 = sc[2 * c], s1 = sc[2 * c + 1];
+      static_for<MT>([&](auto m) UNROLLED {
+        const int8_t* x = a[m].q + 256 * b + 64 * c;
+        sum[m] = sum[m] + dot(S8(lo), load32(x), s0, s0) + dot(S8(hi), load32(x + 32), s1, s1);
+      });
+    });
+    const float dw = h2f(r.d[b]), dminw = h2f(r.dmin[b]);
+    static_for<MT>([&](auto m) UNROLLED {
+      int32_t low = 0;
+      for (int j = 0; j < 8; ++j) low += int32_t(r.mn[8 * b + j]) * a[m].sums[8 * b + j];
+      acc[m] = fma(set8(dw * a[m].d[b]), to_float(sum[m]), acc[m]);
+      mins[m] += dminw * a[m].d[b] * float(low);
+    });
+  }
+  static_for<MT>([&](auto m) UNROLLED { out[m] = hsum(acc[m]) - mins[m]; });
+}
+template <int MT>
+INLINE void Q4_K::idot(int64_t o, const Acts* a, float* out) const {
+  k_idot<Q4_K, MT>(*this, o, a, out);
+}
+template <int MT>
+INLINE void Q5_K::idot(int64_t o, const Acts* a, float* out) const {
+  k_idot<Q5_K, MT>(*this, o, a, out);
+}
+
+// Q6_K: per block of 256, dw dx sum_g sc[g] ((q_g - 32) . qx_g), 16 groups of 16.
+template <int MT>
+INLINE void Q6_K::idot(int64_t o, const Acts* a, float* out) const {
+  const Row r = row(o);
+  F8 acc[MT] = {};
+  for (int64_t b = 0; b < I / 256; ++b) {
+    prefetch(r, b + kAhead);
+    I8 sum[MT] = {};
+    static_for<2>([&](auto H) UNROLLED {  // values [128 H, 128 H + 128)
+      const B32 l0 = load32(r.ql + 128 * b + 64 * H), l1 = load32(r.ql + 128 * b + 64 * H + 32);
+      const B32 h = load32(r.qh + 64 * b + 32 * H);
+      static_for<4>([&](auto s) UNROLLED {  // values 32 s + [0, 32)
+        const B32 low = s % 2 ? l1 : l0;
+        const B32 q = (s < 2 ? low & 15 : low >> 4) | (((h >> (2 * s)) & 3) << 4);
+        const S8 w = S8(q) - int8_t(32);
+        const int g = 16 * b + 8 * H + 2 * s;
+        static_for<MT>([&](auto m) UNROLLED {
+          const S8 x = load32(a[m].q + 256 * b + 128 * H + 32 * s);
+          sum[m] = sum[m] + dot(w, x, r.sc[g], r.sc[g + 1]);
+        });
+      });
+    });
+    const float dw = h2f(r.d[b]);
+    static_for<MT>([&](auto m) UNROLLED {
+      acc[m] = fma(set8(dw * a[m].d[b]), to_float(sum[m]), acc[m]);
+    });
+  }
+  static_for<MT>([&](auto m) UNROLLED { out[m] = hsum(acc[m]); });
+}
 
 }  // namespace jaxinfer::formats

@@ -207,6 +207,49 @@ constexpr bool kWide = kRegisters >= 32;
 constexpr int kNarrowRows = kRegisters >= 8 ? 4 : 2;
 constexpr int kDenseRows = kWide ? 8 : 2;
 
+// Formats with an idot(): products with activations quantized to 8 bits (formats.h).
+template <class Fmt, class = void>
+struct HasIdot : std::false_type {};
+template <class Fmt>
+struct HasIdot<Fmt, std::void_t<decltype(Fmt::kActs)>> : std::true_type {};
+
+// Activation rows per idot() call: each weight row's bytes are assembled once for them.
+constexpr int kIntRows = 4;
+
+// Output rows [lo, hi) for the M activation rows a (quantized to 8 bits).
+template <class Fmt>
+void int_rows(const Fmt& f, const Acts* a, int64_t M, int64_t O, int64_t lo, int64_t hi,
+              float* y) {
+  for (int64_t o = lo; o < hi; ++o)
+    for (int64_t m0 = 0; m0 < M; m0 += kIntRows)
+      dispatch<kIntRows>(std::min<int64_t>(kIntRows, M - m0), [&](auto mt) {
+        constexpr int MT = decltype(mt)::value;
+        float out[MT];
+        f.template idot<MT>(o, a + m0, out);
+        for (int m = 0; m < MT; ++m) y[(m0 + m) * O + o] = out[m];
+      });
+}
+
+// x's M rows quantized for Fmt's idot(), in this thread's buffers (valid until its next call).
+template <class Fmt>
+const Acts* quantize_rows(const float* x, int64_t M, int64_t I) {
+  thread_local std::unique_ptr<int8_t[]> q;
+  thread_local std::unique_ptr<float[]> d, s;
+  thread_local std::unique_ptr<int32_t[]> sums;
+  thread_local std::unique_ptr<Acts[]> acts;
+  thread_local int64_t capacity = 0, rows = 0;
+  const int64_t blocks = I / 32;
+  if (capacity < M * I) {
+    q.reset(new int8_t[M * I]), d.reset(new float[M * blocks]), s.reset(new float[M * blocks]);
+    sums.reset(new int32_t[M * blocks]), capacity = M * I;
+  }
+  if (rows < M) acts.reset(new Acts[M]), rows = M;
+  for (int64_t m = 0; m < M; ++m)
+    acts[m] = quantize(Fmt::kActs, x + m * I, I, q.get() + m * I, d.get() + m * blocks,
+                       s.get() + m * blocks, sums.get() + m * blocks);
+  return acts.get();
+}
+
 // Output rows [lo, hi) for all M activation rows.
 // M = 1: one weight row at a time, all rows in one sequential stream.
 // M = 2..8 (kWide): two weight rows per tile (halving the loads of x per FMA; loads, not FMAs,
@@ -343,7 +386,7 @@ constexpr size_t kMaxWeights = 8;
 // gate/up each one call.
 template <class Fmt>
 ffi::Error run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs parts,
-               ffi::RemainingRets ys, float eps) {
+               ffi::RemainingRets ys, float eps, int32_t int8) {
   using S = Spec<Fmt>;
   constexpr size_t P = std::size(S::kTypes);
   auto xd = x.dimensions();
@@ -403,6 +446,21 @@ ffi::Error run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs
     for (size_t w = 0; w < W; ++w) std::fill(outs[w].y, outs[w].y + M * outs[w].O, 0.0f);
     return ffi::Error::Success();
   }
+  const int64_t chunk = std::max(kMinChunkRows, kMinChunkValues / I);
+  if (int8) {
+    if constexpr (HasIdot<Fmt>::value) {
+      const Acts* acts = quantize_rows<Fmt>(xp, M, I);
+      parallel_for(pool, total, chunk, [&](int64_t lo, int64_t hi) {
+        for (size_t w = 0; w < W; ++w) {
+          const Out& o = outs[w];
+          const int64_t a = std::max(lo, o.at), b = std::min(hi, o.at + o.O);
+          if (a < b) int_rows(o.f, acts, M, o.O, a - o.at, b - o.at, o.y);
+        }
+      });
+      return ffi::Error::Success();
+    }
+    return ffi::Error::InvalidArgument("qmatmul: 8-bit activations need a GGUF block format");
+  }
   const float* sums = nullptr;  // x's sums per 32 values, for a format's one-row dot()
   if constexpr (HasDot<Fmt>::value)
     if (Fmt::kSums && M == 1) {
@@ -413,7 +471,7 @@ ffi::Error run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs
         buffer[j] = hsum(load(xp + 32 * j) + load(xp + 32 * j + 16));
       sums = buffer.get();
     }
-  parallel_for(pool, total, std::max(kMinChunkRows, kMinChunkValues / I),
+  parallel_for(pool, total, chunk,
                [&](int64_t lo, int64_t hi) {
                  for (size_t w = 0; w < W; ++w) {
                    const Out& o = outs[w];
@@ -424,10 +482,11 @@ ffi::Error run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs
   return ffi::Error::Success();
 }
 
-// Bindings: the thread pool, x, the weights' parts (then the norm weight); the results; eps.
+// Bindings: the thread pool, x, the weights' parts (then the norm weight); the results; eps,
+// and int8 (nonzero: x quantized to 8 bits as llama.cpp does, integer products).
 auto with() {
   return ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>().RemainingArgs()
-      .RemainingRets().Attr<float>("eps");
+      .RemainingRets().Attr<float>("eps").Attr<int32_t>("int8");
 }
 
 }  // namespace

@@ -580,5 +580,84 @@ INLINE F exp16(F x) {
   return scale2(p, n);
 }
 
+
+// ---- 8-bit integer products (qmatmul's int8 activations) ----
+// 32 int8 (or uint8) lanes, and 8 int32 lanes. Plain gcc vectors on every build: one ymm with
+// AVX2 or AVX-512; without AVX gcc splits each operation into two 128-bit halves.
+typedef int8_t S8 __attribute__((vector_size(32), aligned(1)));
+typedef int32_t I8 __attribute__((vector_size(32), aligned(4)));  // 8 int32 lanes
+
+INLINE S8 load32(const int8_t* p) { return load_as<S8>(p); }
+INLINE B32 load32(const uint8_t* p) { return load_as<B32>(p); }
+// 16 bytes of nibbles as 32 values: lanes [0, 16) the low nibbles, [16, 32) the high ones.
+INLINE B32 nibbles(const uint8_t* p) {
+  const B16 b = load_as<B16>(p);
+  const B16 lo = b & 15, hi = b >> 4;
+  return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15,
+                                 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31);
+}
+// Lane j: 16 where bit j of `bits` is set, else 0 (the fifth bits of Q5_0 / Q5_1).
+INLINE B32 bit_bytes(uint32_t bits) {
+#if defined(JAXINFER_AVX512) || defined(JAXINFER_AVX2)
+  // byte j / 8 of bits into lane j, then lane j's own bit tested
+  const __m256i v = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(int(bits)),
+      _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+  const __m256i bit = _mm256_set1_epi64x(0x8040201008040201);
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
+  return B32(_mm256_and_si256(set, _mm256_set1_epi8(16)));
+#else
+  B32 r;
+  for (int j = 0; j < 32; ++j) r[j] = uint8_t((bits >> j & 1) << 4);
+  return r;
+#endif
+}
+// Lane k: the sum of w[i] x[i] over i in [4k, 4k + 4), times s_lo for k < 4 (lanes [0, 16)),
+// s_hi for k >= 4. Exact in int32 for |w| <= 128, |x| <= 127, |s| <= 127 (x86's pairs of
+// products are int16: 2 * 128 * 127 fits).
+INLINE I8 dot(S8 w, S8 x, int16_t s_lo = 1, int16_t s_hi = 1) {
+#if defined(JAXINFER_AVX512) || defined(JAXINFER_AVX2)
+  const __m256i wi = __m256i(w), xi = __m256i(x);
+  // |w| times x with w's sign: maddubs takes one unsigned operand
+  const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(wi, wi), _mm256_sign_epi8(xi, wi));
+  return I8(_mm256_madd_epi16(p, _mm256_setr_m128i(_mm_set1_epi16(s_lo), _mm_set1_epi16(s_hi))));
+#elif defined(JAXINFER_NEON)
+  int8x16_t wp[2], xp[2];
+  std::memcpy(wp, &w, 32), std::memcpy(xp, &x, 32);
+  int32x4_t r[2];
+  for (int h = 0; h < 2; ++h) {
+    const int32x4_t lo = vpaddlq_s16(vmull_s8(vget_low_s8(wp[h]), vget_low_s8(xp[h])));
+    const int32x4_t hi = vpaddlq_s16(vmull_high_s8(wp[h], xp[h]));
+    r[h] = vmulq_n_s32(vpaddq_s32(lo, hi), h ? s_hi : s_lo);
+  }
+  I8 out;
+  std::memcpy(&out, r, 32);
+  return out;
+#else
+  I8 r;
+  for (int k = 0; k < 8; ++k) {
+    int32_t sum = 0;
+    for (int i = 4 * k; i < 4 * k + 4; ++i) sum += int32_t(w[i]) * int32_t(x[i]);
+    r[k] = sum * (k < 4 ? s_lo : s_hi);
+  }
+  return r;
+#endif
+}
+INLINE F8 to_float(I8 v) { return __builtin_convertvector(v, F8); }
+INLINE F8 set8(float x) { return F8{} + x; }
+INLINE F8 fma(F8 a, F8 b, F8 c) {
+#if defined(JAXINFER_AVX512) || defined(JAXINFER_AVX2)
+  return F8(_mm256_fmadd_ps(__m256(a), __m256(b), __m256(c)));
+#else
+  return a * b + c;
+#endif
+}
+// Lanes l and l + 4 first, then l + 2, l + 1 (AVX2's usual reduction).
+INLINE float hsum(F8 v) {
+  typedef float F4 __attribute__((vector_size(16)));
+  const F4 a = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+  return (a[0] + a[2]) + (a[1] + a[3]);
+}
+
 }  // namespace vec
 }  // namespace jaxinfer
