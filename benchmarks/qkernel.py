@@ -1,7 +1,8 @@
-"""The quantized matmul kernel (jaxinfer/kernels/cpu.py) against float32 weights and in-graph
-dequantize + dot: one jitted chain of 24 products over alternating [2048, 768] / [768, 2048]
-weights (86M-model shapes), M activation rows. Medians of N calls, variants interleaved.
-Writes benchmarks/results/qkernel.md. Usage: python benchmarks/qkernel.py [-n 15] [--quick]
+"""The quantized matmul kernel (jaxinfer/kernels/cpu.py), with float and with 8-bit activations,
+against float32 weights and in-graph dequantize + dot: one jitted chain of 24 products over
+alternating [2048, 768] / [768, 2048] weights (86M-model shapes), M activation rows. Medians
+of N calls, variants interleaved. Writes benchmarks/results/qkernel.md.
+Usage: python benchmarks/qkernel.py [-n 15] [--quick]
 """
 
 import functools
@@ -102,6 +103,10 @@ def kernel(x, w):
     return qkernel.matmul(x, w.fmt, w.parts, w.shape[0])
 
 
+def kernel_int8(x, w):  # activations quantized to 8 bits, integer products
+    return qkernel.matmuls(x, w.fmt, [w.parts], [w.shape[0]], int8=True)[0]
+
+
 def in_graph(x, w):
     return jnp.einsum("MI,OI->MO", x, quant.dequantize(w))
 
@@ -132,6 +137,7 @@ def main():
     nbytes = {"f32": sum(w.nbytes for w in f32)}
     nbytes.update({f: sum(w.nbytes for w in ws) for f, ws in q.items()})
     run_dense, run_kernel, run_in_graph = chain(dense), chain(kernel), chain(in_graph)
+    run_int8 = chain(kernel_int8)
 
     main_ms = (1, 4, 8)
     rows = [
@@ -142,6 +148,7 @@ def main():
     for m in main_ms:
         variants = {("f32", "XLA dot"): (run_dense, f32)}
         variants.update({(f, "kernel"): (run_kernel, q[f]) for f in KERNEL_FORMATS})
+        variants.update({(f, "kernel int8"): (run_int8, q[f]) for f in KERNEL_FORMATS})
         variants.update({(f, "in-graph"): (run_in_graph, q[f]) for f in ("q8_0", "q4_k")})
         for k, ms in time_variants(variants, m, args.n, rng).items():
             table.setdefault(k, []).append(ms)
@@ -183,7 +190,13 @@ def main():
         f"processes' load moves these figures by up to 2x)."
     )
     ratio = ", ".join(f"{f} {table[f, 'kernel'][1] / table[f, 'kernel'][0]:.2f}x" for f in q)
-    text_ratio = f"Kernel M=4 / M=1 time: {ratio}."
+    gain = ", ".join(
+        f"{f} " + " / ".join(f"{k / i:.2f}x" for k, i in
+                             zip(table[f, "kernel"], table[f, "kernel int8"], strict=True))
+        for f in q
+    )  # fmt: skip
+    text_ratio = (f"Kernel M=4 / M=1 time: {ratio}. 8-bit activations' speed-up over float "
+                  f"activations (M = {', '.join(map(str, main_ms))}): {gain}.")  # fmt: skip
     used = f"CPU kernels: {qkernel.status().describe()} (JAXINFER_CPU_KERNELS forces one)."
     text = (
         f"# Quantized matmul kernel\n\n{used} {note}\n\n" + "\n".join(rows) + f"\n\n{text_ratio}\n"

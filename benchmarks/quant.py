@@ -14,8 +14,10 @@ sampled every 2 ms during the load against before it, jax already initialized: o
 backend the device weights are host memory too), the device weight bytes
 (`engine.weight_bytes()`, where the Engine has it) and its first 64 greedy tokens, which are
 compared with llama.cpp's on the same file (workers/greedy.py, same context settings as the
-peer; llama.cpp quantizes activations to Q8 for Q8_0/Q4_K dots, so exact agreement is not
-expected) and with jaxinfer's on the same file loaded dequantized at load (`quantize="none"`).
+peer) under jaxinfer's default 8-bit activations (llama.cpp's numerics), and under float
+activations with jaxinfer's on the same file loaded dequantized at load (`quantize="none"`).
+The quantized files also run with `activations="float"` in the rounds ("jaxinfer Q8_0 float"):
+what 8-bit activations gain, measured beside the rest.
 
 Usage: python benchmarks/quant.py [-r 5] [--threads 2] [--llama-bench PATH] [--quick] [--tree DIR]
 Writes benchmarks/results/quant.md (--quick: 1 round, fewer tokens, prints only unless --out).
@@ -87,10 +89,12 @@ def measure(args, tests: dict, prompt: list[int], n_greedy: int):
         for label, path in files.items():
             types, tensor_bytes = tensor_types(path, LLAMA_86M["n_layers"])
             probe = ("probe", path, N_CTX, *greedy)
-            deq = harness.once(*probe, "none", env=env) if label in QUANTIZED else None
+            quantized = label in QUANTIZED
+            deq = harness.once(*probe, "none", env=env) if quantized else None
+            flt = harness.once(*probe, "keep", "float", env=env) if quantized else None
             info[label] = dict(
                 types=types, tensor_bytes=tensor_bytes, size=path.stat().st_size, deq=deq,
-                ours=harness.once(*probe, "keep", env=env),
+                flt=flt, ours=harness.once(*probe, "keep", env=env),
                 peer=harness.once("greedy", path, args.threads, N_CTX, *greedy),
             )  # fmt: skip
             print(f"{label} probed: {types}", flush=True)
@@ -99,6 +103,10 @@ def measure(args, tests: dict, prompt: list[int], n_greedy: int):
         for label, path in files.items():
             workers[f"llama.cpp {label}"] = harness.peer_worker(path, args.threads, N_CTX)
             workers[f"jaxinfer {label}"] = harness.jaxinfer_worker(path, N_CTX, args.tree)
+            if label in QUANTIZED:
+                workers[f"jaxinfer {label} float"] = harness.jaxinfer_worker(
+                    path, N_CTX, args.tree, activations="float"
+                )
         runs = {f"llama-bench {label}": path for label, path in files.items()}
         bench = harness.llama_bench_rounds(args.llama_bench, args.threads, runs, tests)
         med = harness.run_rounds([(workers, tests)], args.rounds, bench)
@@ -128,9 +136,9 @@ def report(args, info, med, pp_test, tg_test, prompt, n_greedy, minutes, load) -
     wb_ok = None if None in wb.values() else max(wb.values()) <= 1.1
 
     def agreement(q: str) -> str:
-        ours, deq = info[q]["ours"]["ids"], info[q]["deq"]
-        vs_deq = "n/a" if deq is None else f"{leading(ours, deq['ids'])}/{n_greedy}"
-        return f"{q}: {vs_deq} vs dequantized, {leading(ours, info[q]['peer']['ids'])}/{n_greedy}"
+        ours, flt, deq = info[q]["ours"]["ids"], info[q]["flt"]["ids"], info[q]["deq"]["ids"]
+        return (f"{q}: int8 {leading(ours, info[q]['peer']['ids'])}/{n_greedy} vs llama.cpp, "
+                f"float {leading(flt, deq)}/{n_greedy} vs dequantized")  # fmt: skip
 
     title = "Quantized GGUF: jaxinfer vs llama.cpp" + (" (--quick smoke run)" if args.quick else "")
     lines = [
@@ -177,8 +185,11 @@ def report(args, info, med, pp_test, tg_test, prompt, n_greedy, minutes, load) -
         f"| {pp_test} vs llama.cpp ({', '.join(FILES)}) | recorded | "
         + ", ".join(f"{ratio(f'jaxinfer {f}', f'llama.cpp {f}', pp_test):.2f}x" for f in FILES)
         + " | |",
-        f"| greedy: leading tokens of {n_greedy} matching (jaxinfer vs dequantized, vs "
-        "llama.cpp) | recorded | " + "; ".join(agreement(q) for q in QUANTIZED) + " | |",
+        f"| 8-bit / float activations, decode tok/s ({', '.join(QUANTIZED)}) | recorded | "
+        + ", ".join(f"{ratio(f'jaxinfer {q}', f'jaxinfer {q} float'):.2f}x" for q in QUANTIZED)
+        + " | |",
+        f"| greedy: leading tokens of {n_greedy} matching (8-bit activations vs llama.cpp, "
+        "float vs dequantized) | recorded | " + "; ".join(agreement(q) for q in QUANTIZED) + " | |",
         f"| greedy F32: jaxinfer vs llama.cpp | recorded | "
         f"{leading(info['F32']['ours']['ids'], info['F32']['peer']['ids'])}/{n_greedy} | |",
         "",
@@ -187,8 +198,9 @@ def report(args, info, med, pp_test, tg_test, prompt, n_greedy, minutes, load) -
     ]
     for side in ["llama.cpp", "jaxinfer"] + (["llama-bench"] if args.llama_bench else []):
         for label in FILES:
-            name = f"{side} {label}"
-            lines.append(f"| {name} | {med[name, pp_test]:.1f} | {med[name, tg_test]:.1f} |")
+            modes = ("", " float") if side == "jaxinfer" and label in QUANTIZED else ("",)
+            for name in (f"{side} {label}{mode}" for mode in modes):
+                lines.append(f"| {name} | {med[name, pp_test]:.1f} | {med[name, tg_test]:.1f} |")
     lines += [
         "",
         "| file | tensor types (llama.cpp's quantizer) | file MiB | tensor MiB | "

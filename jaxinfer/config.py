@@ -66,6 +66,10 @@ class ModelConfig:
     linear_v_dim: int = 0  # DV
     conv_kernel: int = 0
     attn_gate: bool = False  # attention output * sigmoid(gate), the gate from q_proj
+    # the linear layers' output projection takes its V heads tiled (head r * HK + k for the
+    # grouped k * R + r), as Qwen3.5 GGUFs store its columns: the model reorders o's heads, so
+    # that a quantized weight keeps its blocks (moving columns would dequantize it)
+    linear_out_tiled: bool = False
     rotary_dim: int = 0  # RoPE on the first rotary_dim dims of each head (0: all of them)
     # Multi-token-prediction layers the checkpoint ships (Qwen3.5 / Qwen3-Next); the model
     # builds them only when speculating with them (loader.py sets 0 otherwise)

@@ -13,8 +13,9 @@ a prompt, one such flip in the first token's keys moves every later position by 
 0.1 off from position 1 on, depending on whether XLA or the kernel computed the norms). So the
 tests ask (1) that one-token prompts' logits, each row on its own, are within float32 noise of
 llama.cpp's for nearly all tokens (measured, Q4_K_M and Q4_0: 62 and 64 of 64 rows within
-4e-6, the other two 0.13 off; with float activations every row 0.08-0.19 off), and (2) that greedy decoding leaves llama.cpp's ids only at a near-tie:
-where they differ, llama.cpp's token is our second best, within NEAR_TIE of our best.
+4e-6, the other two 0.13 off; with float activations every row 0.08-0.19 off), and (2) that
+greedy decoding leaves llama.cpp's ids only at a near-tie: where they differ, llama.cpp's
+token is our second best, within NEAR_TIE of our best.
 """
 
 import json

@@ -3,7 +3,7 @@ sampled every 2 ms against before it, jax already initialized), the device weigh
 (`engine.weight_bytes()`, where the Engine has it), what the parameters are held as, and the
 first N greedy tokens.
 
-Usage: probe.py GGUF N_CTX PROMPT_JSON N QUANTIZE. Prints one JSON line
+Usage: probe.py GGUF N_CTX PROMPT_JSON N QUANTIZE [ACTIVATIONS]. Prints one JSON line
 {"rss", "weight_bytes", "leaves": {dtype: bytes}, "ids"}.
 """
 
@@ -40,7 +40,8 @@ def main():
 
     watcher = threading.Thread(target=sample)
     watcher.start()
-    engine = jaxinfer.load(path, max_seq_len=n_ctx, quantize=sys.argv[5])
+    acts = {"activations": sys.argv[6]} if len(sys.argv) > 6 else {}
+    engine = jaxinfer.load(path, max_seq_len=n_ctx, quantize=sys.argv[5], **acts)
     loading[0] = False
     watcher.join()
     rss = max(peak[0], now()) - base

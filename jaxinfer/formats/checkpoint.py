@@ -209,18 +209,17 @@ def _minus_exp(ck: Checkpoint, path: ParamPath, shape: tuple[int, ...]) -> Tenso
     return (-np.exp(ck.stored(ck.name(path)).astype(np.float64))).astype(np.float32)
 
 
-def _untiled(per_head: str | int, rows: Conversion = _as_stored, columns: bool = False):
+def _untiled(per_head: str | int, rows: Conversion = _as_stored):
     """Qwen3.5 GGUFs tile V heads (head r * HK + k for HF's k * R + r): regroup them by key head
-    on the rows (columns: on wo [D, HV * DV]) of `per_head` rows each (a config field, or 1)."""
+    on the rows, `per_head` rows each (a config field, or 1). wo's columns stay tiled
+    (ModelConfig.linear_out_tiled)."""
 
     def convert(ck: Checkpoint, path: ParamPath, shape: tuple[int, ...]) -> Tensor:
         cfg = ck.config
         w = rows(ck, path, shape)
-        w = w.T if columns else w
         R = cfg.linear_v_heads // cfg.linear_k_heads
         n = getattr(cfg, per_head) if isinstance(per_head, str) else per_head
-        w = w.reshape(R, cfg.linear_k_heads, n, *w.shape[1:]).swapaxes(0, 1).reshape(w.shape)
-        return w.T if columns else w
+        return w.reshape(R, cfg.linear_k_heads, n, *w.shape[1:]).swapaxes(0, 1).reshape(w.shape)
 
     return convert
 
@@ -252,7 +251,6 @@ _ROWS = {
     (QWEN35, "gguf", "linear_attn.{wq,wk}"): _qkv,
     (QWEN35, "gguf", "linear_attn.{wv,conv_v}"): _untiled("linear_v_dim", _qkv),
     (QWEN35, "gguf", "linear_attn.wz"): _untiled("linear_v_dim"),
-    (QWEN35, "gguf", "linear_attn.wo"): _untiled("linear_v_dim", columns=True),
     (QWEN35, "gguf", "linear_attn.{wb,wa,a,dt_bias}"): _untiled(1),
 }
 

@@ -336,6 +336,7 @@ def _linear_fields(meta: dict[str, Any], gguf_arch: str, n_layers: int) -> dict[
         attn_gate=True,
         rotary_dim=get("rope.dimension_count", 0) or head_dim,
         mtp_layers=get("nextn_predict_layers", 0),
+        linear_out_tiled=gguf_arch in ("qwen35", "qwen35moe"),  # ssm_out's V heads tiled
     )
 
 

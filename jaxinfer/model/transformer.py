@@ -225,6 +225,8 @@ class GatedDeltaNet(nnx.Module):
             o, S = gdn.chunked(q, k, v, g, beta, S)
         z = z.reshape(B, T, HV, DV)
         o = rms_norm(o, self.norm[...], cfg.norm_eps) * jax.nn.silu(z.astype(jnp.float32))
+        if cfg.linear_out_tiled:  # wo's columns: head r * HK + k for our k * R + r
+            o = o.reshape(B, T, HK, HV // HK, DV).swapaxes(2, 3)
         out = linear(o.reshape(B, T, HV * DV).astype(x.dtype), self.wo[...])  # [B, T, D]
         return out, gdn.write(state, (conv_q, conv_k, conv_v, S), view.slot, view.keep_at)
 
