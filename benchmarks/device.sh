@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The prepared run for a lent accelerator machine (the device tool; one call), from the
 # repository root: `bash benchmarks/device.sh OUT_DIR`. Its x86-64 host first: the CPU kernels'
-# tests under every variant it runs (AVX-512 where this machine has no such CPU), with the
-# crossover and variant benchmarks pinned to two other cores at the same time; then the GPU's
-# figures (benchmarks/gpu.py). Wheels the machine lacks travel in .whl/ (gguf); the shared
+# tests under every variant it runs (AVX-512 where this machine has no such CPU), with the CPU
+# benchmarks named in $BENCH (default: qkernel crossovers variants) pinned to two other cores at
+# the same time; then the GPU's figures (benchmarks/gpu.py) unless GPU=0. Wheels the machine lacks travel in .whl/ (gguf); the shared
 # tiny models in shared/models (linked to where tests/support/models.py looks).
 set -uo pipefail
 out=${1:-${OUT:-/tmp/device-out}}
@@ -29,14 +29,18 @@ variants=$(cpu python3 -c "
 from jaxinfer.kernels import cpu
 print(','.join(v for v in cpu.runnable() if v != 'scalar'))")
 echo "built in $((SECONDS - start)) s; benchmarked variants: $variants" | tee -a "$out/kernels.txt"
-(cpu taskset -c 4-15 timeout 400 python3 -m pytest -q -p no:cacheprovider -m "slow or not slow" \
-  -n 6 tests/test_qkernel.py tests/test_kernel_variants.py tests/test_quant.py >"$out/tests.log" 2>&1
+(cpu taskset -c 4-15 timeout 360 python3 -m pytest -q -p no:cacheprovider -m "slow or not slow" \
+  -n 6 tests/test_qkernel.py tests/test_kernel_variants.py tests/test_quant.py \
+  tests/test_int8_activations.py >"$out/tests.log" 2>&1
   echo "pytest exit $? after $((SECONDS - start)) s" >>"$out/tests.log") &
-cpu taskset -c 0,1 timeout 240 python3 benchmarks/crossovers.py -n 5 --variants "$variants" \
-  --out "$out/crossovers.md" >"$out/crossovers.log" 2>&1
-cpu taskset -c 0,1 timeout 300 python3 benchmarks/variants.py -r 3 --variants "$variants,off" \
-  --out "$out/variants.md" >"$out/variants.log" 2>&1
+bench=${BENCH:-qkernel crossovers variants}
+[[ $bench == *qkernel* ]] && cpu taskset -c 0,1 timeout 200 python3 benchmarks/qkernel.py --quick \
+  -n 9 --out "$out/qkernel.md" >"$out/qkernel.log" 2>&1
+[[ $bench == *crossovers* ]] && cpu taskset -c 0,1 timeout 240 python3 benchmarks/crossovers.py \
+  -n 5 --variants "$variants" --out "$out/crossovers.md" >"$out/crossovers.log" 2>&1
+[[ $bench == *variants* ]] && cpu taskset -c 0,1 timeout 240 python3 benchmarks/variants.py -r 3 \
+  --variants "$variants,off" --out "$out/variants.md" >"$out/variants.log" 2>&1
 wait
 echo "CPU part done after $((SECONDS - start)) s" | tee -a "$out/kernels.txt"
-timeout 240 python3 benchmarks/gpu.py "$out" -r 3 >"$out/gpu.log" 2>&1
+[ "${GPU:-1}" = 0 ] || timeout 240 python3 benchmarks/gpu.py "$out" -r 3 >"$out/gpu.log" 2>&1
 echo "all done after $((SECONDS - start)) s" | tee -a "$out/kernels.txt"

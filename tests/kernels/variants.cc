@@ -2,7 +2,8 @@
 // one source (tests/test_kernel_variants.py: the NEON variant against the scalar one, both
 // run under qemu-aarch64). Writes float32 values to two files: argv[1] the values that must
 // be bit-equal (every format's dequantized weights), argv[2] the sums that may differ by
-// rounding (the products at several activation row counts, then attention outputs).
+// rounding (the products at several activation row counts, with float and 8-bit activations,
+// then attention outputs).
 #include <cstdio>
 #include <vector>
 
@@ -70,6 +71,13 @@ void check_format(int64_t O, int64_t I) {
     rows(f, x.data(), M, I, O, 0, O, y.data(), sums.data());
     emit(sums_out, y.data(), y.size());
   }
+  if constexpr (HasIdot<Fmt>::value)  // 8-bit activations' integer products
+    for (int64_t M : {1, 3, 6}) {
+      std::vector<float> x(M * I), y(M * O);
+      for (float& v : x) v = uniform(-1, 1);
+      int_rows(f, quantize_rows<Fmt>(x.data(), M, I), M, O, 0, O, y.data());
+      emit(sums_out, y.data(), y.size());
+    }
 }
 
 template <class Pool>

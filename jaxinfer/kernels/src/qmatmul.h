@@ -7,7 +7,9 @@
 // Numerics: float32 activations and float32 (fused multiply-add) accumulation; the weights
 // bit-exact (formats.h). One-row products of the block formats (dot(): decode's matvecs)
 // apply each block's scale and min once to the block's sum of q * x instead: within float32
-// rounding of the same sums.
+// rounding of the same sums. With the int8 attribute, x's rows are quantized to 8 bits as
+// llama.cpp quantizes them (formats.h's quantize) and multiplied as integers (idot()), one
+// weight row against kIntRows activation rows at a time.
 //
 // Work split: output rows in contiguous chunks over XLA's intra-op thread pool (plus the
 // calling thread). Up to 8 activation rows: each weight block is read once, dequantized in
