@@ -61,6 +61,7 @@ def test_logits_follow_llama_cpp(engines, name):
     assert np.sum(off <= NOISE) >= 0.9 * len(off), np.array2string(off, precision=1)
 
 
+@pytest.mark.slow  # 150-token prompts: programs of their own
 @pytest.mark.parametrize("name", FILES)
 def test_greedy_follows_llama_cpp(engines, name):
     engine = engines(FIXTURES / name, max_seq_len=256)
