@@ -644,7 +644,7 @@ INLINE I8 dot(S8 w, S8 x, int16_t s_lo = 1, int16_t s_hi = 1) {
 #endif
 }
 INLINE F8 to_float(I8 v) { return __builtin_convertvector(v, F8); }
-INLINE F8 set8(float x) { return F8{} + x; }
+INLINE F8 set8(float x) { return F8{x, x, x, x, x, x, x, x}; }  // a splat (F8{} + x adds a zero)
 INLINE F8 fma(F8 a, F8 b, F8 c) {
 #if defined(JAXINFER_AVX512) || defined(JAXINFER_AVX2)
   return F8(_mm256_fmadd_ps(__m256(a), __m256(b), __m256(c)));
