@@ -156,6 +156,7 @@ def test_hf_and_gguf_give_the_same_parameters(kind):
                                    err_msg=path)  # fmt: skip
 
 
+@pytest.mark.slow  # 43 s: the default tier must stay under 10 minutes on 2 cores
 def test_multimodal_checkpoint_loads_its_language_model(tmp_path):
     """A published-form Qwen3.5-MoE (text_config, model.language_model.*, fused experts, a
     vision tower) loads the text model and says the tower was skipped."""
