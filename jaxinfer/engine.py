@@ -34,6 +34,7 @@ from .runtime.profiler import profile
 from .runtime.request import Request, RequestState, StreamPiece
 from .runtime.scheduler import Scheduler
 from .runtime.speculative import SpecConfig
+from .runtime.store import ExecutableStore
 
 
 @dataclass(frozen=True)
@@ -61,10 +62,12 @@ class Engine:
         spec: SpecConfig | None = None,
         draft: Placement | None = None,
         place_draft: Callable[..., Placement] | None = None,
+        store: ExecutableStore | None = None,
     ):
         """An engine over a placed model; `load()` builds one. `options` are the serving
         options (checked when made); `place(layout, devices)` re-places the model for
-        reshard(), `place_draft` the draft model."""
+        reshard(), `place_draft` the draft model; `store` holds executables of earlier
+        processes."""
         o = self.options = options or EngineOptions()
         self.cfg = cfg
         self.tokenizer = tokenizer
@@ -93,7 +96,7 @@ class Engine:
             )
         self.strict = o.strict
         self.compile_cache = CompileCache(
-            capacity=o.compile_cache_size or max(64, plan), reuse=o.graph_reuse
+            capacity=o.compile_cache_size or max(64, plan), reuse=o.graph_reuse, store=store
         )
         self.executor = Executor(
             placement, cfg=cfg, dtype=self.dtype, kv_config=self.kv_config,
@@ -159,9 +162,9 @@ class Engine:
             self.compile_cache.strict = False
 
     def _clock(self) -> float:
-        """Wall seconds minus compile seconds: phase timings leave compiles out, as
-        llama.cpp's do (compiles are reported on their own)."""
-        return time.perf_counter() - self.compile_cache.compile_seconds()
+        """Wall seconds minus the seconds spent compiling and loading executables: phase
+        timings leave them out, as llama.cpp's leave setup out (they are reported apart)."""
+        return time.perf_counter() - self.compile_cache.setup_seconds()
 
     # ---- text ---------------------------------------------------------------------------
 
@@ -323,6 +326,8 @@ class Engine:
         stats.recompiles_sharding = cc.n_sharding
         stats.programs = sum(s.compiles for s in cc.stats.values())
         stats.compile_seconds = cc.compile_seconds()
+        stats.loaded = cc.loaded()
+        stats.load_seconds = sum(s.load_seconds for s in cc.stats.values())
         kv = self.kv_stats()
         stats.kv_pages_in_use, stats.kv_pages_total = kv["pages_in_use"], kv["pages_total"]
         stats.kv_page_size = kv["page_size"]

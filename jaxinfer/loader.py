@@ -28,6 +28,7 @@ from .parallel.placement import Placement, Reader, place_dense, random_reader
 from .parallel.sharding import effective_rules, load_layout, make_mesh, select_devices
 from .runtime.compile import use_persistent_cache
 from .runtime.speculative import SpecConfig
+from .runtime.store import SUBFOLDER, ExecutableStore, fingerprint
 
 # The built-in default model ships in the package: Karpathy's stories260K (MIT; models/LICENSE),
 # a 1.2 MB GGUF trained on TinyStories, so the main job writes a little story with no download.
@@ -102,7 +103,10 @@ def load(
     if jax.default_backend() == "cpu":
         kernels.status()  # a bad JAXINFER_CPU_KERNELS fails here, before the model loads
     compute = jnp.dtype(o.dtype)
-    use_persistent_cache(o.compile_cache_dir)
+    store = executable_store(o)
+    # jax's persistent cache serves what the store does not hold only without a store: the
+    # store saves executables compiled afresh (compile.py, CompileCache._build)
+    use_persistent_cache(None if store else o.compile_cache_dir)
     t0 = time.perf_counter()
     if model is None:
         model = BUILTIN_MODEL
@@ -132,8 +136,21 @@ def load(
     return Engine(
         cfg, tokenizer, placement, o, place=placer, name=name, source=source,
         load_ms=(time.perf_counter() - t0) * 1e3, spec=spec, draft=draft,
-        place_draft=place_draft,
+        place_draft=place_draft, store=store,
     )  # fmt: skip
+
+
+def executable_store(o: EngineOptions) -> ExecutableStore | None:
+    """The executable store of these options: in the compile cache dir, unless there is none,
+    its size is 0, or the engine spans several processes (each would need its own)."""
+    if o.compile_cache_dir is None or not o.executable_store_mib or jax.process_count() > 1:
+        return None
+    variant = kernels.status().variant if jax.default_backend() == "cpu" else None
+    return ExecutableStore(
+        Path(o.compile_cache_dir).expanduser() / SUBFOLDER,
+        o.executable_store_mib << 20,
+        fingerprint(variant, kernels.cpu.cpu_flags()),
+    )
 
 
 def _speculative(how, k, cfg: ModelConfig, tokenizer: Tokenizer, dtypes, model: str):

@@ -159,6 +159,9 @@ class EngineOptions:
     # compiles
     compile_cache_size: int | None = None  # executables kept (LRU); None: max(64, the plan)
     compile_cache_dir: str | Path | None = field(default_factory=default_compile_cache_dir)
+    # compiled executables saved in compile_cache_dir/executables, loaded by the next process
+    # without tracing or compiling; the store's size cap in MiB (0: no store)
+    executable_store_mib: int = 2048
     strict: bool = field(default_factory=_strict_from_env)  # compiles after warmup() raise
     graph_reuse: bool = True  # False rebuilds every program on every call (benchmarks)
     # speculative decoding: "ngram", "mtp", or a draft model (a path or a ModelConfig)
@@ -198,6 +201,8 @@ class EngineOptions:
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 1):
                 bad(name, "an integer >= 1")
+        if not _is_int(self.executable_store_mib) or self.executable_store_mib < 0:
+            bad("executable_store_mib", "an integer >= 0 (0: no store)")
         for name in ("decode_chunk", "stream_chunk"):
             if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
                 bad(name, "an integer >= 1")

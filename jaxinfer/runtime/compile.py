@@ -8,6 +8,11 @@ per placement. A hit is a graph reuse. A miss compiles ahead of time
 after a program's first is a recompile, classified against what that program compiled before
 (DESIGN.md section 2) and reported to the listeners as a `RecompileEvent`.
 
+With an executable store (store.py), a key this cache has never held is looked up there before
+it compiles, and what compiles is saved there: a later process loads the executable instead of
+tracing, lowering and compiling it. A load is neither a compile nor a recompile; a key that
+was held and then evicted or cleared compiles again (a same-shape recompile), never loads.
+
 The compile watcher counts, through `jax.monitoring`, XLA compiles the cache did not start
 (untracked: a stray eager op, a jit outside the cache) and persistent-cache hits and misses, on
 the threads that are inside an engine call.
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import inspect
 import logging
 import os
@@ -65,6 +71,8 @@ class ProgramStats:
     compile_seconds: float = 0.0
     planned: int = 0  # compiles of the warmup plan
     planned_seconds: float = 0.0
+    loaded: int = 0  # executables loaded from the store (not compiles)
+    load_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -81,6 +89,7 @@ class Context:
     static: Any  # what the programs close over (model config, dtype, KV geometry...)
     layout: tuple  # (name, mesh axes, device ids, rules)
     fixed: tuple[tuple[str, tuple], ...]  # (label, leaf key) of the leading arguments
+    tree: str  # their tree structure (with static fields, e.g. a weight's block format)
     n_fixed: int  # how many leading arguments `fixed` describes
     stages: int  # pipeline stages of the programs
 
@@ -137,12 +146,14 @@ TRACKING = _Tracking()
 class CompileCache:
     """Compiled programs by key, bounded (LRU), with recompile classification and hooks."""
 
-    def __init__(self, capacity: int = 64, *, reuse: bool = True):
+    def __init__(self, capacity: int = 64, *, reuse: bool = True, store=None):
+        """`store`: an ExecutableStore (store.py), or None."""
         if capacity < 1:
             raise JaxinferError(f"compile_cache_size = {capacity} is invalid; it must be >= 1")
         self.capacity = capacity
         self.reuse = reuse  # False: rebuild every call (the graph-reuse-off benchmark mode)
         self.strict = False  # set by Engine.warmup() in strict mode
+        self.store = store if reuse else None  # graph reuse off rebuilds: nothing loads
         self.stats: dict[str, ProgramStats] = {}
         self.n_same = 0
         self.n_diff = 0
@@ -176,6 +187,13 @@ class CompileCache:
     def compile_seconds(self) -> float:
         return sum(s.compile_seconds for s in self.stats.values())
 
+    def setup_seconds(self) -> float:
+        """Seconds spent compiling and loading executables."""
+        return sum(s.compile_seconds + s.load_seconds for s in self.stats.values())
+
+    def loaded(self) -> int:
+        return sum(s.loaded for s in self.stats.values())
+
     def graphs_reused(self) -> int:
         return sum(s.calls for s in self.stats.values())
 
@@ -196,7 +214,8 @@ class CompileCache:
     def context(self, static, layout: tuple, names: list[str], fixed: tuple, stages=1) -> int:
         """The id of the context in which the leading arguments `fixed` (named `names`) are
         the same call after call; their leaves are described once, here."""
-        ctx = Context(static, layout, labelled_leaves(names, fixed), len(fixed), stages)
+        tree = str(jax.tree_util.tree_structure(fixed))
+        ctx = Context(static, layout, labelled_leaves(names, fixed), tree, len(fixed), stages)
         with self._lock:
             if ctx not in self._context_ids:
                 self._context_ids[ctx] = len(self._contexts)
@@ -216,8 +235,41 @@ class CompileCache:
         key = self.key(name, context, args, self._contexts[context].n_fixed)
         compiled = self.lookup(key)
         if compiled is None:
+            compiled = self.restore(key, fn, args, donate, out)
+        if compiled is None:
             compiled = self.compile(key, fn, args, donate=donate, out=out)
         return compiled
+
+    def restore(self, key: tuple, fn: Callable, args: tuple, donate=(), out=None, planned=False):
+        """The executable of a key this cache never held, loaded from the store (None: not
+        there, or no store)."""
+        if self.store is None or key in self._gone or key in self._entries:
+            return None
+        labelled = self._labelled(key, fn, args)
+        t0 = time.perf_counter()
+        ids = self._contexts[key[1]].layout[2]  # the devices it runs on, in the mesh's order
+        devices = [d for i in ids for d in jax.devices() if d.id == i]
+        compiled = self.store.load(self._store_key(key, labelled, donate, out), devices)
+        if compiled is None:
+            return None
+        with self._lock:
+            self._record(key, compiled, time.perf_counter() - t0, labelled, planned, loaded=True)
+        log.debug("loaded: %s", key[0])
+        return compiled
+
+    def _save(self, key: tuple, compiled, labelled, donate, out) -> None:
+        if self.store is not None:
+            self.store.save(self._store_key(key, labelled, donate, out), compiled)
+
+    def _store_key(self, key: tuple, labelled: tuple, donate, out) -> str:
+        """The store's key: the environment, then everything the compile depends on."""
+        ctx = self._contexts[key[1]]
+        return "\n".join([
+            self.store.fingerprint, f"program {key[0]}", f"static {ctx.static!r}",
+            f"layout {ctx.layout!r}", f"fixed {ctx.tree}", f"args {key[2]}",
+            f"donate {tuple(donate)!r}", f"out {out!r}",
+            *(f"{label} {leaf!r}" for label, leaf in labelled),
+        ])  # fmt: skip
 
     def lookup(self, key: tuple):
         """A cached executable, counted as a graph reuse; None on a miss."""
@@ -234,9 +286,11 @@ class CompileCache:
         if self.strict:
             raise RecompileError(f"strict mode: {name} would compile after warmup: {reason}")
         first = name not in self._last
-        compiled, seconds = self._build(key, fn, args, donate, out, reason)
+        compiled, seconds, storable = self._build(key, fn, args, donate, out, reason)
         with self._lock:
             self._record(key, compiled, seconds, labelled, planned=False)
+        if storable:
+            self._save(key, compiled, labelled, donate, out)
         if first:
             log.debug("compile: %s (%.2f s)", name, seconds)
             return compiled
@@ -268,9 +322,9 @@ class CompileCache:
     def compile_planned(
         self, jobs: list[Job], *, workers: int = 0, on_done: Callable[[Job, float], None] = None
     ) -> dict[str, tuple[int, float]]:
-        """Compile the warmup plan (what is not cached yet) in a thread pool: XLA compiles
-        release the GIL. Planned compiles are not recompiles: no events, no counts. Returns
-        {program: (executables compiled, compile seconds)}."""
+        """Compile the warmup plan (what is not cached yet; what the store holds loads instead)
+        in a thread pool: XLA compiles release the GIL. Planned compiles are not recompiles:
+        no events, no counts. Returns {program: (executables compiled, compile seconds)}."""
         todo = []
         for job in jobs:
             key = self.key(job.name, job.context, job.args, self._contexts[job.context].n_fixed)
@@ -281,13 +335,22 @@ class CompileCache:
 
         def build(item):
             key, job = item
+            t0 = time.perf_counter()
             with watching(counts) if counts is not None else contextlib.nullcontext():
-                compiled, seconds = self._build(key, job.fn, job.args, job.donate, job.out, "plan")
+                if self.restore(key, job.fn, job.args, job.donate, job.out, planned=True):
+                    if on_done is not None:
+                        on_done(job, time.perf_counter() - t0)
+                    return
+                compiled, seconds, storable = self._build(
+                    key, job.fn, job.args, job.donate, job.out, "plan"
+                )
             labelled = self._labelled(key, job.fn, job.args)
             with self._lock:
                 self._record(key, compiled, seconds, labelled, planned=True)
                 n, s = report.get(job.name, (0, 0.0))
                 report[job.name] = (n + 1, s + seconds)
+            if storable:
+                self._save(key, compiled, labelled, job.donate, job.out)
             if on_done is not None:
                 on_done(job, seconds)
 
@@ -298,22 +361,30 @@ class CompileCache:
         return report
 
     def _build(self, key, fn, args, donate, out, reason):
+        """(compiled, seconds, storable): an executable that jax's persistent cache returned
+        is not storable (XLA:CPU serializes a deserialized executable without some of its
+        functions: "Function wrapped_broadcast not found" when the copy runs)."""
         t0 = time.perf_counter()
         TRACKING.inside = True
         try:
-            with jax.profiler.TraceAnnotation(f"compile {key[0]}: {reason}"):
-                jitted = jax.jit(fn, donate_argnames=donate, out_shardings=out)
-                compiled = jitted.lower(*args).compile()
+            with watching(CompileCounts()) as counts:
+                with jax.profiler.TraceAnnotation(f"compile {key[0]}: {reason}"):
+                    jitted = jax.jit(fn, donate_argnames=donate, out_shardings=out)
+                    compiled = jitted.lower(*args).compile()
         finally:
             TRACKING.inside = False
-        return compiled, time.perf_counter() - t0
+        return compiled, time.perf_counter() - t0, counts.persistent_hits == 0
 
-    def _record(self, key, compiled, seconds, labelled, planned: bool) -> None:
+    def _record(self, key, compiled, seconds, labelled, planned: bool, loaded=False) -> None:
         name = key[0]
         stats = self.stats.setdefault(name, ProgramStats())
-        stats.compiles += 1
-        stats.compile_seconds += seconds
-        if planned:
+        if loaded:
+            stats.loaded += 1
+            stats.load_seconds += seconds
+        else:
+            stats.compiles += 1
+            stats.compile_seconds += seconds
+        if planned and not loaded:
             stats.planned += 1
             stats.planned_seconds += seconds
         self._seen.setdefault(name, set()).add(tuple(leaf[1][0] for leaf in labelled))
@@ -438,8 +509,9 @@ def _on_event(name, **_kw):
 
 @contextlib.contextmanager
 def watching(counts: CompileCounts) -> Iterator[CompileCounts]:
-    """Send the compile events of this thread to `counts` while inside (listeners are
-    registered with jax.monitoring the first time)."""
+    """Send the compile events of this thread to `counts` while inside, and on to the
+    enclosing block's on leaving (listeners are registered with jax.monitoring the first
+    time)."""
     global _INSTALLED
     with _LOCK:
         if not _INSTALLED:
@@ -451,6 +523,10 @@ def watching(counts: CompileCounts) -> Iterator[CompileCounts]:
         yield counts
     finally:
         _THREAD.counts = previous
+        if previous is not None:
+            with _LOCK:
+                for f in dataclasses.fields(counts):
+                    setattr(previous, f.name, getattr(previous, f.name) + getattr(counts, f.name))
 
 
 # ---- the persistent compilation cache -----------------------------------------------------
@@ -460,7 +536,8 @@ def use_persistent_cache(directory: str | Path | None) -> None:
     """Point JAX's persistent compilation cache at `directory` (None: off), process-wide.
 
     Every executable is written (no minimum compile time or size), so a second process with
-    the same directory loads every program instead of compiling it.
+    the same directory loads every program instead of compiling it. An engine with an
+    executable store does not use it: the store needs executables compiled afresh (_build).
     """
     if directory is None:
         jax.config.update("jax_enable_compilation_cache", False)

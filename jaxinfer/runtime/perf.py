@@ -25,6 +25,8 @@ class PerfStats:
     untracked_compiles: int = 0  # compiles outside the CompileCache (jax.monitoring)
     persistent_hits: int = 0  # executables loaded from the persistent compilation cache
     persistent_misses: int = 0
+    loaded: int = 0  # executables loaded from the executable store (not compiled)
+    load_seconds: float = 0.0
     kv_pages_in_use: int = 0  # at the time of the snapshot
     kv_pages_total: int = 0
     kv_page_size: int = 0
@@ -80,6 +82,8 @@ class PerfStats:
                 f"({self.compile_seconds:.2f} s compiling in all); untracked = "
                 f"{self.untracked_compiles}; persistent cache hits = {self.persistent_hits}, "
                 f"misses = {self.persistent_misses}",
+                f"perf:           loaded = {self.loaded} executables from the store "
+                f"({self.load_seconds:.2f} s)",
                 f"perf:         kv cache = {self.kv_pages_in_use} / {self.kv_pages_total} pages "
                 f"of {self.kv_page_size} tokens in use ({self.kv_bytes_in_use / mib:.2f} / "
                 f"{self.kv_bytes_allocated / mib:.2f} MiB)",
