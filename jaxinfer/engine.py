@@ -39,12 +39,15 @@ from .runtime.store import ExecutableStore
 
 @dataclass(frozen=True)
 class PlannedProgram:
-    """One program of the compile plan: its name, batch B, chunk T and per-call arguments."""
+    """One program of the compile plan: its name, batch B, chunk T, per-call arguments, what
+    it serves, and how its executable came (so far)."""
 
     program: str
     batch: int
     tokens: int
     args: str  # e.g. "chunk.tokens i32[4,128] chunk.view.table i32[4,16] ..."
+    why: str = ""  # e.g. "prompt chunks of up to 128 tokens for 4 row(s) (4x128 <= 512)"
+    source: str = ""  # "compiled", "loaded" (from the executable store) or "" (not yet)
 
 
 class Engine:
@@ -373,14 +376,17 @@ class Engine:
 
     def compile_plan(self) -> list[PlannedProgram]:
         """Every program serving can call: `warmup()` compiles exactly these."""
-        ex = self.executor
-        return [
-            PlannedProgram(name, B, T, ex.describe(ex.job(name, B, T)))
-            for name, B, T in self.shapes.jobs()
-        ]
+        ex, cc = self.executor, self.compile_cache
+        plan = []
+        for name, B, T in self.shapes.jobs():
+            job = ex.job(name, B, T)
+            why = self.shapes.why(name, B, T)
+            plan.append(PlannedProgram(name, B, T, ex.describe(job), why, cc.origin(job)))
+        return plan
 
     def warmup(self, *, progress: bool = True) -> dict[str, tuple[int, float]]:
-        """Compile the whole plan now, in parallel: {program: (executables, compile seconds)}.
+        """Compile the whole plan now, in parallel (what the executable store holds loads
+        instead): {program: (executables compiled, compile seconds)}.
 
         Afterwards, in strict mode, any further compile raises RecompileError.
         """
@@ -405,7 +411,9 @@ class Engine:
             for name, (n, seconds) in report.items():
                 print(f"\nwarmup: {name:8s} {n:3d} programs {seconds:7.2f} s",
                       end="", file=sys.stderr)  # fmt: skip
-            print(f"\nwarmup: {len(done)} programs in {time.perf_counter() - t0:.2f} s",
+            compiled = sum(n for n, _ in report.values())
+            print(f"\nwarmup: {len(done)} programs in {time.perf_counter() - t0:.2f} s "
+                  f"({len(done) - compiled} loaded from the store, {compiled} compiled)",
                   file=sys.stderr)  # fmt: skip
         self.compile_cache.strict = self.strict
         self._warm = True

@@ -28,7 +28,7 @@ from .parallel.placement import Placement, Reader, place_dense, random_reader
 from .parallel.sharding import effective_rules, load_layout, make_mesh, select_devices
 from .runtime.compile import use_persistent_cache
 from .runtime.speculative import SpecConfig
-from .runtime.store import SUBFOLDER, ExecutableStore, fingerprint
+from .runtime.store import ExecutableStore, fingerprint
 
 # The built-in default model ships in the package: Karpathy's stories260K (MIT; models/LICENSE),
 # a 1.2 MB GGUF trained on TinyStories, so the main job writes a little story with no download.
@@ -145,11 +145,10 @@ def executable_store(o: EngineOptions) -> ExecutableStore | None:
     its size is 0, or the engine spans several processes (each would need its own)."""
     if o.compile_cache_dir is None or not o.executable_store_mib or jax.process_count() > 1:
         return None
-    variant = kernels.status().variant if jax.default_backend() == "cpu" else None
-    return ExecutableStore(
-        Path(o.compile_cache_dir).expanduser() / SUBFOLDER,
-        o.executable_store_mib << 20,
-        fingerprint(variant, kernels.cpu.cpu_flags()),
+    variant = kernels.cpu.current() if jax.default_backend() == "cpu" else None
+    flags = kernels.cpu.cpu_flags()
+    return ExecutableStore.inside(
+        o.compile_cache_dir, o.executable_store_mib << 20, fingerprint(variant, flags)
     )
 
 

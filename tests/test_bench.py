@@ -61,7 +61,8 @@ def test_profile_run_writes_a_trace_with_steps_and_scopes(tmp_path, capsys):
     steps = [e for e in events if e.get("name") == "decode" and "step_num" in e.get("args", {})]
     assert len(steps) >= 2  # 39 tokens after prefill, 16 per decode call
     assert any(e.get("name") == "prefill" for e in events)
-    assert any(str(e.get("name", "")).startswith("compile decode:") for e in events)
+    # the decode program compiled, or loaded from an earlier test's executable store
+    assert any(re.match(r"(compile decode:|load decode from)", str(e.get("name"))) for e in events)
     # Ops in the trace point, through the compiled HLO's metadata, to the layer scopes.
     import jaxinfer
 

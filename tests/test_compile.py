@@ -23,8 +23,9 @@ STORIES = "stories260K-gguf/stories260K.gguf"
 
 
 def load(**kw):
-    """One set of shapes for every engine here: they share compiled programs (the session's
-    persistent compilation cache)."""
+    """One set of shapes for every engine here. No executable store: these tests watch what
+    one engine compiles (test_store.py covers what loads)."""
+    kw.setdefault("compile_cache_dir", None)
     kw.setdefault("max_seq_len", 256)
     kw.setdefault("prefill_buckets", (16, 64))
     kw.setdefault("batch_buckets", (1, 2))
@@ -42,12 +43,12 @@ def warm():
 def test_warmup_compiles_the_plan_and_counts_no_recompiles(warm):
     """Planned compiles are not recompiles: after warmup the stats read 0 / 0, and the plan
     (cache, decode per batch bucket, prefill per bucket and chunk within the prompt token
-    budget of 64, score per chunk) is exactly what was compiled."""
+    budget of 64, score per chunk past the smallest) is exactly what was compiled."""
     plan = warm.compile_plan()
-    # batch buckets (1, 2), chunks (16, 64): cache 1 + decode 2 + prefill 3 + score 2
+    # batch buckets (1, 2), chunks (16, 64): cache 1 + decode 2 + prefill 3 + score 1
     assert [(p.program, p.batch, p.tokens) for p in plan] == [
         ("cache", 0, 0), ("decode", 1, 0), ("decode", 2, 0), ("prefill", 1, 16),
-        ("prefill", 1, 64), ("prefill", 2, 16), ("score", 1, 16), ("score", 1, 64),
+        ("prefill", 1, 64), ("prefill", 2, 16), ("score", 1, 64),
     ]  # fmt: skip
     assert "chunk.tokens i32[2,16]" in plan[5].args and "chunk.view.table i32[2,2]" in plan[5].args
     stats = warm.perf_stats()
@@ -64,9 +65,12 @@ def test_warmup_compiles_the_plan_and_counts_no_recompiles(warm):
 def test_default_plan_of_stories_is_small():
     """stories260K with default settings (context 2048): no program depends on the context,
     so the plan is cache + 4 decode + 12 prefill (B x T <= 512 for chunks 8, 32, 128, 512) +
-    4 score programs."""
+    3 score programs (chunks past the smallest): at most 20, each saying what it serves."""
     engine = jaxinfer.load(model_path(STORIES))
-    assert engine.max_seq_len == 2048 and len(engine.compile_plan()) == 21
+    plan = engine.compile_plan()
+    assert engine.max_seq_len == 2048 and len(plan) == 20
+    assert [p.tokens for p in plan if p.program == "score"] == [32, 128, 512]
+    assert all(p.why for p in plan)
 
 
 def test_steady_state_compiles_nothing(warm):
@@ -162,7 +166,7 @@ def test_capacity_one_alternating_shapes_evicts():
 def test_cache_smaller_than_the_plan_is_refused():
     with pytest.raises(jaxinfer.JaxinferError) as e:
         load(compile_cache_size=2)
-    assert "compile_cache_size = 2 is below the 8 programs of the compile plan" in str(e.value)
+    assert "compile_cache_size = 2 is below the 7 programs of the compile plan" in str(e.value)
 
 
 @pytest.fixture(scope="module")
@@ -284,7 +288,8 @@ PROCESS = textwrap.dedent(
     import json, sys
     import jaxinfer
     engine = jaxinfer.load(sys.argv[1], max_seq_len=128, prefill_buckets=(16,),
-                           batch_buckets=(1,), compile_cache_dir=sys.argv[2])
+                           batch_buckets=(1,), compile_cache_dir=sys.argv[2],
+                           executable_store_mib=0)
     engine.warmup(progress=False)
     ids = engine.generate([1], max_new_tokens=20, temperature=0).token_ids
     s = engine.perf_stats()
@@ -295,7 +300,7 @@ PROCESS = textwrap.dedent(
 
 
 @pytest.mark.slow
-def test_second_process_loads_every_program_from_disk(tmp_path):
+def test_without_a_store_a_second_process_hits_the_persistent_cache(tmp_path):
     def run():
         out = subprocess.run(
             [sys.executable, "-c", PROCESS, str(model_path(STORIES)), str(tmp_path / "xla")],

@@ -126,7 +126,8 @@ def test_pipeline_is_one_program_and_devices_hold_their_stage(engines):
 
 
 def test_reshard_keeps_tokens_and_reports_sharding_changes():
-    engine = jaxinfer.load(model_path(STORIES), **OPTS)  # its own: it is resharded
+    # its own (it is resharded), without an executable store: its recompiles are watched
+    engine = jaxinfer.load(model_path(STORIES), **OPTS, compile_cache_dir=None)
     before = engine.generate([1], max_new_tokens=30, temperature=0).token_ids
     events = []
     engine.on_recompile(events.append)

@@ -85,10 +85,24 @@ def _common(p: argparse.ArgumentParser) -> None:
         "memory, as llama.cpp's default f16 cache does)",
     )  # fmt: skip
     p.add_argument("-v", "--verbose", action="store_true", help="debug logs and tracebacks")
-    p.add_argument("--compile-cache-dir", default=None, help="persistent compilation cache dir")
     p.add_argument(
-        "--no-compile-cache", action="store_true", help="disable the persistent compile cache"
-    )
+        "--compile-cache-dir", default=None,
+        help="where compiled programs are kept: the executable store (in its executables/ "
+        "folder) and jax's persistent cache (default: ~/.cache/jaxinfer/xla)",
+    )  # fmt: skip
+    p.add_argument(
+        "--no-compile-cache", action="store_true",
+        help="neither the executable store nor jax's persistent cache: compile everything",
+    )  # fmt: skip
+    p.add_argument(
+        "--executable-store-mib", type=int, default=ENGINE.executable_store_mib, metavar="MIB",
+        help="size cap of the executable store, least recently used go first (0: no store; "
+        f"default {ENGINE.executable_store_mib})",
+    )  # fmt: skip
+    p.add_argument(
+        "--clear-executable-store", action="store_true",
+        help="delete the stored executables before loading",
+    )  # fmt: skip
 
 
 def _serving(p: argparse.ArgumentParser) -> None:
@@ -187,13 +201,27 @@ def _options(args, **overrides) -> EngineOptions:
         kw["compile_cache_dir"] = None
     elif args.compile_cache_dir:
         kw["compile_cache_dir"] = args.compile_cache_dir
+    kw["executable_store_mib"] = args.executable_store_mib
     return EngineOptions(**{**kw, **_spec_options(args), **overrides})
 
 
 def _load(args):
     from ..loader import load
 
-    return load(args.model, options=_options(args))
+    options = _options(args)
+    if args.clear_executable_store:
+        _clear_store(options)
+    return load(args.model, options=options)
+
+
+def _clear_store(options: EngineOptions) -> None:
+    from ..runtime.store import ExecutableStore
+
+    if options.compile_cache_dir is None:
+        raise JaxinferError("--clear-executable-store: there is no compile cache dir")
+    store = ExecutableStore.inside(options.compile_cache_dir)
+    n = store.clear()
+    print(f"cleared {n} executables from {store.directory}", file=sys.stderr)
 
 
 def _spec_options(args) -> dict:
@@ -407,6 +435,7 @@ def _info(args) -> None:
         f"({kv['pages_total'] * kv['page_size']} tokens, {kv['bytes_allocated'] / 2**20:.2f} MiB); "
         f"{len(engine.compile_plan())} programs in the compile plan",
     ))  # fmt: skip
+    rows.append(("executable store", _store_row(engine)))
     rows.append(("weights", _weight_rows(engine)))
     rows.append(("activations", _activations_row(engine)))
     if kv.get("state_bytes_per_slot"):
@@ -419,11 +448,28 @@ def _info(args) -> None:
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:>{width}} : {value}")
+    plan = engine.compile_plan()
+    print(f"compile plan ({len(plan)} programs; warmup() and serve build them all):")
+    for p in plan:
+        shape = ", ".join(f"{k}={v}" for k, v in (("B", p.batch), ("T", p.tokens)) if v)
+        print(f"  {p.program}[{shape}]: {p.why}" if shape else f"  {p.program}: {p.why}")
     print("sharding plan (parameter: shape, partition spec):")
     for path, leaf in jax.tree_util.tree_flatten_with_path(engine.params)[0]:
         keys = (getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in path)
         name = ".".join(str(k) for k in keys).replace(".parts.w", "")  # a one-part QArray
         print(f"  {name}: {list(leaf.shape)} {leaf.sharding.spec}")
+
+
+def _store_row(engine) -> str:
+    """Where the executable store is, what it holds and its cap."""
+    store = engine.compile_cache.store
+    if store is None:
+        return "off (no compile cache dir, --executable-store-mib 0, or several processes)"
+    use = store.usage()
+    return (
+        f"{store.directory}: {use.files} executables, {use.bytes / 2**20:.1f} of "
+        f"{store.capacity / 2**20:.0f} MiB"
+    )
 
 
 def _weight_rows(engine) -> str:

@@ -180,8 +180,13 @@ def _load(variant: build.Variant) -> str | None:
     return None
 
 
+def current() -> str | None:
+    """The variant the products traced now use (using()'s, else status()'s; None: none)."""
+    return getattr(_active, "variant", None) or status().variant
+
+
 def _in_use() -> str:
-    variant = getattr(_active, "variant", None) or status().variant
+    variant = current()
     if variant is None:
         raise RuntimeError("the CPU kernels are not available here; ask available() first")
     return variant

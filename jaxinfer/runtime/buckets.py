@@ -4,7 +4,9 @@ A program's shapes never depend on the context length (rows reach their KV pages
 tables), so the plan is small and known before serving: `cache`, `decode[B]` (with
 speculation `verify[B]` in its place) per batch bucket, `prefill[B, T]` per batch bucket and
 chunk within the prompt token budget (B x T at most the largest chunk, as llama.cpp's n_ubatch
-bounds the tokens of one prompt pass), and `score[1, T]` per chunk.
+bounds the tokens of one prompt pass), and `score[1, T]` per chunk but the smallest (a short
+text pads to the next one: scoring is for evaluation, not latency). `why()` says what each
+program is for (`jaxinfer info` lists them).
 """
 
 from __future__ import annotations
@@ -58,6 +60,13 @@ class ShapePlan:
         largest (a long prompt takes several)."""
         return bucket_for(remaining, self.chunks)
 
+    @property
+    def score_chunks(self) -> tuple[int, ...]:
+        return self.chunks[1:] or self.chunks
+
+    def score_chunk_for(self, remaining: int) -> int:
+        return bucket_for(remaining, self.score_chunks)
+
     def batch_for(self, n: int) -> int:
         return bucket_for(n, self.batches)
 
@@ -67,8 +76,19 @@ class ShapePlan:
         jobs += [(self.loop, B, 0) for B in self.batches]
         jobs += [("prefill", B, T) for B in self.batches for T in self.chunks
                  if B <= self.rows_for(T)]  # fmt: skip
-        jobs += [("score", 1, T) for T in self.chunks]
+        jobs += [("score", 1, T) for T in self.score_chunks]
         return jobs
+
+    def why(self, name: str, B: int, T: int) -> str:
+        """What one program of the plan serves."""
+        budget = self.prompt_budget
+        return {
+            "cache": "allocates the KV pools (and linear-layer states), zeroed, in their shardings",
+            "decode": f"decodes {B} row(s) at once (batch bucket {B}), several steps a call",
+            "verify": f"drafts and verifies {B} row(s) at once (speculative decoding)",
+            "prefill": f"prompt chunks of up to {T} tokens for {B} row(s) ({B}x{T} <= {budget})",
+            "score": f"logits at every position, {T} tokens a pass (Engine.logits)",
+        }[name]
 
 
 def bucket_for(n: int, buckets) -> int:

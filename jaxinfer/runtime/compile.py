@@ -164,6 +164,7 @@ class CompileCache:
         self._seen: dict[str, set[tuple]] = {}  # program -> argument shapes compiled
         self._last: dict[str, tuple] = {}  # program -> (key, labelled leaves) of its last compile
         self._gone: dict[tuple, str] = {}  # key -> why it left the cache
+        self._origin: dict[tuple, str] = {}  # key -> "compiled" or "loaded" (from the store)
         self._callbacks: list[Callable[[RecompileEvent], None]] = []
         self._lock = threading.Lock()
 
@@ -183,6 +184,12 @@ class CompileCache:
     def executables(self, name: str) -> list:
         """The cached executables (jax `Compiled`) of one program."""
         return [c for key, c in self._entries.items() if key[0] == name]
+
+    def origin(self, job: Job) -> str:
+        """How a planned program's executable came: "compiled", "loaded" (from the store), or
+        "" (not yet)."""
+        key = self.key(job.name, job.context, job.args, self._contexts[job.context].n_fixed)
+        return self._origin.get(key, "") if key in self._entries else ""
 
     def compile_seconds(self) -> float:
         return sum(s.compile_seconds for s in self.stats.values())
@@ -249,7 +256,8 @@ class CompileCache:
         t0 = time.perf_counter()
         ids = self._contexts[key[1]].layout[2]  # the devices it runs on, in the mesh's order
         devices = [d for i in ids for d in jax.devices() if d.id == i]
-        compiled = self.store.load(self._store_key(key, labelled, donate, out), devices)
+        with jax.profiler.TraceAnnotation(f"load {key[0]} from the executable store"):
+            compiled = self.store.load(self._store_key(key, labelled, donate, out), devices)
         if compiled is None:
             return None
         with self._lock:
@@ -387,6 +395,7 @@ class CompileCache:
         if planned and not loaded:
             stats.planned += 1
             stats.planned_seconds += seconds
+        self._origin[key] = "loaded" if loaded else "compiled"
         self._seen.setdefault(name, set()).add(tuple(leaf[1][0] for leaf in labelled))
         self._last[name] = (key, labelled)
         if not self.reuse:

@@ -83,8 +83,10 @@ class Executor:
         state_bytes = self.state_slot_bytes * self.kv_config.state_slots
         self.pages = PagePool(self.kv_config, (total - state_bytes) // self.kv_config.n_pages)
         # What the programs close over besides their arguments: a change here is a recompile.
+        # The pools' types stand for the KV dtype and the draft's (or MTP head's) layers.
+        pools = tuple((a.shape, a.dtype.name) for a in jax.tree.leaves(shapes))
         static = (self.cfg, str(np.dtype(self.dtype)), self.tokens_per_call, self.kv_config,
-                  self.spec, draft is not None)  # fmt: skip
+                  self.spec, draft is not None, pools)  # fmt: skip
         layout = (
             self.layout,
             tuple(self.mesh.shape.items()),

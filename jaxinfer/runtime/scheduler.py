@@ -286,7 +286,7 @@ class Scheduler:
         out = []
         try:
             while active.offset < len(ids):
-                T = self.shapes.chunk_for(len(ids) - active.offset)
+                T = self.shapes.score_chunk_for(len(ids) - active.offset)
                 seg = ids[active.offset : active.offset + T]
                 tokens = np.zeros((1, T), np.int32)
                 tokens[0, : len(seg)] = seg

@@ -59,6 +59,11 @@ class ExecutableStore:
         self.loaded = 0  # executables this process loaded from here
         self.saved = 0
 
+    @staticmethod
+    def inside(cache_dir: str | Path, capacity: int = DEFAULT_CAPACITY, fingerprint=""):
+        """The store of a compile cache dir: its `executables` folder."""
+        return ExecutableStore(Path(cache_dir).expanduser() / SUBFOLDER, capacity, fingerprint)
+
     # ---- the directory ------------------------------------------------------------------
 
     def _usable(self, create: bool) -> bool:

@@ -1,0 +1,254 @@
+"""The executable store: a second process loads every program it needs and compiles nothing;
+a bad store recompiles cleanly; a changed model, dtype, layout, kernel variant or CPU never
+loads another's executable.
+
+Compiles are observed through jax.monitoring (support.compiles), not through the store's own
+counters. Engines here use their own store folders (tmp_path) and small shapes.
+"""
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from support.compiles import CompileCounter
+from support.models import model_path
+
+import jaxinfer
+from jaxinfer.runtime.store import MAGIC, SUBFOLDER
+
+STORIES = "stories260K-gguf/stories260K.gguf"
+SHAPES = dict(max_seq_len=128, prefill_buckets=(16,), batch_buckets=(1,))
+PROMPT = "Once upon a time"
+
+# A fresh process: compile events (jax.monitoring) while loading and from the first generate
+# on, by the name of the function being compiled (jax logs it with each compile).
+PROCESS = textwrap.dedent(
+    """
+    import json, logging, sys
+    import jax
+    import jaxinfer
+    events, phase = {"load": [], "run": []}, ["load"]
+    class Names(logging.Handler):
+        def emit(self, record):
+            if "Compiling" in record.getMessage():
+                events[phase[0]].append(record.getMessage().split()[1])
+    jax.config.update("jax_log_compiles", True)
+    logging.getLogger("jax").addHandler(Names())
+    counts = {"load": 0, "run": 0}
+    def on(name, secs, **kw):
+        if name == "/jax/core/compile/backend_compile_duration":
+            counts[phase[0]] += 1
+    jax.monitoring.register_event_duration_secs_listener(on)
+    engine = jaxinfer.load(sys.argv[1], compile_cache_dir=sys.argv[2], max_seq_len=128,
+                           prefill_buckets=(16,), batch_buckets=(1,))
+    phase[0] = "run"
+    ids = engine.generate("Once upon a time", max_new_tokens=40, temperature=0).token_ids
+    again = engine.generate([1, 2, 3], max_new_tokens=5, temperature=0).token_ids
+    s = engine.perf_stats()
+    print(json.dumps(dict(ids=ids, again=again, counts=counts, names=events,
+                          loaded=s.loaded, compiled=s.programs)))
+    """
+)
+
+
+def run_process(cache_dir, env=None):
+    out = subprocess.run(
+        [sys.executable, "-c", PROCESS, str(model_path(STORIES)), str(cache_dir)],
+        capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_second_process_compiles_nothing_and_gives_the_same_tokens(tmp_path):
+    first = run_process(tmp_path)
+    assert first["compiled"] == 3 and first["loaded"] == 0  # cache, prefill, decode
+    assert first["counts"]["run"] >= 3
+    second = run_process(tmp_path)
+    assert (second["ids"], second["again"]) == (first["ids"], first["again"])
+    assert second["counts"]["run"] == 0, second["names"]["run"]
+    assert second["loaded"] == 3 and second["compiled"] == 0
+    # what the load itself compiles (eager ops): nothing today; at most a few small ops
+    assert second["names"]["load"] == [] and second["counts"]["load"] < 10
+
+
+@pytest.mark.slow
+def test_another_kernel_variant_misses_the_store(tmp_path):
+    """The kernel variant (JAXINFER_CPU_KERNELS) is part of the key: the scalar build's
+    process compiles its own programs, and gives the same greedy tokens."""
+    first = run_process(tmp_path)
+    scalar = run_process(tmp_path, {"JAXINFER_CPU_KERNELS": "scalar"})
+    assert scalar["loaded"] == 0 and scalar["compiled"] == 3
+    assert scalar["ids"] == first["ids"]
+    assert run_process(tmp_path, {"JAXINFER_CPU_KERNELS": "scalar"})["loaded"] == 3
+
+
+def load(cache_dir, model=STORIES, **kw):
+    return jaxinfer.load(model_path(model), compile_cache_dir=cache_dir, **{**SHAPES, **kw})
+
+
+def generate(engine):
+    return engine.generate(PROMPT, max_new_tokens=12, temperature=0).token_ids
+
+
+@pytest.fixture(scope="module")
+def stored(tmp_path_factory):
+    """A store filled by one engine: (cache dir, that engine's tokens)."""
+    cache_dir = tmp_path_factory.mktemp("store")
+    engine = load(cache_dir)
+    ids = generate(engine)
+    assert engine.perf_stats().programs == 3
+    assert len(list((cache_dir / SUBFOLDER).iterdir())) == 3
+    return cache_dir, ids
+
+
+def copy_store(stored, tmp_path):
+    import shutil
+
+    cache_dir, ids = stored
+    shutil.copytree(cache_dir / SUBFOLDER, tmp_path / SUBFOLDER)
+    os.chmod(tmp_path / SUBFOLDER, 0o700)
+    return tmp_path, ids, sorted((tmp_path / SUBFOLDER).glob("*.jxe"))
+
+
+def test_a_second_engine_loads_from_the_store(stored, tmp_path):
+    cache_dir, ids, files = copy_store(stored, tmp_path)
+    assert stat.S_IMODE(os.stat(cache_dir / SUBFOLDER).st_mode) == 0o700
+    assert all(stat.S_IMODE(os.stat(f).st_mode) == 0o600 for f in files)
+    engine = load(cache_dir)
+    events = []
+    engine.on_recompile(events.append)
+    with CompileCounter() as seen:
+        assert generate(engine) == ids
+    assert seen.n == 0 and events == []
+    stats = engine.perf_stats()
+    assert (stats.loaded, stats.programs, stats.recompiles_same, stats.recompiles_diff) == (
+        3, 0, 0, 0,
+    )  # fmt: skip
+    assert "loaded = 3 executables from the store" in str(stats)
+    plan = {(p.program, p.batch, p.tokens): p.source for p in engine.compile_plan()}
+    assert plan[("prefill", 1, 16)] == "loaded" and plan[("score", 1, 16)] == ""
+
+
+def truncate(path):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def flip(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def other_format(path):
+    path.write_bytes(MAGIC.replace(b" 1", b" 0") + path.read_bytes()[len(MAGIC) :])
+
+
+def garbage(path):
+    path.write_bytes(b"\x80\x04not an executable" * 10)
+
+
+def loose_file(path):
+    os.chmod(path, 0o644)
+
+
+def symlink(path):
+    target = path.with_suffix(".real")
+    path.rename(target)
+    path.symlink_to(target)
+
+
+BAD = {"truncated": truncate, "corrupt": flip, "other format": other_format,
+       "garbage": garbage, "file readable by others": loose_file, "a link": symlink}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_a_bad_file_recompiles_cleanly(stored, tmp_path, case):
+    cache_dir, ids, files = copy_store(stored, tmp_path)
+    for f in files:
+        BAD[case](f)
+    engine = load(cache_dir)
+    with CompileCounter() as seen:
+        assert generate(engine) == ids
+    stats = engine.perf_stats()
+    assert (stats.loaded, stats.programs) == (0, 3) and seen.n == 3
+    assert (stats.recompiles_same, stats.recompiles_diff) == (0, 0)
+    if case not in ("file readable by others", "a link"):  # the good copies replace them
+        assert load(cache_dir).generate(PROMPT, max_new_tokens=12, temperature=0).token_ids == ids
+
+
+def test_a_store_directory_open_to_others_is_ignored(stored, tmp_path):
+    cache_dir, ids, _ = copy_store(stored, tmp_path)
+    os.chmod(cache_dir / SUBFOLDER, 0o755)
+    engine = load(cache_dir)
+    assert generate(engine) == ids
+    assert engine.perf_stats().loaded == 0
+    assert len(list((cache_dir / SUBFOLDER).glob("*.jxe"))) == 3  # and nothing written there
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
+def test_a_file_owned_by_another_user_is_ignored(stored, tmp_path):
+    cache_dir, ids, files = copy_store(stored, tmp_path)
+    for f in files:
+        os.chown(f, 12345, -1)
+    engine = load(cache_dir)
+    assert generate(engine) == ids
+    assert engine.perf_stats().loaded == 0
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        dict(dtype="bfloat16"),
+        dict(layout="tensor", devices=2),
+        dict(kv_cache_dtype="float16"),
+        dict(model="tiny-random/qwen3_moe_e8k2_bpe/model-f32.gguf"),
+    ],
+    ids=["dtype", "layout", "kv dtype", "model"],
+)
+def test_a_changed_engine_never_loads_another_ones_executable(stored, tmp_path, change):
+    cache_dir, _, _ = copy_store(stored, tmp_path)
+    engine = load(cache_dir, **change)
+    generate(engine)
+    stats = engine.perf_stats()
+    assert (stats.loaded, stats.programs) == (0, 3)
+
+
+def test_the_same_model_quantized_shares_only_the_pool_allocation(stored, tmp_path):
+    """Q8_0 weights of the same shapes: prefill and decode take other arguments (blocks) and
+    compile; the program that allocates the same KV pools is the same and loads."""
+    cache_dir, _, _ = copy_store(stored, tmp_path)
+    engine = load(cache_dir, model="stories260K-gguf-quant-derived/stories260K-Q8_0.gguf")
+    generate(engine)
+    plan = {p.program: p.source for p in engine.compile_plan() if p.source}
+    assert plan == {"cache": "loaded", "prefill": "compiled", "decode": "compiled"}
+
+
+def test_other_cpu_flags_miss_the_store(stored, tmp_path, monkeypatch):
+    from jaxinfer.kernels import cpu
+
+    cache_dir, ids, _ = copy_store(stored, tmp_path)
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: frozenset({"sse2", "avx"}))
+    engine = load(cache_dir)
+    assert generate(engine) == ids
+    assert engine.perf_stats().loaded == 0
+
+
+def test_the_store_keeps_to_its_cap_and_clears(tmp_path):
+    engine = load(tmp_path, executable_store_mib=1)  # one executable of ~0.7 MB fits
+    generate(engine)
+    store = engine.compile_cache.store
+    use = store.usage()
+    assert 1 <= use.files < 3 and use.bytes <= 1 << 20
+    assert store.clear() == use.files and store.usage().files == 0
+
+
+def test_no_compile_cache_means_no_store(tmp_path):
+    assert jaxinfer.load(model_path(STORIES), compile_cache_dir=None).compile_cache.store is None
+    assert load(tmp_path, executable_store_mib=0).compile_cache.store is None
+    with pytest.raises(jaxinfer.JaxinferError, match="executable_store_mib"):
+        load(tmp_path, executable_store_mib=-1)
