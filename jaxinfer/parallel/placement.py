@@ -65,7 +65,7 @@ def place_dense(
 ) -> Placement:
     """Every layer on every device of the mesh, weights placed straight into their shardings;
     KV pools of `kv_dtype`."""
-    graphdef, state = nnx.split(abstract_model(cfg, ExpertSplit.of(mesh, rules)))
+    graphdef, state = nnx.split(abstract_model(cfg, expert_split(cfg, mesh, rules)))
     shardings = param_shardings(cfg, mesh, rules)
     kernel = kernel_fits(mesh)
     arena = Arena()
@@ -85,11 +85,17 @@ def place_dense(
 
 def param_shardings(cfg: ModelConfig, mesh, rules) -> dict[tuple, NamedSharding]:
     """Each parameter's sharding, from the logical axes it declared where it was created."""
-    state = nnx.state(abstract_model(cfg))
+    state = nnx.state(abstract_model(cfg, expert_split(cfg, mesh, rules)))
     return {
         path: named(mesh, spec(var.get_metadata()["axes"], rules))
         for path, var in nnx.to_flat_state(state)
     }
+
+
+def expert_split(cfg: ModelConfig, mesh, rules) -> ExpertSplit | None:
+    """The layout's expert split, for a model with experts (None for a dense one: the split
+    changes no parameter, and the abstract model traced once serves both uses)."""
+    return ExpertSplit.of(mesh, rules) if cfg.moe else None
 
 
 def random_reader(cfg: ModelConfig, seed: int) -> Reader:
