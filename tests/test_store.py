@@ -252,3 +252,27 @@ def test_no_compile_cache_means_no_store(tmp_path):
     assert load(tmp_path, executable_store_mib=0).compile_cache.store is None
     with pytest.raises(jaxinfer.JaxinferError, match="executable_store_mib"):
         load(tmp_path, executable_store_mib=-1)
+
+
+@pytest.mark.parametrize(
+    "model, options",
+    [
+        pytest.param(
+            "tiny-random/qwen3_next_l3f1_e8k2_mtp",
+            dict(speculative="mtp"),
+            marks=pytest.mark.slow,
+            id="hybrid MoE with MTP",
+        ),
+        pytest.param(STORIES, dict(speculative=str(model_path(STORIES))), id="draft model"),
+    ],
+)
+def test_speculative_programs_are_stored_and_loaded(tmp_path, model, options):
+    """No program closes over a constant (serialize refuses them): the MTP head's and the
+    draft model's programs store and load like the others."""
+    first = load(tmp_path, model=model, **options)
+    ids = generate(first)
+    assert first.compile_cache.store.saved == first.perf_stats().programs == 3
+    second = load(tmp_path, model=model, **options)
+    with CompileCounter() as seen:
+        assert generate(second) == ids
+    assert seen.n == 0 and second.perf_stats().loaded == 3
