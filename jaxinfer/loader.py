@@ -7,6 +7,7 @@ the way, so the host never holds more than one weight beyond the memory-mapped f
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import time
 from functools import partial
 from pathlib import Path
@@ -110,6 +111,8 @@ def load(
     t0 = time.perf_counter()
     if model is None:
         model = BUILTIN_MODEL
+    if store is not None:  # the executables read while the weights are placed
+        store.prefetch(session(model, o, store.fingerprint))
     if model == BUILTIN_RANDOM or isinstance(model, ModelConfig):
         tokenizer = Tokenizer.byte_level()
         cfg = model if isinstance(model, ModelConfig) else builtin_config(tokenizer.vocab_size)
@@ -150,6 +153,17 @@ def executable_store(o: EngineOptions) -> ExecutableStore | None:
     return ExecutableStore.inside(
         o.compile_cache_dir, o.executable_store_mib << 20, fingerprint(variant, flags)
     )
+
+
+def session(model, o: EngineOptions, fingerprint: str) -> str:
+    """A digest of one model (its files' names, sizes and times) under one set of options."""
+    ident = repr(model)
+    path = Path(model) if isinstance(model, str | Path) else None
+    if path is not None and path.exists():
+        files = [path] if path.is_file() else sorted(f for f in path.iterdir() if f.is_file())
+        ident += "".join(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns};" for f in files)
+    options = o.replace(compile_cache_dir=None, executable_store_mib=0)  # the store's own
+    return hashlib.sha256(f"{ident}\n{options!r}\n{fingerprint}".encode()).hexdigest()[:32]
 
 
 def _speculative(how, k, cfg: ModelConfig, tokenizer: Tokenizer, dtypes, model: str):

@@ -102,7 +102,7 @@ def stored(tmp_path_factory):
     engine = load(cache_dir)
     ids = generate(engine)
     assert engine.perf_stats().programs == 3
-    assert len(list((cache_dir / SUBFOLDER).iterdir())) == 3
+    assert len(list((cache_dir / SUBFOLDER).glob("*.jxe"))) == 3
     return cache_dir, ids
 
 
@@ -276,3 +276,22 @@ def test_speculative_programs_are_stored_and_loaded(tmp_path, model, options):
     with CompileCounter() as seen:
         assert generate(second) == ids
     assert seen.n == 0 and second.perf_stats().loaded == 3
+
+
+def test_the_next_engine_reads_its_executables_ahead(stored, tmp_path):
+    """Each engine lists what it used in its session's manifest; the next engine of the same
+    model and options reads those files while its weights are placed and loads them from
+    there. A manifest that is not JSON, or lists files that are not there, changes nothing."""
+    cache_dir, ids, _ = copy_store(stored, tmp_path)
+    first = load(cache_dir)
+    assert generate(first) == ids and first.perf_stats().loaded == 3
+    (manifest,) = (cache_dir / SUBFOLDER).glob("*.json")
+    assert len(json.loads(manifest.read_text())) == 3
+    second = load(cache_dir)
+    assert len(second.compile_cache.store._pending) == 3  # being read ahead
+    assert generate(second) == ids and second.perf_stats().loaded == 3
+    assert second.compile_cache.store._pending == {}  # all taken
+    for text in ("not json", '[["missing.jxe", [0]], ["../x.jxe", [0]]]'):
+        manifest.write_text(text)
+        third = load(cache_dir)
+        assert generate(third) == ids and third.perf_stats().loaded == 3

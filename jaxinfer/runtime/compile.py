@@ -254,10 +254,9 @@ class CompileCache:
             return None
         labelled = self._labelled(key, fn, args)
         t0 = time.perf_counter()
-        ids = self._contexts[key[1]].layout[2]  # the devices it runs on, in the mesh's order
-        devices = [d for i in ids for d in jax.devices() if d.id == i]
         with jax.profiler.TraceAnnotation(f"load {key[0]} from the executable store"):
-            compiled = self.store.load(self._store_key(key, labelled, donate, out), devices)
+            store_key = self._store_key(key, labelled, donate, out)
+            compiled = self.store.load(store_key, self._devices(key))
         if compiled is None:
             return None
         with self._lock:
@@ -267,7 +266,13 @@ class CompileCache:
 
     def _save(self, key: tuple, compiled, labelled, donate, out) -> None:
         if self.store is not None:
-            self.store.save(self._store_key(key, labelled, donate, out), compiled)
+            store_key = self._store_key(key, labelled, donate, out)
+            self.store.save(store_key, compiled, self._devices(key))
+
+    def _devices(self, key: tuple) -> list:
+        """The devices a program runs on, in its mesh's order."""
+        by_id = {d.id: d for d in jax.devices()}
+        return [by_id[i] for i in self._contexts[key[1]].layout[2]]
 
     def _store_key(self, key: tuple, labelled: tuple, donate, out) -> str:
         """The store's key: the environment, then everything the compile depends on."""

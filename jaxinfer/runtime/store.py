@@ -21,8 +21,10 @@ output trees (each behind its 8-byte length), then the SHA-256 of all that.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import hashlib
+import json
 import logging
 import os
 import pickle
@@ -58,6 +60,9 @@ class ExecutableStore:
         self.fingerprint = fingerprint
         self.loaded = 0  # executables this process loaded from here
         self.saved = 0
+        self._pending: dict[str, concurrent.futures.Future] = {}  # file name -> _read()
+        self._manifest: Path | None = None  # prefetch()'s session file
+        self._listed: list = []  # [file name, device ids] in it
 
     @staticmethod
     def inside(cache_dir: str | Path, capacity: int = DEFAULT_CAPACITY, fingerprint=""):
@@ -112,6 +117,23 @@ class ExecutableStore:
         """The executable (a jax `Compiled`) stored under `key`, to run on `devices` (in the
         order it was compiled for), or None."""
         path = self.path(key)
+        ids = [d.id for d in devices]
+        early = self._pending.pop(path.name, None)  # read ahead by prefetch()
+        got = early.result() if early is not None else None
+        if got is None or got[2] != ids:
+            got = self._read(path, devices)
+        if got is None or got[0] != key:
+            return None
+        self.loaded += 1
+        try:
+            os.utime(path)  # least recently used goes first
+        except OSError:
+            pass
+        self._remember(path.name, ids)
+        return got[1]
+
+    def _read(self, path: Path, devices) -> tuple[str, object, list[int]] | None:
+        """(key, executable, device ids) of one file, if it is the user's own and whole."""
         if not path.exists() or not self._usable(create=False):
             return None
         why = _not_private(path, stat.S_ISREG)
@@ -121,21 +143,47 @@ class ExecutableStore:
         try:
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
             with os.fdopen(fd, "rb") as f:
-                data = f.read()
-            payload, in_tree, out_tree = _unpack(data, key)
+                key, payload, in_tree, out_tree = _unpack(f.read())
             compiled = _deserialize(payload, in_tree, out_tree, devices)
         except Exception as e:  # a bad file is a miss: the program compiles and overwrites it
             log.debug("executable %s not loaded: %s", path.name, str(e).splitlines()[0][:200])
             return None
-        self.loaded += 1
-        try:
-            os.utime(path)  # least recently used goes first
-        except OSError:
-            pass
-        return compiled
+        return key, compiled, [d.id for d in devices]
 
-    def save(self, key: str, compiled) -> bool:
-        """Store `compiled` under `key`; False when it cannot be (never raises)."""
+    # ---- reading ahead ------------------------------------------------------------------
+
+    def prefetch(self, session: str) -> None:
+        """Start reading, on a background thread, the executables that the last engine of
+        `session` (a digest of the model and options) loaded or compiled, so that they load
+        while the weights are placed. What it reads is used only by a load() of the same key
+        on the same devices; the rest is dropped."""
+        self._manifest = self.directory / f"{session}.json"
+        try:
+            if _not_private(self._manifest, stat.S_ISREG) is None:
+                self._listed = [[n, list(ids)] for n, ids in json.loads(self._manifest.read_text())]
+        except (OSError, ValueError, TypeError) as e:
+            log.debug("executable store manifest %s ignored: %s", self._manifest.name, e)
+        by_id = {d.id: d for d in jax.devices()}
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxinfer-store")
+        for name, ids in self._listed:
+            if all(i in by_id for i in ids) and name.endswith(SUFFIX) and "/" not in name:
+                devices = [by_id[i] for i in ids]
+                self._pending[name] = pool.submit(self._read, self.directory / name, devices)
+        pool.shutdown(wait=False)
+
+    def _remember(self, name: str, ids: list[int]) -> None:
+        """Add an executable to the session's manifest (what prefetch() reads next time)."""
+        if self._manifest is None or [name, ids] in self._listed or len(self._listed) >= 64:
+            return
+        self._listed.append([name, ids])
+        try:
+            _write(self.directory, self._manifest, json.dumps(self._listed).encode())
+        except OSError as e:
+            log.debug("executable store manifest not written: %s", e.strerror)
+
+    def save(self, key: str, compiled, devices) -> bool:
+        """Store `compiled` (which runs on `devices`) under `key`; False when it cannot be
+        (never raises)."""
         from jax.experimental import serialize_executable
 
         if not self._usable(create=True):
@@ -143,19 +191,13 @@ class ExecutableStore:
         try:
             payload, in_tree, out_tree = serialize_executable.serialize(compiled)
             data = _pack(key, payload, pickle.dumps((in_tree, out_tree)))
-            fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-", suffix=SUFFIX)
-            try:
-                with os.fdopen(fd, "wb") as f:  # mkstemp makes it 0600
-                    f.write(data)
-                os.replace(tmp, self.path(key))
-            except BaseException:
-                Path(tmp).unlink(missing_ok=True)
-                raise
+            _write(self.directory, self.path(key), data)
         except Exception as e:  # e.g. a program with closed-over constants, a full disk
             log.debug("executable not stored: %s", str(e).splitlines()[0][:200])
             return False
         self.saved += 1
         self._trim()
+        self._remember(self.path(key).name, [d.id for d in devices])
         return True
 
     def _trim(self) -> None:
@@ -167,6 +209,18 @@ class ExecutableStore:
                 break
             path.unlink(missing_ok=True)
             total -= s.st_size
+
+
+def _write(directory: Path, path: Path, data: bytes) -> None:
+    """Write a file atomically (a temporary file renamed into place), 0600."""
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "wb") as f:  # mkstemp makes it 0600
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def _not_private(path: Path, kind) -> str | None:
@@ -189,7 +243,8 @@ def _pack(key: str, *parts: bytes) -> bytes:
     return body + hashlib.sha256(body).digest()
 
 
-def _unpack(data: bytes, key: str) -> tuple:
+def _unpack(data: bytes) -> tuple:
+    """(key, payload, in_tree, out_tree) of a stored file."""
     body, digest = data[:-32], data[-32:]
     if not body.startswith(MAGIC):
         raise ValueError("not a jaxinfer executable of this format")
@@ -200,10 +255,10 @@ def _unpack(data: bytes, key: str) -> tuple:
         (n,) = struct.unpack_from("<Q", body, at)
         parts.append(body[at + 8 : at + 8 + n])
         at += 8 + n
-    if len(parts) != 3 or parts[0] != key.encode():
-        raise ValueError("stored under another key")
+    if len(parts) != 3:
+        raise ValueError("not a jaxinfer executable of this format")
     in_tree, out_tree = pickle.loads(parts[2])
-    return parts[1], in_tree, out_tree
+    return parts[0].decode(), parts[1], in_tree, out_tree
 
 
 def _deserialize(payload: bytes, in_tree, out_tree, devices):
