@@ -3,7 +3,9 @@
 # repository root: `bash benchmarks/device.sh OUT_DIR`. Its x86-64 host first: the CPU kernels'
 # tests under every variant it runs (AVX-512 where this machine has no such CPU), with the CPU
 # benchmarks named in $BENCH (default: qkernel crossovers variants) pinned to two other cores at
-# the same time; then the GPU's figures (benchmarks/gpu.py) unless GPU=0. Wheels the machine lacks travel in .whl/ (gguf); the shared
+# the same time; with "store" in $BENCH the executable store's tests and start-up figures
+# (benchmarks/startup.py, on the GPU); then the GPU's figures (benchmarks/gpu.py) unless GPU=0.
+# KTESTS=0 leaves the kernel tests out. Wheels the machine lacks travel in .whl/ (gguf); the shared
 # tiny models in shared/models (linked to where tests/support/models.py looks).
 set -uo pipefail
 out=${1:-${OUT:-/tmp/device-out}}
@@ -29,7 +31,7 @@ variants=$(cpu python3 -c "
 from jaxinfer.kernels import cpu
 print(','.join(v for v in cpu.runnable() if v != 'scalar'))")
 echo "built in $((SECONDS - start)) s; benchmarked variants: $variants" | tee -a "$out/kernels.txt"
-(cpu taskset -c 4-15 timeout 360 python3 -m pytest -q -p no:cacheprovider -m "slow or not slow" \
+[ "${KTESTS:-1}" = 0 ] || (cpu taskset -c 4-15 timeout 360 python3 -m pytest -q -p no:cacheprovider -m "slow or not slow" \
   -n 6 tests/test_qkernel.py tests/test_kernel_variants.py tests/test_quant.py \
   tests/test_int8_activations.py >"$out/tests.log" 2>&1
   echo "pytest exit $? after $((SECONDS - start)) s" >>"$out/tests.log") &
@@ -42,5 +44,14 @@ bench=${BENCH:-qkernel crossovers variants}
   --variants "$variants,off" --out "$out/variants.md" >"$out/variants.log" 2>&1
 wait
 echo "CPU part done after $((SECONDS - start)) s" | tee -a "$out/kernels.txt"
+# the executable store on this machine's jax: its tests on the host CPU, then the start-up
+# figures on the GPU (the default backend)
+if [[ $bench == *store* ]]; then
+  cpu timeout 240 python3 -m pytest -q -p no:cacheprovider -m "slow or not slow" -n 8 \
+    tests/test_store.py tests/test_startup.py >"$out/store_tests.log" 2>&1
+  echo "store tests exit $? after $((SECONDS - start)) s" >>"$out/store_tests.log"
+  timeout 300 python3 benchmarks/startup.py -r 3 --out "$out/startup_gpu.md" \
+    >"$out/startup_gpu.log" 2>&1
+fi
 [ "${GPU:-1}" = 0 ] || timeout 240 python3 benchmarks/gpu.py "$out" -r 3 >"$out/gpu.log" 2>&1
 echo "all done after $((SECONDS - start)) s" | tee -a "$out/kernels.txt"

@@ -15,7 +15,6 @@ Usage: python benchmarks/startup.py [-r 5]
 """
 
 import http.client
-import os
 import subprocess
 import sys
 import tempfile
@@ -120,5 +119,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
     main()
