@@ -247,7 +247,7 @@ class CompileCache:
             compiled = self.compile(key, fn, args, donate=donate, out=out)
         return compiled
 
-    def restore(self, key: tuple, fn: Callable, args: tuple, donate=(), out=None, planned=False):
+    def restore(self, key: tuple, fn: Callable, args: tuple, donate=(), out=None):
         """The executable of a key this cache never held, loaded from the store (None: not
         there, or no store)."""
         if self.store is None or key in self._gone or key in self._entries:
@@ -260,7 +260,7 @@ class CompileCache:
         if compiled is None:
             return None
         with self._lock:
-            self._record(key, compiled, time.perf_counter() - t0, labelled, planned, loaded=True)
+            self._record(key, compiled, time.perf_counter() - t0, labelled, False, loaded=True)
         log.debug("loaded: %s", key[0])
         return compiled
 
@@ -350,7 +350,7 @@ class CompileCache:
             key, job = item
             t0 = time.perf_counter()
             with watching(counts) if counts is not None else contextlib.nullcontext():
-                if self.restore(key, job.fn, job.args, job.donate, job.out, planned=True):
+                if self.restore(key, job.fn, job.args, job.donate, job.out):
                     if on_done is not None:
                         on_done(job, time.perf_counter() - t0)
                     return
@@ -397,7 +397,7 @@ class CompileCache:
         else:
             stats.compiles += 1
             stats.compile_seconds += seconds
-        if planned and not loaded:
+        if planned:
             stats.planned += 1
             stats.planned_seconds += seconds
         self._origin[key] = "loaded" if loaded else "compiled"

@@ -32,6 +32,7 @@ import platform
 import stat
 import struct
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,6 +64,7 @@ class ExecutableStore:
         self._pending: dict[str, concurrent.futures.Future] = {}  # file name -> _read()
         self._manifest: Path | None = None  # prefetch()'s session file
         self._listed: list = []  # [file name, device ids] in it
+        self._lock = threading.Lock()
 
     @staticmethod
     def inside(cache_dir: str | Path, capacity: int = DEFAULT_CAPACITY, fingerprint=""):
@@ -89,7 +91,7 @@ class ExecutableStore:
         return Usage(len(files), sum(s.st_size for _, s in files))
 
     def clear(self) -> int:
-        """Delete every stored executable; returns how many."""
+        """Delete every stored executable (and the sessions' manifests); returns how many."""
         n = 0
         for path, _ in self._files():
             try:
@@ -97,6 +99,9 @@ class ExecutableStore:
                 n += 1
             except OSError:
                 pass
+        if self._usable(create=False):
+            for path in self.directory.glob("*.json"):
+                path.unlink(missing_ok=True)
         return n
 
     def _files(self):
@@ -160,7 +165,8 @@ class ExecutableStore:
         self._manifest = self.directory / f"{session}.json"
         try:
             if _not_private(self._manifest, stat.S_ISREG) is None:
-                self._listed = [[n, list(ids)] for n, ids in json.loads(self._manifest.read_text())]
+                listed = json.loads(self._manifest.read_text())
+                self._listed = [[name, list(ids)] for name, ids in listed]
         except (OSError, ValueError, TypeError) as e:
             log.debug("executable store manifest %s ignored: %s", self._manifest.name, e)
         by_id = {d.id: d for d in jax.devices()}
@@ -173,13 +179,14 @@ class ExecutableStore:
 
     def _remember(self, name: str, ids: list[int]) -> None:
         """Add an executable to the session's manifest (what prefetch() reads next time)."""
-        if self._manifest is None or [name, ids] in self._listed or len(self._listed) >= 64:
-            return
-        self._listed.append([name, ids])
-        try:
-            _write(self.directory, self._manifest, json.dumps(self._listed).encode())
-        except OSError as e:
-            log.debug("executable store manifest not written: %s", e.strerror)
+        with self._lock:  # warmup's threads
+            if self._manifest is None or [name, ids] in self._listed or len(self._listed) >= 64:
+                return
+            self._listed.append([name, ids])
+            try:
+                _write(self.directory, self._manifest, json.dumps(self._listed).encode())
+            except OSError as e:
+                log.debug("executable store manifest not written: %s", e.strerror)
 
     def save(self, key: str, compiled, devices) -> bool:
         """Store `compiled` (which runs on `devices`) under `key`; False when it cannot be
