@@ -243,6 +243,9 @@ def test_sixteen_streaming_clients_on_four_slots(server, client, stories_hf):
     assert after[("jaxinfer:requests_total", "length")] - before.get(
         ("jaxinfer:requests_total", "length"), 0) == 16  # fmt: skip
     assert after[("jaxinfer:compiles_after_warmup_total",)] == 0
+    # the plan was compiled, or loaded from the session's executable store, once
+    built = [after[(f"jaxinfer:{n}_total",)] for n in ("programs_compiled", "executables_loaded")]
+    assert sum(built) == len(server.worker.engine.compile_plan())
     for kind in ("same_shape", "changed_shape"):
         assert after[("jaxinfer:recompiles_total", kind)] == 0
     assert after[("jaxinfer:slots_busy",)] == 0 and after[("jaxinfer:kv_cache_pages_used",)] == 0

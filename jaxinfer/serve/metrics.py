@@ -36,6 +36,7 @@ def engine_snapshot(engine: Engine, compiles_at_ready: int) -> dict:
             "sharding": stats.recompiles_sharding,
         },
         "programs": stats.programs,
+        "executables_loaded": stats.loaded,
         "compiles_after_warmup": stats.programs + stats.untracked_compiles - compiles_at_ready,
         "compile_seconds": stats.compile_seconds,
         "decode_tokens": stats.eval_tokens,
@@ -115,6 +116,7 @@ class _EngineCollector:
         for name, key, doc in (  # data: (metric, snapshot key, help) per counter
             ("graphs_reused", "graphs_reused", "Compiled-program calls that reused a program"),
             ("programs_compiled", "programs", "Programs compiled (warmup included)"),
+            ("executables_loaded", "executables_loaded", "Programs loaded, not compiled"),
             ("compiles_after_warmup", "compiles_after_warmup", "Compiles after warmup (want 0)"),
             ("compile_seconds", "compile_seconds", "Seconds spent compiling"),
             ("decode_tokens", "decode_tokens", "Tokens produced by decode calls"),
