@@ -46,7 +46,7 @@ def engines():
     For tests that only read an engine (generate, logits, their own results); tests that change
     one (strict mode after warmup, reshard, clearing its compile cache, perf counters they
     assert on) load their own. Engines with the same shapes also share compiled programs
-    through the session's persistent compilation cache."""
+    through the session's executable store."""
     import jaxinfer
 
     cache: OrderedDict = OrderedDict()

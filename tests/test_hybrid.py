@@ -34,7 +34,7 @@ FIXTURE_ATOL = 5e-4  # HF float32 vs float64 differ by up to 4e-4 (tiny-random/R
 BUCKETS = dict(max_seq_len=512, prefill_buckets=(32, 128))  # the 235-token prompt: 2 chunks
 # The Qwen3.5 engines of the default run: one row or four slots over the same pools (the
 # slots' state slots and pages), so that one-row programs are shared through the session's
-# persistent compilation cache.
+# executable store.
 DENSE = dict(max_seq_len=512, prefill_buckets=(128,), batch_buckets=(1, 4), kv_cache_tokens=2048)
 ONE_CHUNK = dict(max_seq_len=512, prefill_buckets=(128,))  # the other kinds, in the default run
 

@@ -22,7 +22,7 @@ FIXTURE_ATOL = 5e-4  # HF float32 vs float64 differ by up to 4e-4 (tiny-random/R
 PROMPT = [1, 17, 42, 99, 3, 250, 7, 7, 128, 64, 33, 201, 5, 88, 150, 12, 260, 9, 77, 31]
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
 # One set of shapes for the fixtures' engines (the 235-token prompt: two chunks of 128), so
-# that they share compiled programs through the session's persistent compilation cache.
+# that they share compiled programs through the session's executable store.
 FIXTURE_OPTS = dict(max_seq_len=512, prefill_buckets=(128,), kv_cache_tokens=1024)
 SLOW = pytest.mark.slow  # the other families' logits are in test_model's default tier
 

@@ -17,7 +17,7 @@ LAYOUTS = [
 ]  # fmt: skip
 FAST = [("layer", 2), ("tensor", 2)]  # a pipeline and a tensor split; the rest: slow
 # One set of shapes for every stories260K engine here, so that engines share compiled programs
-# (the session's persistent compilation cache) and the strict tests' plans stay small.
+# (the session's executable store) and the strict tests' plans stay small.
 OPTS = dict(max_seq_len=128, prefill_buckets=(16,), batch_buckets=(1, 2))
 STORIES = "stories260K-gguf/stories260K.gguf"
 
