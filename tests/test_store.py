@@ -166,7 +166,12 @@ BAD = {"truncated": truncate, "corrupt": flip, "other format": other_format,
        "garbage": garbage, "file readable by others": loose_file, "a link": symlink}  # fmt: skip
 
 
-@pytest.mark.parametrize("case", list(BAD))
+SLOW_BAD = ("other format", "garbage", "a link")  # the default tier keeps one of each kind
+
+
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, marks=[pytest.mark.slow] if c in SLOW_BAD else []) for c in BAD]
+)
 def test_a_bad_file_recompiles_cleanly(stored, tmp_path, case):
     cache_dir, ids, files = copy_store(stored, tmp_path)
     for f in files:
@@ -203,12 +208,11 @@ def test_a_file_owned_by_another_user_is_ignored(stored, tmp_path):
 @pytest.mark.parametrize(
     "change",
     [
-        dict(dtype="bfloat16"),
-        dict(layout="tensor", devices=2),
-        dict(kv_cache_dtype="float16"),
-        dict(model="tiny-random/qwen3_moe_e8k2_bpe/model-f32.gguf"),
+        pytest.param(dict(dtype="bfloat16"), id="dtype", marks=pytest.mark.slow),
+        pytest.param(dict(layout="tensor", devices=2), id="layout"),
+        pytest.param(dict(kv_cache_dtype="float16"), id="kv dtype"),
+        pytest.param(dict(model="tiny-random/qwen3_moe_e8k2_bpe/model-f32.gguf"), id="model"),
     ],
-    ids=["dtype", "layout", "kv dtype", "model"],
 )
 def test_a_changed_engine_never_loads_another_ones_executable(stored, tmp_path, change):
     cache_dir, _, _ = copy_store(stored, tmp_path)
