@@ -299,3 +299,18 @@ def test_the_next_engine_reads_its_executables_ahead(stored, tmp_path):
         manifest.write_text(text)
         third = load(cache_dir)
         assert generate(third) == ids and third.perf_stats().loaded == 3
+
+
+def test_the_cli_shows_and_clears_the_store(tmp_path, capsys):
+    from jaxinfer.cli import main
+
+    flags = ["-m", str(model_path(STORIES)), "-c", "128", "--compile-cache-dir", str(tmp_path)]
+    assert main(["generate", *flags, "-ub", "16", "-n", "4", "--temp", "0"]) == 0
+    assert main(["info", *flags]) == 0
+    out = capsys.readouterr().out
+    assert f"executable store : {tmp_path / SUBFOLDER}: 3 executables" in out
+    assert "score[B=1, T=" in out and "logits at every position" in out  # the plan, and why
+    assert main(["info", *flags, "--clear-executable-store"]) == 0
+    assert "cleared 3 executables" in capsys.readouterr().err
+    assert main(["info", *flags, "--no-compile-cache", "--clear-executable-store"]) == 1
+    assert "no compile cache dir" in capsys.readouterr().err

@@ -208,18 +208,17 @@ def _options(args, **overrides) -> EngineOptions:
 def _load(args):
     from ..loader import load
 
-    options = _options(args)
-    if args.clear_executable_store:
-        _clear_store(options)
-    return load(args.model, options=options)
+    return load(args.model, options=_options(args))
 
 
-def _clear_store(options: EngineOptions) -> None:
+def _clear_store(args) -> None:
+    """--clear-executable-store, before any command loads a model."""
     from ..runtime.store import ExecutableStore
 
-    if options.compile_cache_dir is None:
+    cache_dir = _options(args).compile_cache_dir
+    if cache_dir is None:
         raise JaxinferError("--clear-executable-store: there is no compile cache dir")
-    store = ExecutableStore.inside(options.compile_cache_dir)
+    store = ExecutableStore.inside(cache_dir)
     n = store.clear()
     print(f"cleared {n} executables from {store.directory}", file=sys.stderr)
 
@@ -571,6 +570,8 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         commands = {"generate": _generate, "serve": _serve, "info": _info, "bench": _bench}
+        if args.clear_executable_store:
+            _clear_store(args)
         commands[args.command](args)
     except JaxinferError as e:
         if args.verbose:
