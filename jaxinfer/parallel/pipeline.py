@@ -139,7 +139,7 @@ def place_params(read: Reader, cfg: ModelConfig, mesh: Mesh, rules: dict, dtype)
         sharding = named(mesh, spec(axes, rules))
         if isinstance(host, HostQuant):
             return put_quant(path, host.take(), host, sharding, kernel)
-        array = jax.device_put(host.astype(param_dtype(path, dtype)), sharding)
+        array = jax.device_put(host.astype(param_dtype(path, dtype), copy=False), sharding)
         return for_kernel(path, array, kernel)
 
     table = ("vocab", "embed")
@@ -197,7 +197,7 @@ def stack_slot(read: Reader, plan: StagePlan, j: int, path, shape, sharding, dty
     def stage_slice(index):
         stage = index[0].start or 0  # one stage per device along pp
         host = hosts[stage]
-        host = np.zeros(shape, dt) if host is None else host.astype(dt)
+        host = np.zeros(shape, dt) if host is None else host.astype(dt, copy=False)
         return host[None][(slice(0, 1), *index[1:])]
 
     array = jax.make_array_from_callback((plan.stages, *shape), sharding, stage_slice)

@@ -75,7 +75,7 @@ def place_dense(
         host = read(key, leaf.shape, blocks=quantizable(key))
         if isinstance(host, HostQuant):
             return put_quant(key, host.take(), host, shardings[key], kernel, arena=arena)
-        host = host.astype(param_dtype(key, dtype))
+        host = host.astype(param_dtype(key, dtype), copy=False)  # the reader copied it
         return for_kernel(key, to_device(host, shardings[key], arena), kernel)
 
     params = jax.tree_util.tree_map_with_path(put, nnx.to_pure_dict(state))
