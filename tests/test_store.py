@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 
+import jax
 import pytest
 from support.compiles import CompileCounter
 from support.models import model_path
@@ -242,13 +243,31 @@ def test_other_cpu_flags_miss_the_store(stored, tmp_path, monkeypatch):
     assert engine.perf_stats().loaded == 0
 
 
-def test_the_store_keeps_to_its_cap_and_clears(tmp_path):
-    engine = load(tmp_path, executable_store_mib=1)  # one executable of ~0.7 MB fits
-    generate(engine)
-    store = engine.compile_cache.store
-    use = store.usage()
-    assert 1 <= use.files < 3 and use.bytes <= 1 << 20
-    assert store.clear() == use.files and store.usage().files == 0
+def test_the_store_keeps_to_its_cap_and_clears(stored, tmp_path):
+    """A save past the cap drops the least recently used files (by mtime) until the store
+    fits; the cap is set from the files' own sizes, which differ by CPU."""
+    from jaxinfer.runtime.store import ExecutableStore
+
+    cache_dir, _, files = copy_store(stored, tmp_path)
+    for age, f in enumerate(files):  # files[0] is the oldest
+        os.utime(f, (1000 + age, 1000 + age))
+    sizes = [f.stat().st_size for f in files]
+    engine = load(cache_dir)
+    generate(engine)  # loads (and touches) them all
+    for age, f in enumerate(files):
+        os.utime(f, (1000 + age, 1000 + age))
+    (compiled,) = engine.compile_cache.executables("cache")
+    probe = ExecutableStore(tmp_path / "probe", fingerprint=engine.compile_cache.store.fingerprint)
+    assert probe.save("another key", compiled, [jax.devices()[0]])
+    new_size = probe.path("another key").stat().st_size
+    cap = sum(sizes) + new_size - 1  # one byte short of keeping everything
+    store = ExecutableStore(cache_dir / SUBFOLDER, cap, engine.compile_cache.store.fingerprint)
+    assert store.save("another key", compiled, [jax.devices()[0]])
+    left = sorted((cache_dir / SUBFOLDER).glob("*.jxe"))
+    assert files[0] not in left and set(files[1:]) <= set(left)  # the oldest went, only it
+    assert store.path("another key") in left
+    assert store.usage().bytes <= cap
+    assert store.clear() == len(left) and store.usage().files == 0
 
 
 def test_no_compile_cache_means_no_store(tmp_path):
