@@ -155,6 +155,26 @@ def interleaved(tests: dict, rounds: int, extra=None, progress=False) -> dict[ob
     return runs
 
 
+def wait_up(port: int, path: str, proc, timeout=600, poll=0.5) -> float:
+    """Seconds until GET `path` on a local server answers 200 (SystemExit when `proc`
+    exits first or `timeout` passes), asking every `poll` seconds."""
+    import http.client
+
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout:
+        if proc.poll() is not None:
+            raise SystemExit(f"server on port {port} exited with {proc.returncode}")
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            conn.request("GET", path)
+            if conn.getresponse().status == 200:
+                return time.perf_counter() - t0
+        except OSError:
+            pass
+        time.sleep(poll)
+    raise SystemExit(f"server on port {port} did not come up")
+
+
 def repeated(fn: Callable, repeats: int) -> list:
     """`repeats` values of fn() after a warm-up call."""
     return interleaved({None: fn}, repeats)[None]

@@ -91,22 +91,6 @@ def run(port: int, clients: int, offset: int) -> tuple[float, list[float], list[
     )
 
 
-def wait_up(port: int, path: str, proc, timeout=600):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"server on port {port} exited with {proc.returncode}")
-        try:
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-            conn.request("GET", path)
-            if conn.getresponse().status == 200:
-                return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit(f"server on port {port} did not come up")
-
-
 def pct(values, q):
     values = sorted(values)
     return values[min(len(values) - 1, round(q / 100 * (len(values) - 1)))]
@@ -142,7 +126,7 @@ def main():
         for name, (port, path, cmd) in servers.items():
             procs[name] = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL,
                                            stderr=subprocess.DEVNULL)  # fmt: skip
-            wait_up(port, path, procs[name])
+            harness.wait_up(port, path, procs[name])
         results = {(s, c): {"agg": [], "p50": [], "p95": []} for s in servers for c in CLIENTS}
         agree = {s: [0, 0] for s in servers}
         for round_ in range(args.rounds + 1):

@@ -14,7 +14,6 @@ medians and spreads over the rest. Writes benchmarks/results/startup.md.
 Usage: python benchmarks/startup.py [-r 5]
 """
 
-import http.client
 import subprocess
 import sys
 import tempfile
@@ -45,18 +44,8 @@ def serve_up(argv, env, port: int) -> float:
     t0 = time.perf_counter()
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        while time.perf_counter() - t0 < 600:
-            if proc.poll() is not None:
-                raise SystemExit(f"jaxinfer serve exited with {proc.returncode}")
-            try:
-                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-                conn.request("GET", "/health")
-                if conn.getresponse().status == 200:
-                    return time.perf_counter() - t0
-            except OSError:
-                pass
-            time.sleep(0.02)
-        raise SystemExit("jaxinfer serve did not come up in 600 s")
+        harness.wait_up(port, "/health", proc, poll=0.02)
+        return time.perf_counter() - t0
     finally:
         proc.terminate()
         proc.wait()
