@@ -22,7 +22,8 @@ import numpy as np
 from .config import ModelConfig
 from .errors import JaxinferError, RecompileError, RequestError
 from .formats.tokenizer import Tokenizer
-from .model.kvcache import KVConfig
+from .model.gdn import RecurrentState
+from .model.kvcache import HiddenState, KVConfig
 from .ops.sampling import SamplingRows
 from .options import EngineOptions, SamplingParams
 from .parallel.placement import Placement
@@ -90,7 +91,15 @@ class Engine:
         )
         # A smaller pool is allowed: requests that could never fit are refused at submit.
         tokens = o.kv_cache_tokens or self.max_seq_len * max(o.slots or 1, 1)
-        self.kv_config = KVConfig.plan(tokens, self.max_seq_len, o.page_size, self.shapes.rows)
+        pool = KVConfig.plan(tokens, self.max_seq_len, o.page_size, self.shapes.rows)
+        snapshots = 0  # prefix hits on hybrid and MTP models start from a state snapshot
+        if o.prefix_cache and carries_state(placement, draft):
+            snapshots = pool.usable_pages if o.prefix_snapshots is None else o.prefix_snapshots
+        self.kv_config = KVConfig.plan(
+            tokens, self.max_seq_len, o.page_size, self.shapes.rows, snapshots
+        )
+        # Chain hashes start from the model's identity (and each request's cache salt).
+        self.model_id = repr((name, source, cfg, o.dtype, o.kv_cache_dtype, o.activations))
         plan = len(self.shapes.jobs())
         if o.compile_cache_size is not None and o.compile_cache_size < plan:
             raise JaxinferError(
@@ -118,6 +127,7 @@ class Engine:
             self.executor, self.shapes, self._perf, self._clock,
             decode_chunk=self.decode_chunk, stream_chunk=self.stream_chunk,
             always_interactive=self.slots is not None,
+            prefix_cache=self.options.prefix_cache, model_id=self.model_id,
         )  # fmt: skip
 
     # ---- what the executor holds --------------------------------------------------------
@@ -345,9 +355,18 @@ class Engine:
         layer's pools) and bytes_in_use;
         for hybrid models also the linear layers' state: state_slots (requests at once),
         state_bytes_per_slot (every linear layer's conv and recurrent state, float32) and
-        state_bytes_allocated."""
+        state_bytes_allocated.
+        The prefix cache: cached_pages (pages no request holds, kept findable; they count in
+        pages_free), prefix_queries and prefix_hits (prompt tokens looked up, and found), and
+        for hybrid and MTP models the state snapshots at page ends: snapshots_total,
+        snapshots_in_use (being written, or read by a request about to start from one),
+        snapshots_cached and snapshot_bytes."""
         stats = {"dtype": self.executor.kv_dtype, **self.executor.pages.stats()}
         return {**stats, **self.executor.state_stats()}
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (running requests keep their pages)."""
+        self.executor.pages.clear()
 
     def weight_bytes(self) -> int:
         """Bytes the weights occupy on this process's devices together: a replicated weight
@@ -435,6 +454,14 @@ class Engine:
                 "warmup (an eager jax op on the host path); rerun with jax_log_compiles to "
                 "see them"
             )
+
+
+def carries_state(placement: Placement, draft: Placement | None) -> bool:
+    """Whether a prefix leaves a state besides its KV pages: linear layers (the model's or
+    the draft's) or an MTP head's waiting hidden state."""
+    runners = [placement.runner] + ([draft.runner] if draft else [])
+    caches = [c for r in runners for c in (*r.caches, *r.mtp_caches)]
+    return any(isinstance(c, RecurrentState | HiddenState) for c in caches)
 
 
 def device_bytes(tree) -> int:

@@ -54,6 +54,10 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings (a single string is taken as one)
     stop_tokens: tuple[int, ...] = ()  # stop token ids, besides the tokenizer's EOS
     ignore_eos: bool = False  # keep generating past EOS
+    # prefix caching: requests share cached prompt pages only under the same salt (tenants);
+    # cache_prompt=False neither reads nor fills the cache (llama-server's field)
+    cache_salt: str | None = None
+    cache_prompt: bool = True
 
     def __post_init__(self):
         def bad(name, want):
@@ -77,6 +81,10 @@ class SamplingParams:
             bad("repeat_penalty", "> 0 (1 = off)")
         if self.seed is not None and not _is_int(self.seed):
             bad("seed", "an integer or None")
+        if self.cache_salt is not None and not isinstance(self.cache_salt, str):
+            bad("cache_salt", "a string or None")
+        if not isinstance(self.cache_prompt, bool):
+            bad("cache_prompt", "true or false")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         if any(not isinstance(s, str) or not s for s in stop):
             raise RequestError("stop strings must be non-empty strings")
@@ -156,6 +164,11 @@ class EngineOptions:
     kv_cache_tokens: int | None = None  # pool size; None: max_seq_len x max(slots, 1)
     page_size: int = 128  # one of PAGE_SIZES
     kv_cache_dtype: str = "auto"  # "auto" (the compute dtype) or one of DTYPES
+    # prefix caching: full pages shared between requests by content (chain hashes)
+    prefix_cache: bool = True
+    # hybrid and MTP models: snapshots of the state at page ends, kept for prefix hits
+    # (None: one per page of the pool)
+    prefix_snapshots: int | None = None
     # compiles
     compile_cache_size: int | None = None  # executables kept (LRU); None: max(64, the plan)
     compile_cache_dir: str | Path | None = field(default_factory=default_compile_cache_dir)
@@ -201,6 +214,9 @@ class EngineOptions:
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 1):
                 bad(name, "an integer >= 1")
+        snapshots = self.prefix_snapshots
+        if snapshots is not None and (not _is_int(snapshots) or snapshots < 0):
+            bad("prefix_snapshots", "an integer >= 0 (0: prefix hits only on models without state)")
         if not _is_int(self.executable_store_mib) or self.executable_store_mib < 0:
             bad("executable_store_mib", "an integer >= 0 (0: no store)")
         for name in ("decode_chunk", "stream_chunk"):
@@ -219,7 +235,7 @@ class EngineOptions:
                 f"page_size = {self.page_size!r} is invalid; use one of "
                 f"{', '.join(map(str, PAGE_SIZES))}"
             )
-        for name in ("strict", "graph_reuse"):
+        for name in ("strict", "graph_reuse", "prefix_cache"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "True or False")
         spec = self.speculative

@@ -70,26 +70,55 @@ def take(pools, slot: jax.Array, axis: int = 0):
     return tuple(p.at[index].get(mode="promise_in_bounds") for p in pools)
 
 
-def put(pools, states, slot: jax.Array, axis: int = 0):
-    """Store each row's state in its slot (padding rows all write the null slot)."""
+def put(pools, states, slot: jax.Array, axis: int = 0, skip: bool = False):
+    """Store each row's state in its slot (padding rows all write the null slot). `slot` may
+    have more dims ([B, M] with states [B, M, ...]); with `skip`, out-of-range slots (a
+    snapshot not wanted, `skipped`) write nothing."""
+    mode = "drop" if skip else "promise_in_bounds"
 
     def one(pool, state):
         index = (slice(None),) * axis + (slot,)
-        return pool.at[index].set(state.astype(pool.dtype), mode="promise_in_bounds")
+        return pool.at[index].set(state.astype(pool.dtype), mode=mode)
 
     return tuple(one(p, s) for p, s in zip(pools, states, strict=True))
 
 
+def skipped(pools, axis: int = 0) -> int:
+    """The slot index that `put(..., skip=True)` drops: one past the pools' last slot."""
+    return pools[0].shape[axis]
+
+
 def read(pools, slot: jax.Array | None, fresh: jax.Array, pick: jax.Array | None = None):
-    """A call's states [B, ...]: from the rows' slots, zeros where a row starts a request; or,
-    with no slots (a decode loop, which took them out once), the rows' states themselves; or,
-    keeping every token's state ([B, N, ...], speculative decoding), the one at `pick` [B]."""
+    """A call's states [B, ...]: from the rows' slots (or the prefix snapshots a chunk starts
+    from), zeros where a row starts a request; or, with no slots (a decode loop, which took
+    them out once), the rows' states themselves; or, keeping every token's state
+    ([B, N, ...], speculative decoding), the one at `pick` [B]."""
     if slot is None:
         return pools if pick is None else tuple(select(p, pick) for p in pools)
     keep = ~fresh
     return tuple(
         jnp.where(keep.reshape(-1, *([1] * (s.ndim - 1))), s, 0.0) for s in take(pools, slot)
     )
+
+
+def sub_chunk(T: int) -> int:
+    """L, the sub-chunk length `chunked` uses for a chunk of T tokens (a power of two)."""
+    return min(CHUNK, 1 << (T - 1).bit_length())
+
+
+def boundaries(start: jax.Array, T: int, page: int) -> jax.Array:
+    """The chunk's tokens that end a page: [B, M] chunk-relative indices t (the state after
+    token t is the state at a page boundary, start + t + 1 = 0 mod page), -1 where none. Laid
+    out as `chunked` computes them: M = N * P, P = max(1, L // page) candidates per sub-chunk
+    of L tokens (entry n * P + p lies in sub-chunk n). Entries may lie past the real tokens;
+    callers mask them by length."""
+    L = sub_chunk(T)
+    N, P = -(-T // L), max(1, L // page)
+    n = jnp.arange(N, dtype=jnp.int32)[None, :, None]  # [1, N, 1]
+    first = (-start[:, None, None] - n * L - 1) % page  # [B, N, 1] first one in sub-chunk n
+    local = first + page * jnp.arange(P, dtype=jnp.int32)[None, None]  # [B, N, P]
+    t = jnp.where(local < L, n * L + local, -1)
+    return t.reshape(start.shape[0], N * P)
 
 
 def write(pools, states, slot: jax.Array | None, keep_at: jax.Array | None = None):
@@ -113,11 +142,12 @@ def select(kept, index: jax.Array, axis: int = 0):
     return jnp.squeeze(jnp.take_along_axis(kept, index, axis=axis + 1), axis + 1)
 
 
-def causal_conv(x, w, state, length, every: bool = False):
+def causal_conv(x, w, state, length, every: bool = False, marks=None):
     """Depthwise causal conv then SiLU. x [B, T, C] (padding zeroed), w [C, K], state [B, W, C]
     the inputs before x -> y [B, T, C] in x's dtype, new state [B, W, C] float32: the last W
     real inputs (length [B] real tokens of x); with `every`, the state after each token
-    [B, T, W, C]."""
+    [B, T, W, C]. With `marks` [B, M] (token indices, -1: none), also the states after those
+    tokens [B, M, W, C]."""
     T = x.shape[1]
     K = w.shape[1]
     full = jnp.concatenate([state, x.astype(jnp.float32)], axis=1)  # [B, W + T, C]
@@ -130,7 +160,13 @@ def causal_conv(x, w, state, length, every: bool = False):
     else:
         pick = length[:, None] + jnp.arange(K - 1)[None]  # [B, W]: positions length .. +W-1
         new_state = jnp.take_along_axis(full, pick[..., None], axis=1)
-    return jax.nn.silu(y).astype(x.dtype), new_state
+    y = jax.nn.silu(y).astype(x.dtype)
+    if marks is None:
+        return y, new_state
+    B, M = marks.shape
+    at = (jnp.maximum(marks, 0) + 1)[..., None] + jnp.arange(K - 1)[None, None]  # [B, M, W]
+    kept = jnp.take_along_axis(full, at.reshape(B, M * (K - 1))[..., None], axis=1)
+    return y, new_state, kept.reshape(B, M, K - 1, -1)
 
 
 def l2norm(x):
@@ -189,12 +225,15 @@ def unit_lower_inverse(lower):
     return inv.reshape(*lead, L, L)
 
 
-def chunked(q, k, v, g, beta, S):
+def chunked(q, k, v, g, beta, S, marks=None):
     """A prompt chunk: q, k [B, T, H, DK], v [B, T, H, DV], g, beta [B, T, H], S [B, H, DK, DV]
     (float32) -> o [B, T, H, DV], final S. Sub-chunks of L tokens run in sequence; inside one,
-    the WY form turns its L rank-1 updates into one triangular inverse and matmuls."""
+    the WY form turns its L rank-1 updates into one triangular inverse and matmuls. With
+    `marks` [B, N * P] (`boundaries`: P token indices per sub-chunk, -1: none), also the
+    states after those tokens [B, N * P, H, DK, DV], taken inside their sub-chunk:
+    S_i = exp(gc_i) S_0 + sum_{j <= i} exp(gc_i - gc_j) k_j (x) v_new_j."""
     B, T, H, DK = k.shape
-    L = min(CHUNK, 1 << (T - 1).bit_length())  # a power of two
+    L = sub_chunk(T)
     pad = -T % L
     if pad:  # zero beta and decay: padded tokens change nothing
         q, k, v, g, beta = (
@@ -223,17 +262,32 @@ def chunked(q, k, v, g, beta, S):
     last = gc[..., -1:]  # [N, B, H, 1]
     k_tail = k * jnp.exp(last - gc)[..., None]  # what each key weighs at the sub-chunk's end
 
+    if marks is None:
+        local = jnp.zeros((N, B, 0), jnp.int32)
+    else:  # [N, B, P] each mark's index inside its sub-chunk
+        local = jnp.moveaxis(marks.reshape(B, N, -1), 1, 0) % L
+
     def body(S, xs):
-        u, w, qk, qd, kt, last = xs
+        u, w, qk, qd, kt, last, kk, gc, local = xs
         v_new = u - jnp.einsum("BHLK,BHKV->BHLV", w, S, precision=_EXACT)
         o = jnp.einsum("BHLK,BHKV->BHLV", qd, S, precision=_EXACT)
         o = o + jnp.einsum("BHij,BHjV->BHiV", qk, v_new, precision=_EXACT)
+        g_at = jnp.take_along_axis(gc, local[:, None], axis=-1)  # [B, H, P]
+        upto = jnp.arange(L)[None, None] <= local[:, None, :, None]  # [B, 1, P, L]
+        weight = jnp.exp(jnp.where(upto, g_at[..., None] - gc[:, :, None], -jnp.inf))
+        at_marks = S[:, :, None] * jnp.exp(g_at)[..., None, None] + jnp.einsum(
+            "BHPL,BHLK,BHLV->BHPKV", weight, kk, v_new, precision=_EXACT
+        )  # [B, H, P, DK, DV]
         S = S * jnp.exp(last)[..., None] + jnp.einsum(
             "BHLK,BHLV->BHKV", kt, v_new, precision=_EXACT
         )
-        return S, o
+        return S, (o, at_marks)
 
-    S, o = lax.scan(body, S, (u, w, qk, q_decayed, k_tail, last))  # o [N, B, H, L, DV]
+    xs = (u, w, qk, q_decayed, k_tail, last, k, gc, local)
+    S, (o, at_marks) = lax.scan(body, S, xs)  # o [N, B, H, L, DV], at_marks [N, B, H, P, ...]
     o = jnp.moveaxis(o, 0, 1)  # [B, N, H, L, DV]
     o = jnp.swapaxes(o, 2, 3).reshape(B, N * L, H, -1)[:, :T]
-    return o, S
+    if marks is None:
+        return o, S
+    at_marks = jnp.moveaxis(jnp.moveaxis(at_marks, 0, 1), 3, 2)  # [B, N, P, H, DK, DV]
+    return o, S, at_marks.reshape(B, marks.shape[1], *at_marks.shape[3:])

@@ -3,8 +3,8 @@
 Device side: each attention layer holds two pools (K and V) of shape [P, K, H, page]; a row's
 block table [NB] lists the pages holding its positions 0, page, 2 * page, ... Page 0 is the null
 page: unallocated table entries point at it and padding tokens write into it, and every read of
-it is masked by position. Host side: `PagePool` hands pages to requests as they grow, against a
-reservation taken when the request is admitted, so a running request never runs out of pages.
+it is masked by position. The host's side, `runtime/pages.py`, hands pages to requests as they
+grow and shares full pages between requests by content (prefix caching).
 
 Attention reads only the live pages of each row (online softmax, one page per row and loop
 step), so its cost grows with the tokens a row holds, not with the context length. Positions
@@ -45,18 +45,29 @@ class KVConfig:
     page_size: int  # positions per page
     n_pages: int  # pages per layer, the null page included
     table_width: int  # NB: block table entries per row
-    state_slots: int = 1  # per-request state slots of linear layers, the null slot included
+    # state slots of linear layers (and the MTP head's hidden state): the null slot, one per
+    # request at once, one for a scoring pass, then `snapshots` prefix snapshots
+    state_slots: int = 1
+    snapshots: int = 0
 
     @staticmethod
-    def plan(kv_cache_tokens: int, max_seq_len: int, page_size: int, rows: int = 1) -> KVConfig:
+    def plan(
+        kv_cache_tokens: int, max_seq_len: int, page_size: int, rows: int = 1, snapshots: int = 0
+    ) -> KVConfig:
         """Pages for `kv_cache_tokens`; a state slot for each of `rows` requests at once and
-        one for a scoring pass, beside the null slot."""
+        one for a scoring pass, beside the null slot; then `snapshots` prefix snapshots."""
         usable = -(-kv_cache_tokens // page_size)
-        return KVConfig(page_size, usable + 1, -(-max_seq_len // page_size), rows + 2)
+        slots = rows + 2 + snapshots
+        return KVConfig(page_size, usable + 1, -(-max_seq_len // page_size), slots, snapshots)
 
     @property
     def usable_pages(self) -> int:
         return self.n_pages - 1
+
+    @property
+    def first_snapshot(self) -> int:
+        """The state slot of the first prefix snapshot (past the requests' and scoring's)."""
+        return self.state_slots - self.snapshots
 
 
 @dataclass(frozen=True)
@@ -96,9 +107,16 @@ class KVView:
     # call's T new states go. None: one state per row.
     pick: jax.Array | None = None
     keep_at: jax.Array | None = None
+    # Prefix caching (hybrid models): [B] int32 the state slot or snapshot a prompt chunk's
+    # linear layers start from (a prefix hit's snapshot; else the row's slot), and [B, NB]
+    # int32 per page the snapshot that takes the state at its end (out of range: none).
+    # None: no snapshots.
+    source: jax.Array | None = None
+    snaps: jax.Array | None = None
     # The pools are whole on one CPU device (placement.kernel_fits): a decode token's
     # attention runs in the CPU kernel (kernels.attend) when it is available.
     kernel: bool = struct.field(pytree_node=False, default=False)
+    page: int = struct.field(pytree_node=False, default=0)  # positions per page (snapshots)
 
     def positions(self, T: int) -> jax.Array:
         return self.start[:, None] + jnp.arange(T, dtype=jnp.int32)[None]  # [B, T]
@@ -106,6 +124,15 @@ class KVView:
     def real(self, T: int) -> jax.Array:
         """[B, T] bool: which of the call's T tokens per row are real (not padding)."""
         return jnp.arange(T)[None] < self.length[:, None]
+
+    def snapshot_ids(self, t: jax.Array, skip: int) -> jax.Array:
+        """The snapshot each of the call's tokens t [B, M] (chunk-relative, -1: none) writes
+        its state after: snaps at the page it ends where it is real and ends a page, `skip`
+        (an index `gdn.put(..., skip=True)` drops) elsewhere."""
+        pos = self.start[:, None] + t  # [B, M]
+        ends = (t >= 0) & (t < self.length[:, None]) & ((pos + 1) % self.page == 0)
+        page = jnp.clip(pos // self.page, 0, self.snaps.shape[1] - 1)
+        return jnp.where(ends, jnp.take_along_axis(self.snaps, page, axis=1), skip)
 
 
 def write(pools, k, v, view: KVView):
@@ -253,63 +280,6 @@ def _pages(qh, pools, table, q_pos, n_keys, carry, window, causal=False):
 
     carry = varying_like(carry, pool_k)
     return lax.fori_loop(first, -(-jnp.max(n_keys) // page), body, carry)
-
-
-class PagePool:
-    """Host bookkeeping of one KV pool: free pages, reservations, pages held per request.
-
-    A request reserves the pages it can ever need when it is admitted, then takes them as it
-    grows; finishing or cancelling returns both. Page ids are shared by every layer's pool.
-    """
-
-    def __init__(self, kv: KVConfig, page_bytes: int):
-        self.kv = kv
-        self.page_bytes = page_bytes  # all layers, K and V
-        self._free = list(range(kv.n_pages - 1, NULL_PAGE, -1))  # a stack: lowest ids first
-        self._reserved = 0  # pages promised to admitted requests but not yet taken
-
-    @property
-    def page_size(self) -> int:
-        return self.kv.page_size
-
-    def pages_for(self, tokens: int) -> int:
-        return -(-tokens // self.kv.page_size)
-
-    def reserve(self, pages: int) -> bool:
-        """Promise `pages` to a request if they are free (beyond earlier promises)."""
-        if pages > len(self._free) - self._reserved:
-            return False
-        self._reserved += pages
-        return True
-
-    def grow(self, held: list[int], tokens: int, reserved: int) -> int:
-        """Extend `held` (in place) to cover `tokens` positions, from a reservation of
-        `reserved` pages not yet taken; returns the reservation left."""
-        want = min(self.pages_for(tokens) - len(held), reserved)
-        for _ in range(max(want, 0)):
-            held.append(self._free.pop())
-        taken = max(want, 0)
-        self._reserved -= taken
-        return reserved - taken
-
-    def release(self, held: list[int], reserved: int) -> None:
-        """Give back a request's pages and what is left of its reservation."""
-        self._free.extend(reversed(held))
-        held.clear()
-        self._reserved -= reserved
-
-    def stats(self) -> dict:
-        free = len(self._free) - self._reserved
-        in_use = self.kv.usable_pages - len(self._free)
-        return {
-            "page_size": self.kv.page_size,
-            "pages_total": self.kv.usable_pages,
-            "pages_free": free,
-            "pages_in_use": in_use,
-            "pages_reserved": self._reserved,
-            "bytes_allocated": self.kv.n_pages * self.page_bytes,
-            "bytes_in_use": in_use * self.page_bytes,
-        }
 
 
 @dataclass(frozen=True)

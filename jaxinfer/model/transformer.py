@@ -203,12 +203,18 @@ class GatedDeltaNet(nnx.Module):
             x, [w[...] for w in (self.wq, self.wk, self.wv, self.wz, self.wb, self.wa)]
         )
         keep = view.pick is not None  # speculative: every token's state is kept
-        conv_q, conv_k, conv_v, S = gdn.read(state, view.slot, view.start == 0, view.pick)
+        source = view.slot if view.source is None else view.source
+        conv_q, conv_k, conv_v, S = gdn.read(state, source, view.start == 0, view.pick)
+        # A prompt chunk with prefix snapshots also keeps the states at the page ends it holds.
+        marks = None
+        if view.snaps is not None and view.slot is not None:
+            marks = gdn.boundaries(view.start, T, view.page)  # [B, M]
         weights = (self.conv_q, self.conv_k, self.conv_v)
-        (q, conv_q), (k, conv_k), (v, conv_v) = (
-            gdn.causal_conv(jnp.where(real[..., None], y, 0), w[...], c, view.length, keep)
+        convs = [
+            gdn.causal_conv(jnp.where(real[..., None], y, 0), w[...], c, view.length, keep, marks)
             for y, w, c in zip(proj, weights, (conv_q, conv_k, conv_v), strict=True)
-        )
+        ]
+        (q, conv_q), (k, conv_k), (v, conv_v) = (c[:2] for c in convs)
         q = gdn.l2norm(q.reshape(B, T, HK, DK)) * (1.0 / np.sqrt(DK))
         k = gdn.l2norm(k.reshape(B, T, HK, DK))
         q, k = jnp.repeat(q, HV // HK, axis=2), jnp.repeat(k, HV // HK, axis=2)  # [B, T, HV, DK]
@@ -220,7 +226,9 @@ class GatedDeltaNet(nnx.Module):
             o, S = gdn.recurrent(q, k, v, g, beta, S)  # S [B, T, HV, DK, DV]
         elif T == 1:
             o, S = gdn.recurrent_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], S)
-            o = o[:, None]  # [B, 1, HV, DV]
+            o, at_marks = o[:, None], S[:, None]  # [B, 1, HV, DV], the state after token 0
+        elif marks is not None:
+            o, S, at_marks = gdn.chunked(q, k, v, g, beta, S, marks)
         else:
             o, S = gdn.chunked(q, k, v, g, beta, S)
         z = z.reshape(B, T, HV, DV)
@@ -228,7 +236,12 @@ class GatedDeltaNet(nnx.Module):
         if cfg.linear_out_tiled:  # wo's columns: head r * HK + k for our k * R + r
             o = o.reshape(B, T, HK, HV // HK, DV).swapaxes(2, 3)
         out = linear(o.reshape(B, T, HV * DV).astype(x.dtype), self.wo[...])  # [B, T, D]
-        return out, gdn.write(state, (conv_q, conv_k, conv_v, S), view.slot, view.keep_at)
+        state = gdn.write(state, (conv_q, conv_k, conv_v, S), view.slot, view.keep_at)
+        if marks is not None:
+            snaps = (*(c[2] for c in convs), at_marks)  # [B, M, ...] each
+            ids = view.snapshot_ids(marks, gdn.skipped(state))
+            state = gdn.put(state, snaps, ids, skip=True)
+        return out, state
 
 
 class MLP(nnx.Module):

@@ -15,10 +15,11 @@ import numpy as np
 from ..config import ModelConfig
 from ..errors import JaxinferError
 from ..model.gdn import RecurrentState
-from ..model.kvcache import AttentionKV, HiddenState, KVConfig, PagePool
+from ..model.kvcache import AttentionKV, HiddenState, KVConfig
 from ..parallel.placement import Placement
 from ..parallel.sharding import named
 from .compile import CompileCache, Job, shapes_text
+from .pages import PagePool, Snapshots
 from .programs import Program, programs
 from .speculative import SpecConfig
 
@@ -81,7 +82,9 @@ class Executor:
             c.slot_bytes() for c in self.runner.mtp_caches if isinstance(c, HiddenState)
         )
         state_bytes = self.state_slot_bytes * self.kv_config.state_slots
-        self.pages = PagePool(self.kv_config, (total - state_bytes) // self.kv_config.n_pages)
+        kv = self.kv_config
+        snapshots = Snapshots(kv.first_snapshot, kv.snapshots) if kv.snapshots else None
+        self.pages = PagePool(kv, (total - state_bytes) // kv.n_pages, snapshots)
         # What the programs close over besides their arguments: a change here is a recompile.
         # The pools' types stand for the KV dtype and the draft's (or MTP head's) layers.
         pools = tuple((a.shape, a.dtype.name) for a in jax.tree.leaves(shapes))
@@ -105,12 +108,19 @@ class Executor:
 
     def state_stats(self) -> dict:
         """The linear layers' per-request state: bytes per slot and allocated in all."""
-        slots = self.kv_config.state_slots
-        return {
+        kv = self.kv_config
+        slots = kv.first_snapshot
+        stats = {
             "state_slots": slots - 1 if self.state_slot_bytes else 0,
             "state_bytes_per_slot": self.state_slot_bytes,
-            "state_bytes_allocated": self.state_slot_bytes * slots,
+            "state_bytes_allocated": self.state_slot_bytes * kv.state_slots,
         }
+        snapshots = self.pages.snapshots
+        if snapshots:
+            stats.update(snapshots.stats(), snapshot_bytes=self.state_slot_bytes * kv.snapshots)
+        else:
+            stats.update(snapshots_total=0, snapshots_in_use=0, snapshots_cached=0, snapshot_bytes=0)
+        return stats
 
     def _check_memory(self, pool_bytes: int) -> None:
         """Refuse page pools that cannot fit the devices' memory (on CPU devices, the host's)."""

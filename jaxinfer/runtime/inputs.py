@@ -19,16 +19,19 @@ def abstract(*shape, dtype=I32) -> jax.ShapeDtypeStruct:
 
 @struct.dataclass
 class Chunk:
-    """A prompt chunk of B rows: tokens at positions view.start + t, the first view.length real."""
+    """A prompt chunk of B rows: tokens at positions view.start + t, the first view.length real.
+    With prefix snapshots, view.source and view.snaps say where linear states start from and
+    which page ends keep theirs."""
 
     tokens: jax.Array  # [B, T] int32, padding 0
     view: KVView
-    next: jax.Array  # [B] int32 the prompt token after the chunk (-1: the prompt ends in it)
 
     @staticmethod
-    def abstract(B: int, T: int, NB: int) -> Chunk:
+    def abstract(B: int, T: int, NB: int, snapshots: bool = False) -> Chunk:
         view = KVView(abstract(B, NB), abstract(B), abstract(B), abstract(B))
-        return Chunk(abstract(B, T), view, abstract(B))
+        if snapshots:
+            view = view.replace(source=abstract(B), snaps=abstract(B, NB))
+        return Chunk(abstract(B, T), view)
 
 
 @struct.dataclass

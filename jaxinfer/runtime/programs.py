@@ -40,17 +40,17 @@ def programs(
     layers then the draft's (one page pool, one set of slots)."""
     setup = steps.Setup(runner, kv_config, tokens_per_call, spec, draft)
 
+    snaps = setup.snapshots  # prefix snapshots: prefill and the loops take snapshot tables
+
     def loop_inputs(B: int, T: int, NB: int) -> tuple:
         history = spec.history if spec else 0
-        return (
-            DecodeState.abstract(B, history),
-            abstract(B, NB),
-            SamplingRows.abstract(B),
-            abstract(),
-        )
+        state = DecodeState.abstract(B, history)
+        fixed = (state, abstract(B, NB), SamplingRows.abstract(B), abstract())
+        return (*fixed, abstract(B, NB)) if snaps else fixed
 
     def prefill_inputs(B: int, T: int, NB: int) -> tuple:
-        return Chunk.abstract(B, T, NB), abstract(B, PENALTY_WINDOW), SamplingRows.abstract(B)
+        chunk = Chunk.abstract(B, T, NB, snaps)
+        return chunk, abstract(B, PENALTY_WINDOW), SamplingRows.abstract(B)
 
     return {
         "cache": Program(partial(steps.cache, setup), lambda B, T, NB: (), ("kv",), donate=()),

@@ -23,6 +23,7 @@ class Result:
     token_ids: list[int]  # generated ids only (a final EOS / stop token included)
     prompt_ids: list[int]
     finish_reason: str  # "stop" (EOS, stop token or stop string), "length" or "cancelled"
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache (not computed)
     queue_ms: float = 0.0  # from submit to admission (waiting for a slot or KV pages)
     prompt_ms: float = 0.0  # from admission to the first new token (prefill)
     decode_ms: float = 0.0  # from the first new token to the last
@@ -48,6 +49,7 @@ class RequestState:
     decoder: StreamDecoder
     sampling: tuple  # its packed sampling row (SamplingRows.row), checked at submit
     interactive: bool = False  # streamed or with stop strings: the host wakes more often
+    cached_tokens: int = 0  # prompt tokens its admission found in the prefix cache
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     emitted: int = 0  # characters of `text` already streamed
@@ -57,6 +59,14 @@ class RequestState:
     admitted_at: float | None = None
     first_token_at: float | None = None
     finished_at: float | None = None
+
+    @property
+    def cache_salt(self) -> str | None:
+        return self.params.cache_salt
+
+    @property
+    def cache_prompt(self) -> bool:
+        return self.params.cache_prompt
 
     @property
     def need(self) -> int:
@@ -137,6 +147,7 @@ class RequestState:
             token_ids=list(self.token_ids),
             prompt_ids=list(self.prompt),
             finish_reason=self.finish or "length",
+            cached_tokens=self.cached_tokens,
             queue_ms=ms(self.submitted_at, self.admitted_at),
             prompt_ms=ms(self.admitted_at, self.first_token_at),
             decode_ms=ms(self.first_token_at, self.finished_at),

@@ -8,6 +8,12 @@ layer's state in the request's slot, so moving a request to another row moves no
 its table row and slot number. A request reserves every page it can
 need when admitted and takes them as it grows, so it never fails mid-generation; finishing or
 cancelling gives them back at once.
+
+Prefix caching (pages.py): an admitted request maps the longest cached prefix of its prompt's
+full pages into its table and prefills after it (the prompt's last token is always computed,
+for its logits); hybrid and MTP models start that prefill from the snapshot of the state at
+the prefix's end. Pages a request fills are registered by chain hash as they fill, prompt and
+generated tokens alike, with a snapshot of the state at their end where the model needs one.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from ..ops.sampling import PENALTY_WINDOW, SamplingRows, recent_window
 from .buckets import ShapePlan
 from .executor import Executor
 from .inputs import Chunk, DecodeState
+from .pages import chain_hash, root_hash
 from .perf import PerfStats
 from .request import RequestState, StreamPiece
 
@@ -44,6 +51,14 @@ class _Active:
     token: int = 0  # the next input token
     pos: int = 0  # its position
     left: int = 0  # tokens still allowed
+    # prefix caching: the chain hashes of its full pages so far (None: the request neither
+    # reads nor fills the cache), how many of its pages are registered or were hits, the
+    # snapshot its next prompt chunk starts from (-1: its own slot), and the snapshot slots
+    # taken for pages it has not filled yet (page index -> slot)
+    hashes: list[bytes] | None = None
+    registered: int = 0
+    source: int = -1
+    pending: dict[int, int] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -57,6 +72,8 @@ class Scheduler:
         decode_chunk: int,
         stream_chunk: int,
         always_interactive: bool,
+        prefix_cache: bool = False,
+        model_id: str = "",
     ):
         self.executor = executor
         self.shapes = shapes
@@ -66,6 +83,8 @@ class Scheduler:
         self.stream_chunk = stream_chunk
         # Slots serve requests that arrive between steps: always wake every `stream_chunk`.
         self.always_interactive = always_interactive
+        self.prefix_cache = prefix_cache
+        self.model_id = model_id  # part of every chain hash's root
         self.queue: deque[RequestState] = deque()
         self.running: list[_Active] = []  # in admission order
         self._slots = list(range(shapes.rows, NULL_SLOT, -1))  # free state slots, lowest last
@@ -124,11 +143,77 @@ class Scheduler:
         while self.queue and len(self.running) < self.shapes.rows:
             state = self.queue[0]
             need = pages.pages_for(state.need)
-            if not pages.reserve(need):
+            hashes, hits = self._lookup(state)
+            if not pages.admit(hits, need - len(hits)):
                 return  # it waits for pages; later requests wait behind it
             self.queue.popleft()
             state.admitted_at = time.perf_counter()
-            self.running.append(_Active(state, need, self._slots.pop()))
+            active = _Active(state, need - len(hits), self._slots.pop(), list(hits))
+            active.offset = state.cached_tokens = len(hits) * pages.page_size
+            active.hashes, active.registered = hashes, len(hits)
+            if hits and pages.snapshots:
+                active.source = pages.snapshots.pin(hashes[len(hits) - 1])
+            if hashes is not None:
+                pages.queries += len(state.prompt)
+                pages.hits += active.offset
+            self.running.append(active)
+
+    def _lookup(self, state: RequestState) -> tuple[list[bytes] | None, list[int]]:
+        """The chain hashes of the prompt's full pages (None: no caching for it) and the
+        pages of its longest cached prefix: one that leaves the prompt's last token to
+        compute and, where the model needs one, ends at a page with a kept snapshot."""
+        if not (self.prefix_cache and state.cache_prompt):
+            return None, []
+        pages, page = self.executor.pages, self.executor.pages.page_size
+        parent = root_hash(self.model_id, state.cache_salt)
+        hashes = []
+        for j in range(len(state.prompt) // page):
+            parent = chain_hash(parent, state.prompt[j * page : (j + 1) * page])
+            hashes.append(parent)
+        hits = pages.lookup(hashes[: (len(state.prompt) - 1) // page])
+        snapshots = pages.snapshots
+        while snapshots and hits and snapshots.find(hashes[len(hits) - 1]) is None:
+            hits.pop()
+        return hashes, hits
+
+    def _register(self, active: _Active, filled: int) -> None:
+        """Name the request's pages wholly below position `filled` (written, prompt or
+        generated), each with the snapshot taken for it."""
+        pages, page = self.executor.pages, self.executor.pages.page_size
+        if active.hashes is None:
+            return
+        tokens = None
+        while active.registered < filled // page:
+            j = active.registered
+            if j == len(active.hashes):  # a page of generated tokens: hashed once filled
+                if tokens is None:
+                    tokens = active.state.prompt + active.state.token_ids
+                parent = active.hashes[-1] if j else root_hash(self.model_id, active.state.cache_salt)
+                active.hashes.append(chain_hash(parent, tokens[j * page : (j + 1) * page]))
+            pages.register(active.pages[j], active.hashes[j])
+            slot = active.pending.pop(j, None)
+            if slot is not None:
+                pages.snapshots.keep(active.hashes[j], slot)
+            active.registered += 1
+
+    def _snaps(self, rows: list[_Active], batch: int, upto) -> np.ndarray:
+        """The snapshot table [batch, NB]: per row, for each page it may fill in this call
+        (pages ending below position upto(active)), the snapshot slot taken for it (taken
+        now if need be); out of range (none) elsewhere."""
+        kv, snapshots = self.executor.kv_config, self.executor.pages.snapshots
+        table = np.full((batch, kv.table_width), kv.state_slots, np.int32)
+        for b, active in enumerate(rows):
+            if active.hashes is None:
+                continue
+            for j in range(active.registered, min(upto(active), active.state.need) // kv.page_size):
+                if j not in active.pending:
+                    known = j < len(active.hashes) and snapshots.find(active.hashes[j]) is not None
+                    slot = None if known else snapshots.take()
+                    if slot is None:
+                        continue
+                    active.pending[j] = slot
+                table[b, j] = active.pending[j]
+        return table
 
     def _table(self, rows: list[_Active], batch: int) -> np.ndarray:
         table = np.full((batch, self.executor.kv_config.table_width), NULL_PAGE, np.int32)
@@ -150,27 +235,36 @@ class Scheduler:
         B = self.shapes.batch_for(len(rows))
         tokens = np.zeros((B, T), np.int32)
         start, length, slot = (np.zeros(B, np.int32) for _ in range(3))
-        following = np.full(B, -1, np.int32)  # the prompt token after each row's chunk
         window = np.full((B, PENALTY_WINDOW), -1, np.int32)
         for b, active in enumerate(rows):
             prompt = active.state.prompt
             seg = prompt[active.offset : active.offset + T]
             tokens[b, : len(seg)] = seg
             start[b], length[b], slot[b] = active.offset, len(seg), active.slot
-            if active.offset + len(seg) < len(prompt):
-                following[b] = prompt[active.offset + len(seg)]
             self._grow(active, active.offset + len(seg))
             if active.offset + len(seg) == len(prompt):  # the chunk that samples a token
                 window[b] = recent_window(prompt)
-        chunk = Chunk(tokens, KVView(self._table(rows, B), start, length, slot), following)
+        view = KVView(self._table(rows, B), start, length, slot)
+        snapshots = self.executor.pages.snapshots
+        if snapshots:  # linear states start from a hit's snapshot; page ends keep theirs
+            source = slot.copy()
+            for b, active in enumerate(rows):
+                if active.source >= 0:
+                    source[b] = active.source
+            snaps = self._snaps(rows, B, lambda a: a.offset + T)
+            view = view.replace(source=source, snaps=snaps)
         sampling = SamplingRows.stack([a.state.sampling for a in rows], B)
         t0 = self.clock()
-        (first,) = self.executor.run("prefill", chunk, window, sampling)
+        (first,) = self.executor.run("prefill", Chunk(tokens, view), window, sampling)
         first = np.asarray(first)
         self.perf.prompt_ms += (self.clock() - t0) * 1e3
         self.perf.prompt_tokens += int(length.sum())
         for b, active in enumerate(rows):
             active.offset += int(length[b])
+            if active.source >= 0:
+                snapshots.unpin(active.source)
+                active.source = -1
+            self._register(active, active.offset)
             state = active.state
             if active.offset < len(state.prompt):
                 continue
@@ -192,10 +286,11 @@ class Scheduler:
         ahead = spec.k if spec else 0  # a speculative step writes its drafts' positions too
         for active in rows:  # pages for every position this call may write
             self._grow(active, min(active.pos + n + ahead, active.state.need))
-        state, sampling, table = self._inputs(rows, B)
+        state, sampling, tables = self._inputs(rows, B, lambda a: a.pos + n + ahead)
         t0 = self.clock()
+        table, *snaps = tables
         state, ids, *counts = self.executor.run(
-            self.shapes.loop, state, table, sampling, self._steps(n)
+            self.shapes.loop, state, table, sampling, self._steps(n), *snaps
         )
         ids = np.asarray(ids)
         if counts:  # drafted, accepted, row steps
@@ -211,6 +306,7 @@ class Scheduler:
             generated += len(new)
             active.pos += len(new)
             active.token, active.left = new[-1], active.left - len(new)
+            self._register(active, active.pos)
             out.append((active.state, active.state.accept(new)))
             if active.state.finish:  # at a stop token, the budget or a stop string
                 self._retire(active)
@@ -218,22 +314,25 @@ class Scheduler:
         self.perf.eval_tokens += generated
         self.perf.eval_ms += (self.clock() - t0) * 1e3
 
-    def _inputs(self, rows: tuple[_Active, ...], batch: int):
-        """The decode call's state, sampling rows and block table, on the device. While the
-        same rows decode call after call, the state is the one the last call returned and the
-        rows and table are the ones already sent (a table changes once a page): a steady call
-        sends nothing to the devices (each transfer costs ~0.1 ms on the host here)."""
-        last_rows, state, sampling, (host_table, table) = self._last
-        new_table = self._table(list(rows), batch)
+    def _inputs(self, rows: tuple[_Active, ...], batch: int, upto):
+        """The decode call's state, sampling rows and tables (the block table, and with
+        snapshots the snapshot table for positions below upto(active)), on the device. While
+        the same rows decode call after call, the state is the one the last call returned and
+        the rows and tables are the ones already sent (a table changes once a page): a steady
+        call sends nothing to the devices (each transfer costs ~0.1 ms on the host here)."""
+        last_rows, state, sampling, (host_tables, tables) = self._last
+        new_tables = (self._table(list(rows), batch),)
+        if self.executor.pages.snapshots:
+            new_tables += (self._snaps(list(rows), batch, upto),)
         if rows != last_rows:  # rows joined or left: the device state is rebuilt, in one put
             state = self._host_state(rows, batch)
             sampling = SamplingRows.stack([a.state.sampling for a in rows], batch)
-            host_table = new_table
-            state, sampling, table = self.executor.put((state, sampling, new_table))
-        elif not np.array_equal(new_table, host_table):
-            host_table, table = new_table, self.executor.put(new_table)
-        self._last = (rows, state, sampling, (host_table, table))
-        return state, sampling, table
+            host_tables = new_tables
+            state, sampling, tables = self.executor.put((state, sampling, new_tables))
+        elif any(not np.array_equal(a, b) for a, b in zip(new_tables, host_tables, strict=True)):
+            host_tables, tables = new_tables, self.executor.put(new_tables)
+        self._last = (rows, state, sampling, (host_tables, tables))
+        return state, sampling, tables
 
     def _steps(self, n: int):
         """The steps argument of decode, kept on the device per value."""
@@ -268,8 +367,14 @@ class Scheduler:
         return DecodeState(tokens, pos, left, done, window, slot, history, backoff)
 
     def _retire(self, active: _Active) -> None:
-        self.executor.pages.release(active.pages, active.reserved)
+        pages = self.executor.pages
+        pages.release(active.pages, active.reserved)
         active.reserved = 0
+        if active.source >= 0:  # cancelled before its first chunk: the snapshot is unread
+            pages.snapshots.unpin(active.source)
+        for slot in active.pending.values():  # taken for pages it never filled
+            pages.snapshots.give(slot)
+        active.pending.clear()
         self.running.remove(active)
         self._slots.append(active.slot)  # the next request in it starts from zeros
 
@@ -280,7 +385,7 @@ class Scheduler:
         pages (the caller steps the running requests until they free some)."""
         pages = self.executor.pages
         # The scoring pass has a state slot of its own, past the requests' ones.
-        active = _Active(None, pages.pages_for(len(ids)), self.executor.kv_config.state_slots - 1)
+        active = _Active(None, pages.pages_for(len(ids)), self.executor.kv_config.first_snapshot - 1)
         if not pages.reserve(active.reserved):
             return None
         out = []
@@ -297,7 +402,7 @@ class Scheduler:
                     np.array([len(seg)], np.int32),
                     np.array([active.slot], np.int32),
                 )
-                chunk = Chunk(tokens, view, np.full(1, -1, np.int32))
+                chunk = Chunk(tokens, view)
                 (logits,) = self.executor.run("score", chunk)
                 out.append(np.asarray(logits)[0, : len(seg)])
                 active.offset += len(seg)

@@ -35,7 +35,15 @@ from ..model import gdn
 from ..model.kvcache import KVView
 from ..ops.sampling import PENALTY_WINDOW, SamplingRows, accept, argmax, sample
 from .inputs import I32, DecodeState
-from .steps import Setup, mtp_rows, put_states, take_states
+from .steps import (
+    Setup,
+    linear_pools,
+    mtp_rows,
+    page_end_ids,
+    put_states,
+    snapshot,
+    take_states,
+)
 
 METHODS = ("ngram", "draft", "mtp")
 NGRAM_HISTORY = 1024  # positions of a row's history the lookup searches
@@ -140,6 +148,7 @@ class Loop(NamedTuple):
     draft_params: Any  # the draft model's (None for n-gram and MTP)
     table: jax.Array  # [B, NB] block tables
     sampling: SamplingRows
+    snaps: jax.Array | None = None  # [B, NB] per page its snapshot (prefix caching)
 
 
 def mtp_drafts(loop: Loop, live, slot, mtp_kv, hidden, tokens, start, length):
@@ -247,10 +256,31 @@ def score_drafts(loop: Loop, s: DecodeState, kv, window, drafts, count, pick):
     return new, n, h, kv, windows
 
 
+def keep_snapshots(loop: Loop, pools, kv, draft_kv, h, s: DecodeState, n):
+    """The states at page ends among the tokens a step kept (positions s.pos .. s.pos + n of
+    each live row) into their snapshots: the model's linear layers' (kept per token in kv),
+    the draft model's (kept in draft_kv), the MTP head's waiting hidden state (h [B, T, D]
+    the model's). pools: (the model's, the draft's) linear pools -> pools, draft_kv."""
+    setup = loop.setup
+    page, T = setup.kv_config.page_size, h.shape[1]
+    rows = jnp.arange(h.shape[0])
+    model_pools, draft_pools = pools
+    for q in range(-(-T // page)):  # the page ends T tokens can hold
+        t = page - 1 - s.pos % page + q * page  # [B] the q-th at or after pos
+        ids = page_end_ids(setup, loop.snaps, s.pos + t, ~s.done & (t <= n))
+        t = jnp.clip(t, 0, T - 1)
+        model_pools = snapshot(setup, model_pools, kv, ids, t)
+        if setup.draft:
+            draft_pools = snapshot(setup, draft_pools, draft_kv, ids, t, "draft")
+        elif setup.runner.mtp:
+            draft_kv[1] = gdn.put(draft_kv[1], (h[rows, t],), ids, skip=True)
+    return (model_pools, draft_pools), draft_kv
+
+
 def step(loop: Loop, carry, speculating: bool):
     """One step of the verify loop: score the drafts (or, with none anywhere, the plain
     one-token forward), keep what is accepted, back off, propose the next drafts."""
-    made, kv, draft_kv, s, out, pick, counts, drafts, count = carry
+    made, kv, draft_kv, pools, s, out, pick, counts, drafts, count = carry
     setup, sampling = loop.setup, loop.sampling
     B, K = s.tokens.shape[0], setup.spec.k
     rows = jnp.arange(B)
@@ -273,32 +303,40 @@ def step(loop: Loop, carry, speculating: bool):
         new = sample(setup.runner.head(loop.params, h[:, 0]), window, sampling, s.pos + 1)
         new, n = new[:, None], jnp.zeros((B,), I32)
     made, out, s_new, n = advance(s, made, out, new, n, sampling.stops, window, history)
+    if loop.snaps is not None:
+        pools, draft_kv = keep_snapshots(loop, pools, kv, list(draft_kv), h, s, n)
     counts = counts + jnp.stack([count.sum(), n.sum(), live.sum()])
     s_new = s_new.replace(backoff=backoff(s.backoff, count, n))
     catch = (h, new, s.pos, jnp.where(live, n + 1, 0))  # the rows kept now
     drafts, count, draft_kv = next_drafts(loop, s_new, n, draft_kv, catch)
-    return made, kv, draft_kv, s_new, out, n, counts, drafts, count
+    return made, kv, draft_kv, pools, s_new, out, n, counts, drafts, count
 
 
-def verify(setup: Setup, params, kv, state: DecodeState, table, sampling: SamplingRows, steps):
+def verify(
+    setup: Setup, params, kv, state: DecodeState, table, sampling: SamplingRows, steps, snaps=None
+):
     """Speculative decode: while every live row has made fewer than `steps` tokens, each
     row proposes up to K drafts, one forward scores its input token and the drafts
     (T = K + 1 tokens), and the accepted prefix plus one token of the model's own is
     kept. -> kv, state, out [B, C + K] (-1 where no token), counts [3] (drafts scored,
     drafts accepted, row steps). Steps where no row has a draft run the plain one-token
-    forward."""
+    forward. With snapshots (snaps [B, NB]), the states at page ends the rows keep go to
+    their pages' snapshots."""
     K = setup.spec.k
     T = K + 1
     params, kv, draft_params, draft_kv = setup.split(params, kv)
-    loop = Loop(setup, params, draft_params, table, sampling)
+    loop = Loop(setup, params, draft_params, table, sampling, snaps)
     B = state.tokens.shape[0]
     pools, draft_pools = kv, draft_kv
+    carried = ()  # with snapshots, the linear pools they are written into
+    if snaps is not None:
+        carried = (linear_pools(setup, kv), linear_pools(setup, draft_kv, "draft"))
     # The draft keeps one more state: index T, its state before the pending input token.
     kv = take_states(setup, kv, state.slot, T)
     draft_kv = take_states(setup, draft_kv, state.slot, T + 1, "draft")
 
     def more(carry):
-        made, _, _, s, *_ = carry
+        made, _, _, _, s, *_ = carry
         return jnp.any(~s.done) & (jnp.max(jnp.where(s.done, 0, made)) < steps)
 
     def drafted(carry):
@@ -322,9 +360,13 @@ def verify(setup: Setup, params, kv, state: DecodeState, table, sampling: Sampli
         live = (~state.done).astype(I32)
         catch = (hidden[:, None], state.tokens[:, None], state.pos - 1, live)
     drafts, count, draft_kv = next_drafts(loop, state, pick, draft_kv, catch)
-    init = (jnp.zeros((B,), I32), kv, draft_kv, state, out, pick, jnp.zeros((3,), I32),
-            drafts, count)  # fmt: skip
-    _, kv, draft_kv, state, out, pick, counts, *_ = jax.lax.while_loop(more, phases, init)
+    init = (jnp.zeros((B,), I32), kv, draft_kv, carried, state, out, pick,
+            jnp.zeros((3,), I32), drafts, count)  # fmt: skip
+    _, kv, draft_kv, carried, state, out, pick, counts, *_ = jax.lax.while_loop(
+        more, phases, init
+    )
+    if snaps is not None:
+        pools, draft_pools = carried
     kv = put_states(setup, pools, kv, state.slot, pick)
     # The draft's state before the pending input token (index T): the next call feeds it.
     draft_kv = put_states(setup, draft_pools, draft_kv, state.slot, jnp.full_like(pick, T), "draft")

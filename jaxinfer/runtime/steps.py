@@ -2,10 +2,14 @@
 
   cache()                                            -> kv                 zeroed page pools
   prefill(params, kv, chunk, window, sampling)       -> kv, tokens [B]     one prompt chunk per row
-  decode(params, kv, state, table, sampling, steps)  -> kv, state, out [B, C]
+  decode(params, kv, state, table, sampling, steps[, snaps]) -> kv, state, out [B, C]
   score(params, kv, chunk)                           -> kv, logits [B, T, V]
 
-The page pools and linear-layer states `kv` are donated. `decode` runs up to C steps inside
+The page pools and linear-layer states `kv` are donated. With prefix snapshots (hybrid and MTP
+models under prefix caching), the state slots past the requests' ones are snapshots: the
+linear states (and the MTP head's waiting hidden state) at page ends, which prefill and decode
+write where the host's snapshot table says (`snaps` [B, NB], per page) and a prompt chunk
+starts from after a prefix hit (`view.source`). `decode` runs up to C steps inside
 one `while_loop` and leaves early when every row is done, so the host only wakes to stream
 and check stops. No program depends on the context length: rows reach their pages through
 block tables. Speculative decoding's `verify` is in speculative.py; programs.py binds them.
@@ -41,6 +45,10 @@ class Setup:
     tokens_per_call: int
     spec: Any = None  # speculative.SpecConfig; None: no speculation
     draft: Runner | None = None
+
+    @property
+    def snapshots(self) -> bool:
+        return self.kv_config.snapshots > 0
 
     @property
     def n_model(self) -> int:
@@ -93,6 +101,37 @@ def take_states(setup: Setup, kv, slot, keep: int = 0, of: str = "model"):
     return [one(c, lin) for c, lin in zip(kv, setup.linear(of), strict=True)]
 
 
+def page_end_ids(setup: Setup, snaps, pos, ok):
+    """[B] the snapshot that takes a row's state after its token at pos [B]: its page's entry
+    of snaps [B, NB] where ok [B] and the token ends a page; out of range (none) elsewhere."""
+    page, skip = setup.kv_config.page_size, setup.kv_config.state_slots
+    at = jnp.clip(pos // page, 0, snaps.shape[1] - 1)
+    ends = ok & ((pos + 1) % page == 0)
+    return jnp.where(ends, jnp.take_along_axis(snaps, at[:, None], axis=1)[:, 0], skip)
+
+
+def snapshot(setup: Setup, pools, kv, ids, pick=None, of: str = "model"):
+    """Linear layers' states [B, ...] of a loop (with `pick` [B], the kept state at that
+    index) into the snapshots ids [B] of their pools (out of range: none); other entries of
+    `pools` pass through."""
+    axis = setup.runner.state_axis
+
+    def one(p, c, lin):
+        if not lin:
+            return p
+        if pick is not None:
+            c = tuple(gdn.select(a, pick, axis) for a in c)
+        return gdn.put(p, c, ids, axis, skip=True)
+
+    return [one(p, c, lin) for p, c, lin in zip(pools, kv, setup.linear(of), strict=True)]
+
+
+def linear_pools(setup: Setup, kv, of: str = "model") -> list:
+    """The linear layers' pools of `kv` (None for the others): what a loop that writes
+    snapshots carries besides the rows' own states."""
+    return [c if lin else None for c, lin in zip(kv, setup.linear(of), strict=True)]
+
+
 def put_states(setup: Setup, pools, kv, slot, pick=None, of: str = "model"):
     """The loop's linear states back into their slots (with `pick` [B], each row's state
     at that index: the accepted token's)."""
@@ -113,41 +152,72 @@ def prefill(setup: Setup, params, kv, chunk: Chunk, window, sampling: SamplingRo
     runner, draft = setup.runner, setup.draft
     params, kv, draft_params, draft_kv = setup.split(params, kv)
     B, T = chunk.tokens.shape
-    h, kv = runner.forward(params, chunk.tokens, chunk.view, kv)  # [B, T, D]
+    view = chunk.view
+    if view.snaps is not None:
+        view = view.replace(page=setup.kv_config.page_size)
+    h, kv = runner.forward(params, chunk.tokens, view, kv)  # [B, T, D]
     if draft:
-        _, draft_kv = draft.forward(draft_params, chunk.tokens, chunk.view, draft_kv)
-    last = jnp.clip(chunk.view.length - 1, 0, T - 1)  # [B]
-    if runner.mtp:  # rows p pair h_p with token p + 1: the chunk's next, or the prompt's
-        following = jnp.concatenate([chunk.tokens[:, 1:], chunk.tokens[:, :1]], axis=1)
-        at_last = jnp.arange(T)[None] == last[:, None]
-        following = jnp.where(at_last, chunk.next[:, None], following)
-        rows = chunk.view.length - (chunk.next < 0)  # the prompt's last row waits
-        view = KVView(chunk.view.table, chunk.view.start, rows, None)
-        _, draft_kv = mtp_rows(setup, params, draft_kv, h, following, view)
-        hidden = (h[jnp.arange(B), last],)  # the model's state of the last prompt token
-        draft_kv[1] = gdn.put(draft_kv[1], hidden, chunk.view.slot)
+        _, draft_kv = draft.forward(draft_params, chunk.tokens, view, draft_kv)
+    last = jnp.clip(view.length - 1, 0, T - 1)  # [B]
+    if runner.mtp:
+        draft_kv = mtp_prefill(setup, params, draft_kv, h, chunk.tokens, view)
     logits = runner.head(params, h[jnp.arange(B), last])  # [B, V]
-    return kv + draft_kv, sample(logits, window, sampling, chunk.view.start + chunk.view.length)
+    return kv + draft_kv, sample(logits, window, sampling, view.start + view.length)
 
 
-def decode(setup: Setup, params, kv, state: DecodeState, table, sampling: SamplingRows, steps):
+def mtp_prefill(setup: Setup, params, mtp_kv, h, tokens, view: KVView):
+    """The MTP head's rows of a prompt chunk (h [B, T, D] the model's, tokens [B, T]). Row p
+    pairs h_p with token p + 1 at cache position p, so a chunk holds rows start - 1 ..
+    start + length - 2: the first pairs the hidden state waiting in the slot (the previous
+    chunk's last, or a prefix hit's snapshot) with the chunk's first token, and the chunk's
+    last hidden state waits for the token after it (the next chunk's or the first generated
+    one). The hidden states at page ends go to their snapshots. (A hit rewrites row start - 1
+    in the last shared page for its own next token, which the page's hash does not hold:
+    another request sharing that page may draft from it; drafts only, outputs are verified.)
+    """
+    B, T = tokens.shape
+    source = view.slot if view.source is None else view.source
+    (waiting,) = gdn.take(mtp_kv[1], source)  # [B, D]
+    first = view.start == 0  # no row before the prompt's first token
+    earlier = jnp.concatenate([waiting[:, None].astype(h.dtype), h[:, :-1]], axis=1)
+    hidden = jnp.where(first[:, None, None], h, earlier)
+    shifted = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)
+    following = jnp.where(first[:, None], shifted, tokens)
+    rows = jnp.maximum(view.length - first, 0)
+    mtp_view = KVView(view.table, view.start - 1 + first, rows, None)
+    _, mtp_kv = mtp_rows(setup, params, mtp_kv, hidden, following, mtp_view)
+    last = jnp.clip(view.length - 1, 0, T - 1)
+    mtp_kv[1] = gdn.put(mtp_kv[1], (h[jnp.arange(B), last],), view.slot)
+    if view.snaps is not None:
+        t = jnp.broadcast_to(jnp.arange(T, dtype=I32)[None], (B, T))
+        ids = view.snapshot_ids(t, gdn.skipped(mtp_kv[1]))
+        mtp_kv[1] = gdn.put(mtp_kv[1], (h,), ids, skip=True)
+    return mtp_kv
+
+
+def decode(
+    setup: Setup, params, kv, state: DecodeState, table, sampling: SamplingRows, steps, snaps=None
+):
     """Up to `steps` (<= C) tokens per row; table [B, NB] covers every position written.
-    Linear layers' states leave their slots for the loop and return after it."""
+    Linear layers' states leave their slots for the loop and return after it; with snapshots
+    (snaps [B, NB]), a state at a page end also goes to its page's snapshot."""
     runner = setup.runner
     params, kv, _, draft_kv = setup.split(params, kv)
     B = state.tokens.shape[0]
     rows = jnp.arange(B)
-    pools = kv
+    pools = linear_pools(setup, kv) if snaps is not None else kv
     kv = take_states(setup, kv, state.slot)
 
     def step(carry):
-        i, kv, s, out = carry
+        i, kv, pools, s, out = carry
         # The input token joins the penalty context of the token it predicts.
         window = s.window.at[rows, s.pos % PENALTY_WINDOW].set(s.tokens)
         live = ~s.done
         # Done rows write the null page and leave their linear state as it is.
         view = KVView(table, s.pos, live.astype(I32), None)
         h, kv = runner.forward(params, s.tokens[:, None], view, kv)  # [B, 1, D]
+        if snaps is not None:
+            pools = snapshot(setup, pools, kv, page_end_ids(setup, snaps, s.pos, live))
         new = sample(runner.head(params, h[:, 0]), window, sampling, s.pos + 1)  # [B]
         stop = jnp.any(new[:, None] == sampling.stops, axis=-1)
         budget = s.budget - live
@@ -159,14 +229,16 @@ def decode(setup: Setup, params, kv, state: DecodeState, table, sampling: Sampli
             done=s.done | stop | (budget <= 0),
             window=window,
         )
-        return i + 1, kv, s, out
+        return i + 1, kv, pools, s, out
 
     def more(carry):
-        i, _, s, _ = carry
+        i, _, _, s, _ = carry
         return (i < steps) & ~jnp.all(s.done)
 
     out = jnp.full((B, setup.tokens_per_call), -1, I32)
-    _, kv, state, out = jax.lax.while_loop(more, step, (jnp.int32(0), kv, state, out))
+    init = (jnp.int32(0), kv, pools if snaps is not None else (), state, out)
+    _, kv, carried, state, out = jax.lax.while_loop(more, step, init)
+    pools = carried if snaps is not None else pools
     return put_states(setup, pools, kv, state.slot) + draft_kv, state, out
 
 
