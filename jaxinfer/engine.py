@@ -313,9 +313,12 @@ class Engine:
 
     # ---- evaluation ---------------------------------------------------------------------
 
-    def logits(self, token_ids: Sequence[int]) -> np.ndarray:
+    def logits(
+        self, token_ids: Sequence[int], *, prefix_cache: bool = False, cache_salt=None
+    ) -> np.ndarray:
         """Float32 logits [T, V] at every position of `token_ids` (one full forward; a whole
-        context of max_seq_len tokens may be scored)."""
+        context of max_seq_len tokens may be scored). With `prefix_cache`, the forward starts
+        after the longest prefix the cache holds (under `cache_salt`), whose rows are NaN."""
         ids = self._ids(list(token_ids), self.max_seq_len)
         pages, total = self.executor.pages.pages_for(len(ids)), self.kv_config.usable_pages
         if pages > total:
@@ -325,7 +328,7 @@ class Engine:
             )
         while True:
             with self._watched():
-                out = self._scheduler.score(ids)
+                out = self._scheduler.score(ids, prefix_cache, cache_salt)
             if out is not None:
                 return out
             self.step()  # the running requests hold the pages: let them move on

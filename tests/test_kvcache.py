@@ -11,7 +11,8 @@ from support.models import model_path
 
 import jaxinfer
 from jaxinfer.model import kvcache
-from jaxinfer.model.kvcache import NULL_PAGE, AttentionKV, KVConfig, KVView, PagePool
+from jaxinfer.model.kvcache import NULL_PAGE, AttentionKV, KVConfig, KVView
+from jaxinfer.runtime.pages import PagePool
 
 K, G, H = 2, 3, 8
 
@@ -162,10 +163,11 @@ STORIES = "stories260K-gguf/stories260K.gguf"
 
 @pytest.fixture(scope="module")
 def small_pool():
-    """A pool of 3 pages (128 tokens each) under a context of 512 and 4 slots."""
+    """A pool of 3 pages (128 tokens each) under a context of 512 and 4 slots (no prefix
+    cache: the same prompt's requests would share their first page)."""
     return jaxinfer.load(
         model_path(STORIES), max_seq_len=512, slots=4, kv_cache_tokens=384,
-        prefill_buckets=(64,),
+        prefill_buckets=(64,), prefix_cache=False,
     )  # fmt: skip
 
 

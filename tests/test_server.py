@@ -370,6 +370,47 @@ def test_models_tokenize_detokenize(server, client, stories_hf):
     assert json.loads(out)["content"] == stories_hf.detokenize(ids)
 
 
+def test_chat_turns_hit_the_prefix_cache(server, client):
+    """A repeated conversation is served from its cached pages: the same answer, its cached
+    tokens in usage (streamed too) and llama-server's timings.cache_n; cache_salt and
+    cache_prompt=false miss; /reset_prefix_cache empties the cache; /metrics counts tokens."""
+    system = "Once upon a time, there was a little girl named Lily who loved to play. " * 12
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "A story?"}]
+    body = {"messages": messages, "max_tokens": 8, "temperature": 0}
+    first = json.loads(raw(server, "POST", "/v1/chat/completions", body)[1])
+    before = metrics(server)
+    page = server.worker.engine.kv_stats()["page_size"]
+    n = first["usage"]["prompt_tokens"]
+    hit = (n - 1) // page * page
+    assert hit >= page  # the system prompt alone spans more than a page
+    again = json.loads(raw(server, "POST", "/v1/chat/completions", body)[1])
+    assert again["choices"][0]["message"] == first["choices"][0]["message"]
+    assert again["usage"]["prompt_tokens_details"] == {"cached_tokens": hit}
+    assert again["timings"]["cache_n"] == hit and again["timings"]["prompt_n"] == n - hit
+    after = metrics(server)
+    queries = after[("jaxinfer:prefix_cache_queries_total",)]
+    assert queries - before[("jaxinfer:prefix_cache_queries_total",)] == n
+    assert after[("jaxinfer:prefix_cache_hits_total",)] - before[
+        ("jaxinfer:prefix_cache_hits_total",)
+    ] == hit
+    stream = client.chat.completions.create(
+        model="x", messages=messages, max_tokens=8, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    *_, last = list(stream)
+    assert last.usage.prompt_tokens_details.cached_tokens == hit
+    for extra in ({"cache_salt": "another tenant"}, {"cache_prompt": False}):
+        status, text = raw(server, "POST", "/v1/chat/completions", {**body, **extra})
+        assert status == 200 and json.loads(text)["usage"]["prompt_tokens_details"] == {
+            "cached_tokens": 0
+        }, extra
+    assert raw(server, "POST", "/v1/chat/completions", {**body, "cache_salt": 7})[0] == 400
+    assert raw(server, "POST", "/reset_prefix_cache")[0] == 200
+    cold = json.loads(raw(server, "POST", "/v1/chat/completions", body)[1])
+    assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert cold["choices"][0]["message"] == first["choices"][0]["message"]
+
+
 # ---- the command ---------------------------------------------------------------------------
 
 

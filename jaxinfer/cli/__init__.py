@@ -84,6 +84,15 @@ def _common(p: argparse.ArgumentParser) -> None:
         help="KV cache dtype (auto: the compute dtype; float16 halves a float32 model's KV "
         "memory, as llama.cpp's default f16 cache does)",
     )  # fmt: skip
+    p.add_argument(
+        "--no-prefix-cache", action="store_true",
+        help="do not share prompt pages between requests (prefix caching is on by default)",
+    )  # fmt: skip
+    p.add_argument(
+        "--prefix-snapshots", type=int, default=None, metavar="N",
+        help="hybrid and MTP models: state snapshots kept for prefix hits (default: one per "
+        "KV page)",
+    )  # fmt: skip
     p.add_argument("-v", "--verbose", action="store_true", help="debug logs and tracebacks")
     p.add_argument(
         "--compile-cache-dir", default=None,
@@ -185,6 +194,18 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _prefix_row(engine, kv: dict) -> str:
+    if not engine.options.prefix_cache:
+        return "off (--no-prefix-cache)"
+    text = f"on: full pages of {kv['page_size']} tokens shared by content"
+    if kv["snapshots_total"]:
+        text += (
+            f"; {kv['snapshots_total']} state snapshots at page ends "
+            f"({kv['snapshot_bytes'] / 2**20:.2f} MiB)"
+        )
+    return text
+
+
 def _options(args, **overrides) -> EngineOptions:
     """The engine options the flags give (each checked by EngineOptions)."""
     kw = dict(
@@ -192,6 +213,7 @@ def _options(args, **overrides) -> EngineOptions:
         layout=args.layout, devices=args.devices,
         max_seq_len=args.ctx_size, kv_cache_tokens=args.kv_cache_tokens,
         page_size=args.page_size, kv_cache_dtype=args.kv_cache_dtype,
+        prefix_cache=not args.no_prefix_cache, prefix_snapshots=args.prefix_snapshots,
     )  # fmt: skip
     if getattr(args, "ubatch_size", None):
         kw["prefill_buckets"] = args.ubatch_size
@@ -444,6 +466,7 @@ def _info(args) -> None:
             f"state of the linear layers), {kv['state_slots']} slots, "
             f"{kv['state_bytes_allocated'] / 2**20:.2f} MiB allocated",
         ))  # fmt: skip
+    rows.append(("prefix cache", _prefix_row(engine, kv)))
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:>{width}} : {value}")

@@ -113,7 +113,7 @@ class Executor:
         stats = {
             "state_slots": slots - 1 if self.state_slot_bytes else 0,
             "state_bytes_per_slot": self.state_slot_bytes,
-            "state_bytes_allocated": self.state_slot_bytes * kv.state_slots,
+            "state_bytes_allocated": self.state_slot_bytes * slots,  # snapshots apart
         }
         snapshots = self.pages.snapshots
         if snapshots:

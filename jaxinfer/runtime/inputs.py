@@ -27,10 +27,12 @@ class Chunk:
     view: KVView
 
     @staticmethod
-    def abstract(B: int, T: int, NB: int, snapshots: bool = False) -> Chunk:
+    def abstract(B: int, T: int, NB: int, source: bool = False, snaps: bool = False) -> Chunk:
         view = KVView(abstract(B, NB), abstract(B), abstract(B), abstract(B))
-        if snapshots:
-            view = view.replace(source=abstract(B), snaps=abstract(B, NB))
+        if source:
+            view = view.replace(source=abstract(B))
+        if snaps:
+            view = view.replace(snaps=abstract(B, NB))
         return Chunk(abstract(B, T), view)
 
 

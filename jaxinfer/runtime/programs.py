@@ -49,7 +49,7 @@ def programs(
         return (*fixed, abstract(B, NB)) if snaps else fixed
 
     def prefill_inputs(B: int, T: int, NB: int) -> tuple:
-        chunk = Chunk.abstract(B, T, NB, snaps)
+        chunk = Chunk.abstract(B, T, NB, snaps, snaps)
         return chunk, abstract(B, PENALTY_WINDOW), SamplingRows.abstract(B)
 
     return {
@@ -59,7 +59,7 @@ def programs(
         "verify": Program(partial(verify, setup), loop_inputs, ("kv", "rep", "rep", "rep")),
         "score": Program(
             partial(steps.score, setup),
-            lambda B, T, NB: (Chunk.abstract(B, T, NB),),
+            lambda B, T, NB: (Chunk.abstract(B, T, NB, snaps),),
             ("kv", "rep"),
         ),
     }

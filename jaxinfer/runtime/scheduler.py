@@ -143,7 +143,11 @@ class Scheduler:
         while self.queue and len(self.running) < self.shapes.rows:
             state = self.queue[0]
             need = pages.pages_for(state.need)
-            hashes, hits = self._lookup(state)
+            hashes, hits = None, []
+            if state.cache_prompt:
+                hashes, hits = self._lookup(state.prompt, state.cache_salt)
+            if self._filling(state, hashes, len(hits)):
+                return  # a running prompt fills the pages it shares (n choices): hit them
             if not pages.admit(hits, need - len(hits)):
                 return  # it waits for pages; later requests wait behind it
             self.queue.popleft()
@@ -158,23 +162,34 @@ class Scheduler:
                 pages.hits += active.offset
             self.running.append(active)
 
-    def _lookup(self, state: RequestState) -> tuple[list[bytes] | None, list[int]]:
-        """The chain hashes of the prompt's full pages (None: no caching for it) and the
-        pages of its longest cached prefix: one that leaves the prompt's last token to
-        compute and, where the model needs one, ends at a page with a kept snapshot."""
-        if not (self.prefix_cache and state.cache_prompt):
+    def _lookup(self, prompt: list[int], salt: str | None) -> tuple[list[bytes] | None, list[int]]:
+        """The chain hashes of the prompt's full pages (None: no prefix cache) and the pages
+        of its longest cached prefix: one that leaves the prompt's last token to compute
+        and, where the model needs one, ends at a page with a kept snapshot."""
+        if not self.prefix_cache:
             return None, []
         pages, page = self.executor.pages, self.executor.pages.page_size
-        parent = root_hash(self.model_id, state.cache_salt)
+        parent = root_hash(self.model_id, salt)
         hashes = []
-        for j in range(len(state.prompt) // page):
-            parent = chain_hash(parent, state.prompt[j * page : (j + 1) * page])
+        for j in range(len(prompt) // page):
+            parent = chain_hash(parent, prompt[j * page : (j + 1) * page])
             hashes.append(parent)
-        hits = pages.lookup(hashes[: (len(state.prompt) - 1) // page])
+        hits = pages.lookup(hashes[: (len(prompt) - 1) // page])
         snapshots = pages.snapshots
         while snapshots and hits and snapshots.find(hashes[len(hits) - 1]) is None:
             hits.pop()
         return hashes, hits
+
+    def _filling(self, state: RequestState, hashes: list[bytes] | None, hits: int) -> bool:
+        """Whether the page after a prompt's cached prefix, one it could hit, is one a running
+        request is prefilling now (the same prompt's other choices, or another request
+        sharing it)."""
+        if hashes is None or hits >= (len(state.prompt) - 1) // self.executor.pages.page_size:
+            return False
+        return any(
+            a.hashes is not None and not a.decoding and hashes[hits] in a.hashes[a.registered :]
+            for a in self.running
+        )
 
     def _register(self, active: _Active, filled: int) -> None:
         """Name the request's pages wholly below position `filled` (written, prompt or
@@ -306,8 +321,10 @@ class Scheduler:
             generated += len(new)
             active.pos += len(new)
             active.token, active.left = new[-1], active.left - len(new)
-            self._register(active, active.pos)
             out.append((active.state, active.state.accept(new)))
+            # (a stop string may end token_ids before the positions the call wrote)
+            known = len(active.state.prompt) + len(active.state.token_ids)
+            self._register(active, min(active.pos, known))
             if active.state.finish:  # at a stop token, the budget or a stop string
                 self._retire(active)
         self._last = (rows, state, sampling, self._last[3])
@@ -380,15 +397,20 @@ class Scheduler:
 
     # ---- scoring ------------------------------------------------------------------------
 
-    def score(self, ids: list[int]) -> np.ndarray | None:
+    def score(self, ids: list[int], cached: bool = False, salt: str | None = None):
         """Float32 logits [T, V] at every position of `ids`, or None while the pool lacks the
-        pages (the caller steps the running requests until they free some)."""
-        pages = self.executor.pages
+        pages (the caller steps the running requests until they free some). `cached`: start
+        after the longest prefix the cache holds (under `salt`), whose rows are NaN."""
+        pages, kv = self.executor.pages, self.executor.kv_config
+        hashes, hits = self._lookup(ids, salt) if cached else (None, [])
         # The scoring pass has a state slot of its own, past the requests' ones.
-        active = _Active(None, pages.pages_for(len(ids)), self.executor.kv_config.first_snapshot - 1)
-        if not pages.reserve(active.reserved):
+        active = _Active(None, pages.pages_for(len(ids)) - len(hits), kv.first_snapshot - 1)
+        if not pages.admit(hits, active.reserved):
             return None
-        out = []
+        active.pages, active.offset = list(hits), len(hits) * pages.page_size
+        if hits and pages.snapshots:
+            active.source = pages.snapshots.pin(hashes[len(hits) - 1])
+        hit, out = active.offset, []
         try:
             while active.offset < len(ids):
                 T = self.shapes.score_chunk_for(len(ids) - active.offset)
@@ -402,10 +424,18 @@ class Scheduler:
                     np.array([len(seg)], np.int32),
                     np.array([active.slot], np.int32),
                 )
-                chunk = Chunk(tokens, view)
-                (logits,) = self.executor.run("score", chunk)
+                if kv.snapshots:
+                    source = active.slot if active.source < 0 else active.source
+                    view = view.replace(source=np.array([source], np.int32))
+                (logits,) = self.executor.run("score", Chunk(tokens, view))
                 out.append(np.asarray(logits)[0, : len(seg)])
                 active.offset += len(seg)
+                if active.source >= 0:
+                    pages.snapshots.unpin(active.source)
+                    active.source = -1
         finally:
             pages.release(active.pages, active.reserved)
-        return np.concatenate(out, axis=0)
+            if active.source >= 0:
+                pages.snapshots.unpin(active.source)
+        skipped = np.full((hit, out[0].shape[1]), np.nan, np.float32)
+        return np.concatenate([skipped, *out], axis=0)

@@ -29,6 +29,8 @@ def engine_snapshot(engine: Engine, compiles_at_ready: int) -> dict:
         "requests_deferred": now["queued"],
         "kv_pages_used": kv["pages_in_use"],
         "kv_pages_total": kv["pages_total"],
+        "prefix_cache_queries": kv["prefix_queries"],
+        "prefix_cache_hits": kv["prefix_hits"],
         "graphs_reused": stats.graphs_reused,
         "recompiles": {
             "same_shape": stats.recompiles_same,
@@ -122,6 +124,9 @@ class _EngineCollector:
             ("decode_tokens", "decode_tokens", "Tokens produced by decode calls"),
             ("spec_draft_tokens", "spec_draft_tokens", "Speculative draft tokens verified"),
             ("spec_accepted_tokens", "spec_accepted_tokens", "Speculative drafts accepted"),
+            ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the "
+             "prefix cache"),
+            ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache"),
         ):
             yield CounterMetricFamily(f"{P}{name}", doc, value=s[key])
         family = CounterMetricFamily(

@@ -107,7 +107,8 @@ class Job:
                 for i, r in enumerate(results)
             ]
         obj = "chat.completion" if self.chat else "text_completion"
-        return {**self._head(obj), "choices": choices, "usage": usage(self, results)}
+        answer = {**self._head(obj), "choices": choices, "usage": usage(self, results)}
+        return {**answer, "timings": timings(results[0])}
 
     def chunk(self, index: int, text: str | None, finish: str | None = None) -> dict:
         """One streamed chunk of choice `index`: new text, or (text None) its end. A chat
@@ -128,7 +129,8 @@ class Job:
 
     def usage_chunk(self, results: Sequence[Result]) -> dict:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return {**self._head(obj), "choices": [], "usage": usage(self, results)}
+        chunk = {**self._head(obj), "choices": [], "usage": usage(self, results)}
+        return {**chunk, "timings": timings(results[0])}
 
 
 def finish_reason(result: Result) -> str:
@@ -138,8 +140,29 @@ def finish_reason(result: Result) -> str:
 def usage(job: Job, results: Sequence[Result]) -> dict:
     prompt = sum(len(ids) for ids in job.prompts)  # each prompt once, as OpenAI counts
     completion = sum(len(r.token_ids) for r in results)
+    # prompt tokens the prefix cache held: each prompt once (its first choice's)
+    cached = sum(r.cached_tokens for r in results[:: job.n])
     return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}  # fmt: skip
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
+
+
+def timings(result: Result) -> dict:
+    """llama-server's timings of one choice: prompt tokens found in the cache (cache_n) and
+    computed (prompt_n), tokens generated (predicted_n), and the times they took."""
+    prompt_n = len(result.prompt_ids) - result.cached_tokens
+    predicted_n = len(result.token_ids)
+    return {
+        "cache_n": result.cached_tokens,
+        "prompt_n": prompt_n,
+        "prompt_ms": result.prompt_ms,
+        "prompt_per_second": prompt_n / result.prompt_ms * 1e3 if result.prompt_ms else 0.0,
+        "predicted_n": predicted_n,
+        "predicted_ms": result.decode_ms,
+        "predicted_per_second": (
+            (predicted_n - 1) / result.decode_ms * 1e3 if result.decode_ms else 0.0
+        ),
+    }
 
 
 def error_body(message: str, code: int, kind: str = "invalid_request_error", **extra) -> dict:
@@ -208,6 +231,8 @@ def _job(body: dict, prompts, n_ctx: int, model: str, *, chat: bool, default_max
         max_new_tokens=max_tokens,
         stop=stop or (),
         ignore_eos=_get(body, "ignore_eos", bool, False),
+        cache_salt=_get(body, "cache_salt", str, None),
+        cache_prompt=_get(body, "cache_prompt", bool, True),
         **{kw: body[key] for key, kw in SAMPLING.items() if body.get(key) is not None},
     )
     stream = _get(body, "stream", bool, False)

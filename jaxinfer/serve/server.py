@@ -126,6 +126,7 @@ class _App:
             Route("/chat/completions", self.guard(self.chat), methods=["POST"]),
             Route("/tokenize", self.guard(self.tokenize), methods=["POST"]),
             Route("/detokenize", self.guard(self.detokenize), methods=["POST"]),
+            Route("/reset_prefix_cache", self.guard(self.reset_prefix_cache), methods=["POST"]),
         ]
         handlers = {HTTPException: self.http_error, Exception: self.internal_error}
         return Starlette(routes=routes, exception_handlers=handlers)
@@ -239,6 +240,11 @@ class _App:
         tokens = body.get("tokens") if isinstance(body, dict) else None
         ids = token_ids(tokens, self.engine.cfg.vocab_size, "tokens")
         return JSONResponse({"content": self.engine.tokenizer.decode(ids)})
+
+    async def reset_prefix_cache(self, request: HTTPRequest):
+        """Empty the prefix cache (vLLM's endpoint); running requests keep their pages."""
+        await asyncio.wrap_future(self.worker.call(lambda engine: engine.reset_prefix_cache()))
+        return JSONResponse({"status": "ok"})
 
     async def completions(self, request: HTTPRequest):
         e = self.engine

@@ -1,0 +1,224 @@
+"""Prefix caching: the same greedy tokens and logits with the cache on and off (dense, MoE and
+the three hybrid fixtures, whose hits start from state snapshots), hits through generated
+text, 4 slots with a cancel and forced eviction, tenants kept apart by cache_salt, the page
+pool's eviction order, and a 200-request soak that compiles nothing and gives every page and
+snapshot back.
+
+The reference for every cached run is the same engine's model with the cache off: the cache
+must change which tokens are computed, never what comes out."""
+
+import json
+
+import numpy as np
+import pytest
+from support.compiles import CompileCounter
+from support.models import model_path
+
+import jaxinfer
+from jaxinfer.model.kvcache import KVConfig
+from jaxinfer.runtime.pages import PagePool, Snapshots, chain_hash, root_hash
+
+PAGE = 16
+OPTS = dict(
+    page_size=PAGE, max_seq_len=512, prefill_buckets=(32, 128), batch_buckets=(1, 4),
+    kv_cache_tokens=2048,
+)  # fmt: skip
+FIXTURES = {
+    "dense": "stories260K-gguf/stories260K.gguf",
+    "moe": "tiny-random/qwen3_moe_e8k2_bpe",
+    "qwen3_next": "tiny-random/qwen3_next_l3f1_e8k2_mtp",
+    "qwen3_5": "tiny-random/qwen3_5_l3f1_dense_mtp",
+    "qwen3_5_moe": "tiny-random/qwen3_5_moe_l3f1_e8k2_mtp",
+}
+# Logits of a hit against a cold forward: measured up to 3.4e-5 (qwen3_next, logits up to 7;
+# the prompt computed in other chunks and the state restored from its snapshot); 6x margin.
+LOGITS_ATOL = 2e-4
+
+
+def _base(kind: str) -> list[int]:
+    """300 token ids the model knows: a fixture's longest prompt, or stories' text."""
+    if kind == "dense":
+        engine_text = "Once upon a time, there was a little girl who loved to play. " * 30
+        return jaxinfer.load(model_path(FIXTURES[kind]), max_seq_len=16).tokenize(engine_text)
+    root = model_path(FIXTURES[kind])
+    ids = json.loads((root / "reference.json").read_text())["prompts"][3]["ids"]
+    return (ids * 2)[:300]
+
+
+def _greedy(engine, ids, n=12, **kw):
+    return engine.generate(ids, max_new_tokens=n, temperature=0, ignore_eos=True, **kw)
+
+
+def _cases(base: list[int], answer: list[int]) -> dict[str, tuple[list[int], int]]:
+    """Prompts after base[:200] + its answer was served -> (prompt, tokens it must hit)."""
+    turn = base[:200] + answer  # the first request and what it generated (40 tokens)
+    return {
+        "one page": (base[:20] + base[250:260], 16),
+        "two pages, then mid-page": (base[:40] + base[210:230], 32),
+        "many pages": (base[:130] + base[260:263], 128),
+        "repeated exactly": (base[:150], 144),
+        "repeated, page-aligned": (base[:144], 128),  # its last token is computed again
+        "through the answer": (turn + base[100:110], 224),  # pages filled while decoding
+    }
+
+
+@pytest.mark.parametrize("kind", list(FIXTURES))
+def test_hits_give_the_tokens_and_logits_of_a_cold_run(kind, engines):
+    root = model_path(FIXTURES[kind])
+    on = jaxinfer.load(root, **OPTS)  # its own: the cache's contents are part of the test
+    off = engines(root, prefix_cache=False, **OPTS)
+    base = _base(kind)
+    first = _greedy(on, base[:200], 40)
+    assert first.cached_tokens == 0 and first.token_ids == _greedy(off, base[:200], 40).token_ids
+    for name, (prompt, hit) in _cases(base, first.token_ids).items():
+        got = _greedy(on, prompt)
+        assert got.cached_tokens == hit, name
+        assert got.token_ids == _greedy(off, prompt).token_ids, name
+        cached = on.logits(prompt, prefix_cache=True)  # starts after the cached prefix too
+        cold = off.logits(prompt)
+        skipped = int(np.isnan(cached[:, 0]).sum())
+        assert skipped >= hit and np.isnan(cached[:skipped]).all(), name
+        np.testing.assert_allclose(cached[skipped:], cold[skipped:], atol=LOGITS_ATOL, err_msg=name)
+    stats = on.kv_stats()
+    assert stats["prefix_hits"] > 0 and stats["prefix_queries"] > stats["prefix_hits"]
+    assert stats["pages_in_use"] == 0 and stats["cached_pages"] > 0
+    hybrid = kind.startswith("qwen3_")
+    assert (stats["snapshots_total"] > 0) == hybrid
+    assert stats["snapshots_in_use"] == 0
+
+
+@pytest.fixture(scope="module")
+def hybrid():
+    root = model_path(FIXTURES["qwen3_5"])
+    return root, _base("qwen3_5")
+
+
+def _mixed(base: list[int]) -> list[tuple[list[int], int]]:
+    """Requests that share a prefix and diverge, repeat, and share nothing."""
+    a = base[:90] + base[200:210]
+    b = base[:90] + base[220:245]
+    c = base[150:200]
+    return [(a, 10), (b, 14), (c, 6), (a, 10), (b[:60], 8), (base[:33], 12), (a, 10)]
+
+
+def test_hits_in_four_slots_with_a_cancel_and_eviction(hybrid, engines):
+    """Two requests share a prefix then diverge, a third repeats the first, one is
+    cancelled, and a pool of 24 pages with 6 snapshots forces evictions: every request's
+    tokens equal its run alone on an engine without the cache."""
+    root, base = hybrid
+    small = dict(OPTS, slots=4, kv_cache_tokens=24 * PAGE, prefix_snapshots=6)
+    engine = jaxinfer.load(root, **small)
+    alone = engines(root, prefix_cache=False, **OPTS)
+    requests = _mixed(base)
+    want = [_greedy(alone, p, n).token_ids for p, n in requests]
+    for round_ in range(3):  # the later rounds hit what the earlier ones left, or evicted
+        handles = [
+            engine.submit(p, max_new_tokens=n, temperature=0, ignore_eos=True)
+            for p, n in requests
+        ]
+        doomed = engine.submit(base[:100], max_new_tokens=30, temperature=0)
+        engine.step()
+        doomed.cancel()
+        got = [h.result().token_ids for h in handles]
+        assert got == want, round_
+    stats = engine.kv_stats()
+    assert stats["prefix_hits"] > 0 and stats["cached_pages"] <= stats["pages_total"]
+    assert (stats["pages_in_use"], stats["pages_reserved"], stats["snapshots_in_use"]) == (0, 0, 0)
+
+
+def test_cache_salt_keeps_tenants_apart(hybrid):
+    root, base = hybrid
+    engine = jaxinfer.load(root, **OPTS)
+    prompt = base[:100]
+    assert _greedy(engine, prompt, 2, cache_salt="tenant-a").cached_tokens == 0
+    assert _greedy(engine, prompt, 2, cache_salt="tenant-b").cached_tokens == 0
+    assert _greedy(engine, prompt, 2).cached_tokens == 0  # no salt is a tenant of its own
+    assert _greedy(engine, prompt, 2, cache_salt="tenant-a").cached_tokens == 96
+    assert _greedy(engine, prompt, 2, cache_prompt=False).cached_tokens == 0
+    engine.reset_prefix_cache()
+    assert engine.kv_stats()["cached_pages"] == 0
+    assert _greedy(engine, prompt, 2, cache_salt="tenant-a").cached_tokens == 0
+
+
+def _filled(pool: PagePool, hashes: list[bytes]) -> list[int]:
+    """A request that fills and names len(hashes) pages, then ends: its pages."""
+    assert pool.admit([], len(hashes))
+    held: list[int] = []
+    pool.grow(held, len(hashes) * PAGE, len(hashes))
+    for page, h in zip(held, hashes, strict=True):
+        assert pool.register(page, h)
+    pages = list(held)
+    pool.release(held, 0)
+    return pages
+
+
+def test_page_pool_evicts_the_oldest_chain_last_page_first():
+    pool = PagePool(KVConfig.plan(6 * PAGE, 64, PAGE), page_bytes=1)
+    old = [chain_hash(root_hash("m", None), range(PAGE))]
+    old.append(chain_hash(old[0], range(PAGE, 2 * PAGE)))
+    new = [chain_hash(root_hash("m", "salt"), range(PAGE))]
+    old_pages, new_pages = _filled(pool, old), _filled(pool, new)
+    stats = pool.stats()
+    assert (stats["cached_pages"], stats["pages_free"], stats["pages_in_use"]) == (3, 6, 0)
+    # A request needing every page is admitted: cached pages never hold one back. It takes
+    # the 3 empty pages, then the oldest chain's last page, then its first, then the newer.
+    assert pool.admit([], 6)
+    held: list[int] = []
+    pool.grow(held, 4 * PAGE, 6)
+    assert pool.lookup(old) == old_pages[:1] and pool.lookup(new) == new_pages
+    pool.grow(held, 5 * PAGE, 2)
+    assert pool.lookup(old) == [] and pool.lookup(new) == new_pages
+    pool.release(held, 1)
+    # a hit holds its pages: they leave the free count until released
+    hit = pool.lookup(new)
+    assert pool.admit(hit, 0) and pool.stats()["pages_in_use"] == 1
+    assert pool.stats()["pages_free"] == 5
+    pool.release(hit, 0)
+    assert pool.stats()["pages_free"] == 6 and pool.stats()["cached_pages"] == 1
+
+
+def test_snapshots_are_pinned_while_read_and_evicted_least_recent_first():
+    snaps = Snapshots(first=10, count=2)
+    a, b = snaps.take(), snaps.take()
+    snaps.keep(b"A", a)
+    snaps.keep(b"B", b)
+    assert snaps.take() is not None  # evicts A, the older
+    assert snaps.find(b"A") is None and snaps.find(b"B") == b
+    snaps.pin(b"B")
+    assert snaps.take() is None  # B is pinned, the other slot is being written
+    snaps.unpin(b)
+    assert snaps.stats()["snapshots_in_use"] == 1
+
+
+def _soak(engine, base, rng, n: int):
+    kw = dict(temperature=0, ignore_eos=True)
+    handles = []
+    for i in range(n):
+        cut = int(rng.integers(8, 120))
+        prompt = base[:cut] if i % 3 else base[int(rng.integers(0, 150)) :][:cut]
+        handles.append(engine.submit(prompt, max_new_tokens=int(rng.integers(1, 10)), **kw))
+        if i % 7 == 3:
+            handles[-1].cancel()
+        if i % 5 == 4:
+            engine.step()
+    for h in handles:
+        h.result()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout, devices", [("single", 1), ("layer", 2)])
+def test_a_200_request_soak_compiles_nothing_and_gives_everything_back(hybrid, layout, devices):
+    root, base = hybrid
+    opts = dict(OPTS, slots=4, kv_cache_tokens=20 * PAGE, prefix_snapshots=8)
+    engine = jaxinfer.load(root, layout=layout, devices=devices, strict=True, **opts)
+    engine.warmup(progress=False)
+    rng = np.random.default_rng(0)
+    with CompileCounter() as seen:
+        _soak(engine, base, rng, 200)
+    assert seen.n == 0
+    stats = engine.kv_stats()
+    assert stats["prefix_hits"] > 0
+    assert (stats["pages_in_use"], stats["pages_reserved"], stats["snapshots_in_use"]) == (0, 0, 0)
+    assert stats["pages_free"] == stats["pages_total"]
+    perf = engine.perf_stats()
+    assert (perf.recompiles_same, perf.recompiles_diff) == (0, 0)
