@@ -343,13 +343,14 @@ def llama_bench_rounds(exe: str | None, threads: int, runs: dict, tests):
 def write_random_gguf(
     path: Path, d_model, n_layers, n_heads, n_kv_heads, d_ff, vocab, arch="llama",
     n_experts=0, n_experts_used=0, d_ff_expert=0, name="llama-86M (random)", vocab_from=None,
-    attention_every=4, linear_heads=(4, 8), linear_dim=64, conv_kernel=4,
+    attention_every=4, linear_heads=(4, 8), linear_dim=64, conv_kernel=4, chat_template=None,
 ) -> Path:  # fmt: skip
     """A float32 GGUF with random weights and a SentencePiece-style vocabulary (or the one of
     the GGUF `vocab_from`, e.g. stories260K's, so that it can draft): `llama`, `qwen3` /
     `qwen3moe` (q/k norms; with `n_experts`, stacked experts and a router), or `qwen35` (every
     `attention_every`-th layer gated attention, the others Gated DeltaNet with `linear_heads`
-    (key, value) heads of `linear_dim`; the keys and tensors llama.cpp's converter writes)."""
+    (key, value) heads of `linear_dim`; the keys and tensors llama.cpp's converter writes);
+    with `chat_template`, that jinja template in its metadata."""
     import gguf
 
     w = gguf.GGUFWriter(str(path), arch)
@@ -403,6 +404,8 @@ def write_random_gguf(
     w.add_token_types(types)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
+    if chat_template:
+        w.add_chat_template(chat_template)
     rng = np.random.default_rng(0)
 
     def rand(*shape, std=0.02):

@@ -113,8 +113,7 @@ def test_hits_in_four_slots_with_a_cancel_and_eviction(hybrid, engines):
     want = [_greedy(alone, p, n).token_ids for p, n in requests]
     for round_ in range(3):  # the later rounds hit what the earlier ones left, or evicted
         handles = [
-            engine.submit(p, max_new_tokens=n, temperature=0, ignore_eos=True)
-            for p, n in requests
+            engine.submit(p, max_new_tokens=n, temperature=0, ignore_eos=True) for p, n in requests
         ]
         doomed = engine.submit(base[:100], max_new_tokens=30, temperature=0)
         engine.step()

@@ -390,9 +390,10 @@ def test_chat_turns_hit_the_prefix_cache(server, client):
     after = metrics(server)
     queries = after[("jaxinfer:prefix_cache_queries_total",)]
     assert queries - before[("jaxinfer:prefix_cache_queries_total",)] == n
-    assert after[("jaxinfer:prefix_cache_hits_total",)] - before[
-        ("jaxinfer:prefix_cache_hits_total",)
-    ] == hit
+    assert (
+        after[("jaxinfer:prefix_cache_hits_total",)] - before[("jaxinfer:prefix_cache_hits_total",)]
+        == hit
+    )
     stream = client.chat.completions.create(
         model="x", messages=messages, max_tokens=8, temperature=0, stream=True,
         stream_options={"include_usage": True},

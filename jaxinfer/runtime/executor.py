@@ -119,7 +119,9 @@ class Executor:
         if snapshots:
             stats.update(snapshots.stats(), snapshot_bytes=self.state_slot_bytes * kv.snapshots)
         else:
-            stats.update(snapshots_total=0, snapshots_in_use=0, snapshots_cached=0, snapshot_bytes=0)
+            stats.update(
+                snapshots_total=0, snapshots_in_use=0, snapshots_cached=0, snapshot_bytes=0
+            )
         return stats
 
     def _check_memory(self, pool_bytes: int) -> None:

@@ -203,7 +203,9 @@ class Scheduler:
             if j == len(active.hashes):  # a page of generated tokens: hashed once filled
                 if tokens is None:
                     tokens = active.state.prompt + active.state.token_ids
-                parent = active.hashes[-1] if j else root_hash(self.model_id, active.state.cache_salt)
+                parent = (
+                    active.hashes[-1] if j else root_hash(self.model_id, active.state.cache_salt)
+                )
                 active.hashes.append(chain_hash(parent, tokens[j * page : (j + 1) * page]))
             pages.register(active.pages[j], active.hashes[j])
             slot = active.pending.pop(j, None)
@@ -240,12 +242,20 @@ class Scheduler:
         active.reserved = self.executor.pages.grow(active.pages, tokens, active.reserved)
 
     def _prefill(self, out: list[Delivery]) -> None:
-        """One chunk for the oldest waiting prompt, sized to what it has left, with as many
-        other waiting prompts beside it as the prompt token budget allows."""
+        """One chunk for the waiting prompts, oldest first: the chunk length that takes the
+        most prompt tokens in one call (rows x tokens within the prompt token budget), the
+        longest among equals. Several short prompts (prefix hits leave short suffixes) go
+        in one call of shorter chunks rather than one call each."""
         rows = [a for a in self.running if not a.decoding]
         if not rows:
             return
-        T = self.shapes.chunk_for(len(rows[0].state.prompt) - rows[0].offset)
+        left = [len(a.state.prompt) - a.offset for a in rows]
+
+        def taken(T: int) -> tuple[int, int]:
+            return sum(min(n, T) for n in left[: self.shapes.rows_for(T)]), T
+
+        T = self.shapes.chunk_for(left[0])
+        T = max((c for c in self.shapes.chunks if c <= T), key=taken)
         rows = rows[: self.shapes.rows_for(T)]
         B = self.shapes.batch_for(len(rows))
         tokens = np.zeros((B, T), np.int32)

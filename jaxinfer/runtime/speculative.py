@@ -362,9 +362,7 @@ def verify(
     drafts, count, draft_kv = next_drafts(loop, state, pick, draft_kv, catch)
     init = (jnp.zeros((B,), I32), kv, draft_kv, carried, state, out, pick,
             jnp.zeros((3,), I32), drafts, count)  # fmt: skip
-    _, kv, draft_kv, carried, state, out, pick, counts, *_ = jax.lax.while_loop(
-        more, phases, init
-    )
+    _, kv, draft_kv, carried, state, out, pick, counts, *_ = jax.lax.while_loop(more, phases, init)
     if snaps is not None:
         pools, draft_pools = carried
     kv = put_states(setup, pools, kv, state.slot, pick)

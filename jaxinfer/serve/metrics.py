@@ -124,8 +124,11 @@ class _EngineCollector:
             ("decode_tokens", "decode_tokens", "Tokens produced by decode calls"),
             ("spec_draft_tokens", "spec_draft_tokens", "Speculative draft tokens verified"),
             ("spec_accepted_tokens", "spec_accepted_tokens", "Speculative drafts accepted"),
-            ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the "
-             "prefix cache"),
+            (
+                "prefix_cache_queries",
+                "prefix_cache_queries",
+                "Prompt tokens looked up in the prefix cache",
+            ),
             ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache"),
         ):
             yield CounterMetricFamily(f"{P}{name}", doc, value=s[key])

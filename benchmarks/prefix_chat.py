@@ -1,0 +1,250 @@
+"""Prefix caching on a multi-turn chat, through the servers: `jaxinfer serve` with the prefix
+cache on and off (`--no-prefix-cache`), and llama-cpp-python's server with its prompt cache on.
+
+The load: 4 clients, 6 turns each, every conversation opening with the same 1,000-token system
+prompt; each turn adds a 10-word user message, asks for 48 greedy tokens (ignore_eos) and sends
+the answer back as the assistant's message in the next turn, within a 2,048-token context.
+The chat template is the benchmark's own (CHATML below), written into each model's GGUF so
+both servers apply the same one. Time to first token per request (send to the first streamed
+text) and aggregate tokens/s (all generated tokens / wall time of the load).
+
+A second load shares nothing (each of 24 requests a fresh 600-token prompt, 48 tokens, 4
+clients): what the cache costs when it never hits.
+
+Models: the random 86M Llama (harness.LLAMA_86M) and a random qwen35 hybrid of the hybrid
+benchmark's shape (hybrid.SHAPE), float32 GGUFs. The servers stay up; the cells take turns
+round after round after a warm-up load each; medians over the rounds.
+
+The peer: llama-cpp-python's server (`python -m llama_cpp.server`, its own benchmark-free
+setup), `--n_threads 2 --n_threads_batch 2 --n_ctx 2048 --cache True` (its RAM prompt cache)
+`--interrupt_requests False`. It serves one request at a time: that is how it is built. Pass
+`--peer-python` for an interpreter that has it (pip install ".[llamacpp]").
+
+Usage: python benchmarks/prefix_chat.py [-r 3] [--peer-python PATH] [--turns 6]
+Writes benchmarks/results/prefix_chat.md.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import harness
+import numpy as np
+from hybrid import SHAPE as HYBRID
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CLIENTS, TURNS, NEW = 4, 6, 48
+SYSTEM_WORDS, USER_WORDS, FRESH_WORDS = 1000, 10, 600
+
+
+def vocabulary_words() -> list[str]:
+    """The whole words of stories260K's vocabulary (each one token), which both models use."""
+    import gguf
+
+    field = gguf.GGUFReader(str(harness.STORIES)).fields["tokenizer.ggml.tokens"]
+    pieces = [bytes(field.parts[i]).decode() for i in field.data]
+    return [p[1:] for p in pieces if p.startswith("\u2581") and p[1:].isalpha()]
+
+
+def words(rng, n: int, vocab: list[str]) -> str:
+    """n random words, about one token each."""
+    return " ".join(vocab[i] for i in rng.integers(0, len(vocab), n))
+
+
+def chat(port: int, messages: list[dict]) -> tuple[float, str, int]:
+    """(TTFT, answer text, tokens) of one streamed greedy chat completion."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=900)
+    body = {"model": "m", "messages": messages, "max_tokens": NEW, "temperature": 0,
+            "repeat_penalty": 1.0, "ignore_eos": True, "stream": True}  # fmt: skip
+    start = time.perf_counter()
+    conn.request("POST", "/v1/chat/completions", json.dumps(body),
+                 {"Content-Type": "application/json"})  # fmt: skip
+    response = conn.getresponse()
+    assert response.status == 200, response.read()[:300]
+    first, text, pieces = None, [], 0
+    for line in response:
+        line = line.strip()
+        if line == b"data: [DONE]":
+            break
+        if not line.startswith(b"data: "):
+            continue
+        delta = json.loads(line[6:])["choices"]
+        content = delta[0]["delta"].get("content") if delta else None
+        if content:
+            first = first or time.perf_counter()
+            text.append(content)
+            pieces += 1
+    conn.close()
+    return (first or time.perf_counter()) - start, "".join(text), NEW
+
+
+def conversation_load(port: int, system: str, users: list[list[str]]):
+    """The chat load -> (turn-1 TTFTs, turn-2+ TTFTs, aggregate tokens/s)."""
+    first, later, tokens = [], [], [0]
+    lock = threading.Lock()
+
+    def client(k: int):
+        messages = [{"role": "system", "content": system}]
+        for turn in range(TURNS):
+            messages.append({"role": "user", "content": users[k][turn]})
+            ttft, answer, n = chat(port, messages)
+            messages.append({"role": "assistant", "content": answer})
+            with lock:
+                (first if turn == 0 else later).append(ttft)
+                tokens[0] += n
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(CLIENTS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return first, later, tokens[0] / (time.perf_counter() - t0)
+
+
+def fresh_load(port: int, prompts: list[str]) -> float:
+    """Requests that share nothing, 4 at a time -> aggregate tokens/s."""
+    queue = list(prompts)
+    lock = threading.Lock()
+
+    def client():
+        while True:
+            with lock:
+                if not queue:
+                    return
+                prompt = queue.pop()
+            chat(port, [{"role": "user", "content": prompt}])
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client) for _ in range(CLIENTS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return len(prompts) * NEW / (time.perf_counter() - t0)
+
+
+def main():
+    ap = harness.parser(__doc__, 3)
+    ap.add_argument("--peer-python", default=sys.executable)
+    ap.add_argument("--models", default="llama-86M,qwen35", help="which of the two to run")
+    args = ap.parse_args()
+    # Both with stories260K's 512-token vocabulary (the 86M's own size), so that chat text
+    # tokenizes to about a token a word; the hybrid otherwise of the hybrid benchmark's shape.
+    shapes = {"llama-86M": dict(harness.LLAMA_86M), "qwen35": dict(
+        HYBRID, vocab=512, arch="qwen35", name="bench-qwen35 (random)")}  # fmt: skip
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    lines = [
+        "# Prefix caching on a multi-turn chat, through the servers",
+        "",
+        f"`python benchmarks/prefix_chat.py -r {args.rounds}` on {harness.cpu()}, "
+        f"{time.strftime('%Y-%m-%d')}. {CLIENTS} clients x {TURNS} turns, a {SYSTEM_WORDS}-token "
+        f"shared system prompt, {USER_WORDS}-word user turns, {NEW} greedy tokens per turn "
+        "(ignore_eos), streamed; the answers go back as assistant messages. No-sharing load: "
+        f"{CLIENTS * TURNS} fresh {FRESH_WORDS}-token prompts, {NEW} tokens, {CLIENTS} at a "
+        f"time. Medians of {args.rounds} interleaved rounds after a warm-up load per server.",
+        "jaxinfer: `serve -np 4 -c 2048` (prefix cache on, the default; off: "
+        "`--no-prefix-cache`). Peer: llama-cpp-python's server, `--n_threads 2 "
+        "--n_threads_batch 2 --n_ctx 2048 --cache True --interrupt_requests False`: it serves "
+        "one request at a time (that is how it is built), keeping prompts in its RAM cache.",
+        "",
+    ]
+    for name in args.models.split(","):
+        shape = shapes[name]
+        with tempfile.TemporaryDirectory() as tmp:
+            path = harness.write_random_gguf(Path(tmp) / f"{name}.gguf", **shape,
+                                             vocab_from=harness.STORIES,
+                                             chat_template=CHATML)  # fmt: skip
+            lines += run_model(name, path, vocabulary_words(), args, env)
+    text = "\n".join(lines)
+    print(text)
+    harness.write_result("prefix_chat", text, args.out)
+
+
+def run_model(name: str, path: Path, vocab: list[str], args, env) -> list[str]:
+    rng = np.random.default_rng(0)
+    system = words(rng, SYSTEM_WORDS, vocab)
+    users = [[words(rng, USER_WORDS, vocab) for _ in range(TURNS)] for _ in range(CLIENTS)]
+    fresh = [words(rng, FRESH_WORDS, vocab) for _ in range(CLIENTS * TURNS)]
+    jax_cmd = [sys.executable, "-m", "jaxinfer.cli", "serve", "-m", str(path), "-np", "4",
+               "-c", "2048"]  # fmt: skip
+    servers = {
+        "cache on": (8441, "/health", jax_cmd + ["--port", "8441"]),
+        "cache off": (8442, "/health", jax_cmd + ["--port", "8442", "--no-prefix-cache"]),
+        "llama-cpp-python": (8443, "/v1/models", [
+            args.peer_python, "-m", "llama_cpp.server", "--model", str(path), "--port", "8443",
+            "--n_threads", "2", "--n_threads_batch", "2", "--n_ctx", "2048", "--cache", "True",
+            "--interrupt_requests", "False", "--verbose", "False"]),
+    }  # fmt: skip
+    cells: dict = {(s, m): [] for s in servers for m in ("ttft1", "ttft2", "chat", "fresh")}
+    procs = {}
+    try:
+        for server, (port, probe, cmd) in servers.items():
+            procs[server] = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL,
+                                             stderr=subprocess.DEVNULL)  # fmt: skip
+            harness.wait_up(port, probe, procs[server], timeout=900)
+        names = list(servers)
+        for server in names:  # first touches: pools, caches, the peer's buffers
+            fresh_load(servers[server][0], [f"warm-up {p}" for p in fresh[:CLIENTS]])
+        for round_ in range(1, args.rounds + 1):
+            order = names[round_ % 3 :] + names[: round_ % 3]  # each leads in turn
+            for server in order:
+                port = servers[server][0]
+                salt = f"round {round_}"  # a fresh conversation set per round: no stale hits
+                sys_prompt = f"{salt}. {system}"
+                first, later, agg = conversation_load(port, sys_prompt, users)
+                fresh_tps = fresh_load(port, [f"{salt} {p}" for p in fresh])
+                print(f"{name} round {round_} {server:18s}: turn 1 TTFT p50 "
+                      f"{statistics.median(first):.3f} s, turns 2+ p50 "
+                      f"{statistics.median(later):.3f} s, chat {agg:.1f} t/s, no sharing "
+                      f"{fresh_tps:.1f} t/s", flush=True)  # fmt: skip
+                cells[(server, "ttft1")].append(statistics.median(first))
+                cells[(server, "ttft2")].append(statistics.median(later))
+                cells[(server, "chat")].append(agg)
+                cells[(server, "fresh")].append(fresh_tps)
+    finally:
+        for proc in procs.values():
+            proc.terminate()
+            proc.wait(30)
+    med = {k: statistics.median(v) for k, v in cells.items()}
+    rows = [
+        f"## {name}",
+        "",
+        "| server | turn 1 TTFT p50 s | turns 2-6 TTFT p50 s | chat tokens/s "
+        "| no-sharing tokens/s |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for server in servers:
+        rows.append(
+            f"| {server} | {med[(server, 'ttft1')]:.3f} | {med[(server, 'ttft2')]:.3f} | "
+            f"{med[(server, 'chat')]:.1f} | {med[(server, 'fresh')]:.1f} |"
+        )
+    on, off, peer = "cache on", "cache off", "llama-cpp-python"
+    rows += [
+        "",
+        f"- Turns 2-6 TTFT p50, cache off / on: "
+        f"{med[(off, 'ttft2')] / med[(on, 'ttft2')]:.2f}x faster with the cache.",
+        "- No-sharing throughput, cache on / off: "
+        f"{med[(on, 'fresh')] / med[(off, 'fresh')]:.3f}x.",
+        f"- Against llama-cpp-python (one request at a time): turns 2-6 TTFT p50 "
+        f"{med[(peer, 'ttft2')] / med[(on, 'ttft2')]:.2f}x lower, chat tokens/s "
+        f"{med[(on, 'chat')] / med[(peer, 'chat')]:.2f}x.",
+        "",
+    ]
+    return rows
+
+
+if __name__ == "__main__":
+    main()
