@@ -23,7 +23,7 @@ from .config import ModelConfig
 from .errors import JaxinferError, RecompileError, RequestError
 from .formats.tokenizer import Tokenizer
 from .model.gdn import RecurrentState
-from .model.kvcache import HiddenState, KVConfig
+from .model.kvcache import KVConfig
 from .ops.sampling import SamplingRows
 from .options import EngineOptions, SamplingParams
 from .parallel.placement import Placement
@@ -92,7 +92,7 @@ class Engine:
         # A smaller pool is allowed: requests that could never fit are refused at submit.
         tokens = o.kv_cache_tokens or self.max_seq_len * max(o.slots or 1, 1)
         pool = KVConfig.plan(tokens, self.max_seq_len, o.page_size, self.shapes.rows)
-        snapshots = 0  # prefix hits on hybrid and MTP models start from a state snapshot
+        snapshots = 0  # prefix hits on hybrid models start from a state snapshot
         if o.prefix_cache and carries_state(placement, draft):
             snapshots = pool.usable_pages if o.prefix_snapshots is None else o.prefix_snapshots
         self.kv_config = KVConfig.plan(
@@ -361,7 +361,7 @@ class Engine:
         state_bytes_allocated.
         The prefix cache: cached_pages (pages no request holds, kept findable; they count in
         pages_free), prefix_queries and prefix_hits (prompt tokens looked up, and found), and
-        for hybrid and MTP models the state snapshots at page ends: snapshots_total,
+        for hybrid models the linear layers' state snapshots at page ends: snapshots_total,
         snapshots_in_use (being written, or read by a request about to start from one),
         snapshots_cached and snapshot_bytes."""
         stats = {"dtype": self.executor.kv_dtype, **self.executor.pages.stats()}
@@ -460,11 +460,10 @@ class Engine:
 
 
 def carries_state(placement: Placement, draft: Placement | None) -> bool:
-    """Whether a prefix leaves a state besides its KV pages: linear layers (the model's or
-    the draft's) or an MTP head's waiting hidden state."""
+    """Whether a prefix leaves a state besides its KV pages: linear layers' (the model's or
+    the draft's)."""
     runners = [placement.runner] + ([draft.runner] if draft else [])
-    caches = [c for r in runners for c in (*r.caches, *r.mtp_caches)]
-    return any(isinstance(c, RecurrentState | HiddenState) for c in caches)
+    return any(isinstance(c, RecurrentState) for r in runners for c in r.caches)
 
 
 def device_bytes(tree) -> int:

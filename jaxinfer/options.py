@@ -166,7 +166,7 @@ class EngineOptions:
     kv_cache_dtype: str = "auto"  # "auto" (the compute dtype) or one of DTYPES
     # prefix caching: full pages shared between requests by content (chain hashes)
     prefix_cache: bool = True
-    # hybrid and MTP models: snapshots of the state at page ends, kept for prefix hits
+    # hybrid models: snapshots of the linear layers' state at page ends, for prefix hits
     # (None: one per page of the pool)
     prefix_snapshots: int | None = None
     # compiles

@@ -62,7 +62,11 @@ def _cases(base: list[int], answer: list[int]) -> dict[str, tuple[list[int], int
     }
 
 
-@pytest.mark.parametrize("kind", list(FIXTURES))
+@pytest.mark.parametrize(
+    "kind",
+    [k if k in ("dense", "qwen3_5") else pytest.param(k, marks=pytest.mark.slow)
+     for k in FIXTURES],
+)  # fmt: skip
 def test_hits_give_the_tokens_and_logits_of_a_cold_run(kind, engines):
     root = model_path(FIXTURES[kind])
     on = jaxinfer.load(root, **OPTS)  # its own: the cache's contents are part of the test
@@ -101,6 +105,7 @@ def _mixed(base: list[int]) -> list[tuple[list[int], int]]:
     return [(a, 10), (b, 14), (c, 6), (a, 10), (b[:60], 8), (base[:33], 12), (a, 10)]
 
 
+@pytest.mark.slow  # the soak's single-device run (default tier) covers slots, cancels, evictions
 def test_hits_in_four_slots_with_a_cancel_and_eviction(hybrid, engines):
     """Two requests share a prefix then diverge, a third repeats the first, one is
     cancelled, and a pool of 24 pages with 6 snapshots forces evictions: every request's
@@ -204,9 +209,17 @@ def _soak(engine, base, rng, n: int):
         h.result()
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("layout, devices", [("single", 1), ("layer", 2)])
-def test_a_200_request_soak_compiles_nothing_and_gives_everything_back(hybrid, layout, devices):
+@pytest.mark.parametrize(
+    "layout, devices",
+    [("single", 1), pytest.param("layer", 2, marks=pytest.mark.slow),
+     pytest.param("tensor", 2, marks=pytest.mark.slow)],
+)  # fmt: skip
+def test_a_200_request_soak_compiles_nothing_and_gives_everything_back(
+    hybrid, engines, layout, devices
+):
+    """Hits, misses, cancels and evictions (20 pages, 8 snapshots) in 4 slots: no compile
+    after warmup, every page and snapshot back when idle, and afterwards prompts that hit
+    what the soak left give the tokens of a cold engine."""
     root, base = hybrid
     opts = dict(OPTS, slots=4, kv_cache_tokens=20 * PAGE, prefix_snapshots=8)
     engine = jaxinfer.load(root, layout=layout, devices=devices, strict=True, **opts)
@@ -214,10 +227,14 @@ def test_a_200_request_soak_compiles_nothing_and_gives_everything_back(hybrid, l
     rng = np.random.default_rng(0)
     with CompileCounter() as seen:
         _soak(engine, base, rng, 200)
+        probes = [base[:cut] + base[200:204] for cut in (17, 40, 64, 100)]
+        got = [_greedy(engine, p, 6) for p in probes]
     assert seen.n == 0
     stats = engine.kv_stats()
-    assert stats["prefix_hits"] > 0
+    assert stats["prefix_hits"] > 0 and sum(r.cached_tokens for r in got) > 0
     assert (stats["pages_in_use"], stats["pages_reserved"], stats["snapshots_in_use"]) == (0, 0, 0)
     assert stats["pages_free"] == stats["pages_total"]
     perf = engine.perf_stats()
     assert (perf.recompiles_same, perf.recompiles_diff) == (0, 0)
+    cold = engines(root, prefix_cache=False, **OPTS)
+    assert [r.token_ids for r in got] == [_greedy(cold, p, 6).token_ids for p in probes]

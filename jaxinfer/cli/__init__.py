@@ -90,7 +90,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument(
         "--prefix-snapshots", type=int, default=None, metavar="N",
-        help="hybrid and MTP models: state snapshots kept for prefix hits (default: one per "
+        help="hybrid models: state snapshots kept for prefix hits (default: one per "
         "KV page)",
     )  # fmt: skip
     p.add_argument("-v", "--verbose", action="store_true", help="debug logs and tracebacks")

@@ -13,10 +13,12 @@ Prefix caching (after vLLM's automatic prefix caching):
   may take them) but stay findable until taken. Taking a page for new tokens uses an empty
   page first, then evicts the least recently used cached chain, its last page first.
 - A new request maps its longest cached prefix into its block table and prefills after it.
-- Hybrid and MTP models also need the state a prefix leaves (linear layers, the MTP head's
-  hidden state): `Snapshots` hands out snapshot slots, written at page ends, kept per page
-  hash and evicted least recently used; a hit ends at the last page whose snapshot is kept,
-  so an evicted snapshot means a shorter hit, never a wrong state.
+- Hybrid models also need the state a prefix leaves (their linear layers'): `Snapshots`
+  hands out snapshot slots, written at page ends, kept per page hash and evicted least
+  recently used; a hit ends at the last page whose snapshot is kept, so an evicted snapshot
+  means a shorter hit, never a wrong state.
+- A cached page is never written again: a hit leaves the prompt's last token to compute,
+  and what a request writes past its hit goes to pages of its own.
 """
 
 from __future__ import annotations
@@ -127,7 +129,7 @@ class PagePool:
     def __init__(self, kv: KVConfig, page_bytes: int, snapshots: Snapshots | None = None):
         self.kv = kv
         self.page_bytes = page_bytes  # all layers, K and V
-        self.snapshots = snapshots  # hybrid and MTP models: the states prefixes leave
+        self.snapshots = snapshots  # hybrid models: the states prefixes leave
         self._free = list(range(kv.n_pages - 1, NULL_PAGE, -1))  # empty; a stack, lowest first
         self._cached: OrderedDict[int, bytes] = OrderedDict()  # unheld registered pages, LRU
         self._refs = np.zeros(kv.n_pages, np.int32)

@@ -11,9 +11,10 @@ cancelling gives them back at once.
 
 Prefix caching (pages.py): an admitted request maps the longest cached prefix of its prompt's
 full pages into its table and prefills after it (the prompt's last token is always computed,
-for its logits); hybrid and MTP models start that prefill from the snapshot of the state at
-the prefix's end. Pages a request fills are registered by chain hash as they fill, prompt and
-generated tokens alike, with a snapshot of the state at their end where the model needs one.
+for its logits); hybrid models start that prefill from the snapshot of the linear layers'
+state at the prefix's end. Pages a request fills are registered by chain hash as they fill,
+prompt and generated tokens alike, with a snapshot of the state at their end where the model
+needs one (an MTP model's one position late, once the MTP head's row there is written too).
 """
 
 from __future__ import annotations
@@ -197,6 +198,8 @@ class Scheduler:
         pages, page = self.executor.pages, self.executor.pages.page_size
         if active.hashes is None:
             return
+        if self.executor.runner.mtp:  # its row at position p waits for token p + 1
+            filled -= 1
         tokens = None
         while active.registered < filled // page:
             j = active.registered

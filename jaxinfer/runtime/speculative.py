@@ -256,14 +256,13 @@ def score_drafts(loop: Loop, s: DecodeState, kv, window, drafts, count, pick):
     return new, n, h, kv, windows
 
 
-def keep_snapshots(loop: Loop, pools, kv, draft_kv, h, s: DecodeState, n):
+def keep_snapshots(loop: Loop, pools, kv, draft_kv, s: DecodeState, n, T: int):
     """The states at page ends among the tokens a step kept (positions s.pos .. s.pos + n of
-    each live row) into their snapshots: the model's linear layers' (kept per token in kv),
-    the draft model's (kept in draft_kv), the MTP head's waiting hidden state (h [B, T, D]
-    the model's). pools: (the model's, the draft's) linear pools -> pools, draft_kv."""
+    each live row, of the step's T) into their snapshots: the model's linear layers' (kept
+    per token in kv) and a draft model's (kept in draft_kv). pools: (the model's, the
+    draft's) linear pools -> pools."""
     setup = loop.setup
-    page, T = setup.kv_config.page_size, h.shape[1]
-    rows = jnp.arange(h.shape[0])
+    page = setup.kv_config.page_size
     model_pools, draft_pools = pools
     for q in range(-(-T // page)):  # the page ends T tokens can hold
         t = page - 1 - s.pos % page + q * page  # [B] the q-th at or after pos
@@ -272,9 +271,7 @@ def keep_snapshots(loop: Loop, pools, kv, draft_kv, h, s: DecodeState, n):
         model_pools = snapshot(setup, model_pools, kv, ids, t)
         if setup.draft:
             draft_pools = snapshot(setup, draft_pools, draft_kv, ids, t, "draft")
-        elif setup.runner.mtp:
-            draft_kv[1] = gdn.put(draft_kv[1], (h[rows, t],), ids, skip=True)
-    return (model_pools, draft_pools), draft_kv
+    return model_pools, draft_pools
 
 
 def step(loop: Loop, carry, speculating: bool):
@@ -304,7 +301,7 @@ def step(loop: Loop, carry, speculating: bool):
         new, n = new[:, None], jnp.zeros((B,), I32)
     made, out, s_new, n = advance(s, made, out, new, n, sampling.stops, window, history)
     if loop.snaps is not None:
-        pools, draft_kv = keep_snapshots(loop, pools, kv, list(draft_kv), h, s, n)
+        pools = keep_snapshots(loop, pools, kv, draft_kv, s, n, h.shape[1])
     counts = counts + jnp.stack([count.sum(), n.sum(), live.sum()])
     s_new = s_new.replace(backoff=backoff(s.backoff, count, n))
     catch = (h, new, s.pos, jnp.where(live, n + 1, 0))  # the rows kept now

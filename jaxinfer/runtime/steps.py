@@ -5,11 +5,11 @@
   decode(params, kv, state, table, sampling, steps[, snaps]) -> kv, state, out [B, C]
   score(params, kv, chunk)                           -> kv, logits [B, T, V]
 
-The page pools and linear-layer states `kv` are donated. With prefix snapshots (hybrid and MTP
-models under prefix caching), the state slots past the requests' ones are snapshots: the
-linear states (and the MTP head's waiting hidden state) at page ends, which prefill and decode
-write where the host's snapshot table says (`snaps` [B, NB], per page) and a prompt chunk
-starts from after a prefix hit (`view.source`). `decode` runs up to C steps inside
+The page pools and linear-layer states `kv` are donated. With prefix snapshots (hybrid models
+under prefix caching), the state slots past the requests' ones are snapshots: the linear
+layers' states at page ends, which prefill and decode write where the host's snapshot table
+says (`snaps` [B, NB], per page) and a prompt chunk starts from after a prefix hit
+(`view.source`). `decode` runs up to C steps inside
 one `while_loop` and leaves early when every row is done, so the host only wakes to stream
 and check stops. No program depends on the context length: rows reach their pages through
 block tables. Speculative decoding's `verify` is in speculative.py; programs.py binds them.
@@ -169,16 +169,16 @@ def mtp_prefill(setup: Setup, params, mtp_kv, h, tokens, view: KVView):
     """The MTP head's rows of a prompt chunk (h [B, T, D] the model's, tokens [B, T]). Row p
     pairs h_p with token p + 1 at cache position p, so a chunk holds rows start - 1 ..
     start + length - 2: the first pairs the hidden state waiting in the slot (the previous
-    chunk's last, or a prefix hit's snapshot) with the chunk's first token, and the chunk's
-    last hidden state waits for the token after it (the next chunk's or the first generated
-    one). The hidden states at page ends go to their snapshots. (A hit rewrites row start - 1
-    in the last shared page for its own next token, which the page's hash does not hold:
-    another request sharing that page may draft from it; drafts only, outputs are verified.)
-    """
+    chunk's last) with the chunk's first token, and the chunk's last hidden state waits for
+    the token after it (the next chunk's or the first generated one). A prompt's first chunk,
+    and the first after a prefix hit, start at row start: a cached page is never written
+    (its last row, paired with the token after the page, was written before the page was
+    cached: the scheduler registers an MTP model's pages one position late)."""
     B, T = tokens.shape
-    source = view.slot if view.source is None else view.source
-    (waiting,) = gdn.take(mtp_kv[1], source)  # [B, D]
-    first = view.start == 0  # no row before the prompt's first token
+    (waiting,) = gdn.take(mtp_kv[1], view.slot)  # [B, D]
+    first = view.start == 0  # no row before: the prompt's first token, or a hit
+    if view.source is not None:
+        first = first | (view.source != view.slot)
     earlier = jnp.concatenate([waiting[:, None].astype(h.dtype), h[:, :-1]], axis=1)
     hidden = jnp.where(first[:, None, None], h, earlier)
     shifted = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)
@@ -188,10 +188,6 @@ def mtp_prefill(setup: Setup, params, mtp_kv, h, tokens, view: KVView):
     _, mtp_kv = mtp_rows(setup, params, mtp_kv, hidden, following, mtp_view)
     last = jnp.clip(view.length - 1, 0, T - 1)
     mtp_kv[1] = gdn.put(mtp_kv[1], (h[jnp.arange(B), last],), view.slot)
-    if view.snaps is not None:
-        t = jnp.broadcast_to(jnp.arange(T, dtype=I32)[None], (B, T))
-        ids = view.snapshot_ids(t, gdn.skipped(mtp_kv[1]))
-        mtp_kv[1] = gdn.put(mtp_kv[1], (h,), ids, skip=True)
     return mtp_kv
 
 
