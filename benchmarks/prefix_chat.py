@@ -2,7 +2,7 @@
 cache on and off (`--no-prefix-cache`), and llama-cpp-python's server with its prompt cache on.
 
 The load: 4 clients, 6 turns each, every conversation opening with the same 1,000-token system
-prompt; each turn adds a 10-word user message, asks for 48 greedy tokens (ignore_eos) and sends
+prompt; each turn adds a 6-word user message, asks for 48 greedy tokens (ignore_eos) and sends
 the answer back as the assistant's message in the next turn, within a 2,048-token context.
 The chat template is the benchmark's own (CHATML below), written into each model's GGUF so
 both servers apply the same one. Time to first token per request (send to the first streamed
@@ -46,7 +46,9 @@ CHATML = (
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 CLIENTS, TURNS, NEW = 4, 6, 48
-SYSTEM_WORDS, USER_WORDS, FRESH_WORDS = 1000, 10, 600
+# (6-word user turns: with 10, a round whose random answers retokenize long passed the
+# 2,048-token context at turn 6)
+SYSTEM_WORDS, USER_WORDS, FRESH_WORDS = 1000, 6, 600
 
 
 def vocabulary_words() -> list[str]:

@@ -279,7 +279,7 @@ class Scheduler:
             for b, active in enumerate(rows):
                 if active.source >= 0:
                     source[b] = active.source
-            snaps = self._snaps(rows, B, lambda a: a.offset + T)
+            snaps = self._snaps(rows, B, lambda a: min(a.offset + T, len(a.state.prompt)))
             view = view.replace(source=source, snaps=snaps)
         sampling = SamplingRows.stack([a.state.sampling for a in rows], B)
         t0 = self.clock()

@@ -249,8 +249,9 @@ __attribute__((noinline)) void columns(const float* src, int64_t stride, typenam
 using F32 = ffi::Buffer<ffi::F32>;
 using S32 = ffi::Buffer<ffi::S32>;
 
-// Rows hold distinct pages (kvcache.PagePool's contract; idle rows, which share the null page,
-// write nothing), so the (row, kv head) tasks never write what another reads. The pools are
+// A row writes only pages of its own (runtime/pages.py's contract: rows share only cached full
+// pages, which no row writes again; idle rows, which share the null page, write nothing), so
+// the (row, kv head) tasks never write what another reads. The pools are
 // outputs aliased to the inputs (written in place on the donated pools; when XLA hands a
 // separate output buffer, the pool is copied into it first).
 template <class Pool, ffi::DataType D>
