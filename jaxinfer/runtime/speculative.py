@@ -41,7 +41,6 @@ from .steps import (
     mtp_rows,
     page_end_ids,
     put_states,
-    snapshot,
     take_states,
 )
 
@@ -268,9 +267,9 @@ def keep_snapshots(loop: Loop, pools, kv, draft_kv, s: DecodeState, n, T: int):
         t = page - 1 - s.pos % page + q * page  # [B] the q-th at or after pos
         ids = page_end_ids(setup, loop.snaps, s.pos + t, ~s.done & (t <= n))
         t = jnp.clip(t, 0, T - 1)
-        model_pools = snapshot(setup, model_pools, kv, ids, t)
+        model_pools = put_states(setup, model_pools, kv, ids, t, snapshot=True)
         if setup.draft:
-            draft_pools = snapshot(setup, draft_pools, draft_kv, ids, t, "draft")
+            draft_pools = put_states(setup, draft_pools, draft_kv, ids, t, "draft", True)
     return model_pools, draft_pools
 
 

@@ -110,39 +110,24 @@ def page_end_ids(setup: Setup, snaps, pos, ok):
     return jnp.where(ends, jnp.take_along_axis(snaps, at[:, None], axis=1)[:, 0], skip)
 
 
-def snapshot(setup: Setup, pools, kv, ids, pick=None, of: str = "model"):
-    """Linear layers' states [B, ...] of a loop (with `pick` [B], the kept state at that
-    index) into the snapshots ids [B] of their pools (out of range: none); other entries of
-    `pools` pass through."""
-    axis = setup.runner.state_axis
-
-    def one(p, c, lin):
-        if not lin:
-            return p
-        if pick is not None:
-            c = tuple(gdn.select(a, pick, axis) for a in c)
-        return gdn.put(p, c, ids, axis, skip=True)
-
-    return [one(p, c, lin) for p, c, lin in zip(pools, kv, setup.linear(of), strict=True)]
-
-
 def linear_pools(setup: Setup, kv, of: str = "model") -> list:
     """The linear layers' pools of `kv` (None for the others): what a loop that writes
     snapshots carries besides the rows' own states."""
     return [c if lin else None for c, lin in zip(kv, setup.linear(of), strict=True)]
 
 
-def put_states(setup: Setup, pools, kv, slot, pick=None, of: str = "model"):
+def put_states(setup: Setup, pools, kv, slot, pick=None, of: str = "model", snapshot=False):
     """The loop's linear states back into their slots (with `pick` [B], each row's state
-    at that index: the accepted token's)."""
+    at that index: the accepted token's). With `snapshot`, into the snapshots `slot` [B]
+    instead (out of range: none), the other entries of `pools` passing through."""
     axis = setup.runner.state_axis
 
     def one(p, c, lin):
         if not lin:
-            return c
+            return p if snapshot else c
         if pick is not None:
             c = tuple(gdn.select(a, pick, axis) for a in c)
-        return gdn.put(p, c, slot, axis)
+        return gdn.put(p, c, slot, axis, skip=snapshot)
 
     return [one(p, c, lin) for p, c, lin in zip(pools, kv, setup.linear(of), strict=True)]
 
@@ -213,7 +198,8 @@ def decode(
         view = KVView(table, s.pos, live.astype(I32), None)
         h, kv = runner.forward(params, s.tokens[:, None], view, kv)  # [B, 1, D]
         if snaps is not None:
-            pools = snapshot(setup, pools, kv, page_end_ids(setup, snaps, s.pos, live))
+            ids = page_end_ids(setup, snaps, s.pos, live)
+            pools = put_states(setup, pools, kv, ids, snapshot=True)
         new = sample(runner.head(params, h[:, 0]), window, sampling, s.pos + 1)  # [B]
         stop = jnp.any(new[:, None] == sampling.stops, axis=-1)
         budget = s.budget - live
