@@ -67,19 +67,21 @@ def _cases(base: list[int], answer: list[int]) -> dict[str, tuple[list[int], int
     [k if k in ("dense", "qwen3_5") else pytest.param(k, marks=pytest.mark.slow)
      for k in FIXTURES],
 )  # fmt: skip
-def test_hits_give_the_tokens_and_logits_of_a_cold_run(kind, engines):
+def test_hits_give_the_tokens_and_logits_of_a_cold_run(kind):
+    """Each prompt twice on one engine: with the cache, and cold (cache_prompt=False, and
+    logits() without it: every token computed)."""
     root = model_path(FIXTURES[kind])
     on = jaxinfer.load(root, **OPTS)  # its own: the cache's contents are part of the test
-    off = engines(root, prefix_cache=False, **OPTS)
     base = _base(kind)
     first = _greedy(on, base[:200], 40)
-    assert first.cached_tokens == 0 and first.token_ids == _greedy(off, base[:200], 40).token_ids
+    cold = _greedy(on, base[:200], 40, cache_prompt=False)
+    assert first.cached_tokens == 0 and first.token_ids == cold.token_ids
     for name, (prompt, hit) in _cases(base, first.token_ids).items():
         got = _greedy(on, prompt)
         assert got.cached_tokens == hit, name
-        assert got.token_ids == _greedy(off, prompt).token_ids, name
+        assert got.token_ids == _greedy(on, prompt, cache_prompt=False).token_ids, name
         cached = on.logits(prompt, prefix_cache=True)  # starts after the cached prefix too
-        cold = off.logits(prompt)
+        cold = on.logits(prompt)
         skipped = int(np.isnan(cached[:, 0]).sum())
         assert skipped >= hit and np.isnan(cached[:skipped]).all(), name
         np.testing.assert_allclose(cached[skipped:], cold[skipped:], atol=LOGITS_ATOL, err_msg=name)
@@ -219,7 +221,8 @@ def test_a_200_request_soak_compiles_nothing_and_gives_everything_back(
 ):
     """Hits, misses, cancels and evictions (20 pages, 8 snapshots) in 4 slots: no compile
     after warmup, every page and snapshot back when idle, and afterwards prompts that hit
-    what the soak left give the tokens of a cold engine."""
+    what the soak left give the tokens of an engine without the cache (one-device engines
+    of the session, shared with the other tests)."""
     root, base = hybrid
     opts = dict(OPTS, slots=4, kv_cache_tokens=20 * PAGE, prefix_snapshots=8)
     engine = jaxinfer.load(root, layout=layout, devices=devices, strict=True, **opts)
@@ -236,5 +239,8 @@ def test_a_200_request_soak_compiles_nothing_and_gives_everything_back(
     assert stats["pages_free"] == stats["pages_total"]
     perf = engine.perf_stats()
     assert (perf.recompiles_same, perf.recompiles_diff) == (0, 0)
-    cold = engines(root, prefix_cache=False, **OPTS)
-    assert [r.token_ids for r in got] == [_greedy(cold, p, 6).token_ids for p in probes]
+    # test_hybrid's engine (DENSE there), every token computed
+    cold = engines(root, max_seq_len=512, prefill_buckets=(128,), batch_buckets=(1, 4),
+                   kv_cache_tokens=2048)  # fmt: skip
+    want = [_greedy(cold, p, 6, cache_prompt=False).token_ids for p in probes]
+    assert [r.token_ids for r in got] == want
