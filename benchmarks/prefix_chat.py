@@ -47,7 +47,8 @@ CHATML = (
 )
 CLIENTS, TURNS, NEW = 4, 6, 48
 # (6-word user turns: with 10, a round whose random answers retokenize long passed the
-# 2,048-token context at turn 6)
+# 2,048-token context at turn 6; with 6 it still can, and that round's turn 6 fails for
+# jaxinfer, which refuses a prompt past the context: a known gap of this load)
 SYSTEM_WORDS, USER_WORDS, FRESH_WORDS = 1000, 6, 600
 
 
