@@ -25,17 +25,18 @@ from .formats.tokenizer import Tokenizer
 from .model.gdn import RecurrentState
 from .model.kvcache import KVConfig
 from .ops.sampling import SamplingRows
-from .options import EngineOptions, SamplingParams
+from .options import MAX_LOGPROBS, EngineOptions, SamplingParams
 from .parallel.placement import Placement
 from .runtime.buckets import ShapePlan
 from .runtime.compile import CompileCache, CompileCounts, Handle, RecompileEvent, watching
 from .runtime.executor import Executor
 from .runtime.perf import PerfStats
 from .runtime.profiler import profile
-from .runtime.request import Request, RequestState, StreamPiece
+from .runtime.request import Request, RequestState, StreamPiece, TokenLogprob
 from .runtime.scheduler import Scheduler
 from .runtime.speculative import SpecConfig
 from .runtime.store import ExecutableStore
+from .runtime.structured import Constraint, Vocabulary
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,8 @@ class Engine:
         self._scheduler = self._new_scheduler()
         self._warm = False  # warmup() done: strict mode now refuses compiles
         self._requests = 0
+        # the tokens' bytes, for grammars and logprobs (llguidance's view, built on first use)
+        self.vocabulary = Vocabulary(tokenizer, cfg.vocab_size)
 
     def _new_scheduler(self) -> Scheduler:
         return Scheduler(
@@ -222,6 +225,8 @@ class Engine:
             decoder=self.tokenizer.stream(context=ids[-4:]),
             sampling=SamplingRows.row(params, seed, stop_ids),
             interactive=stream or bool(params.stop),
+            constraint=Constraint.of(self.vocabulary, params),
+            logprobs=None if params.logprobs is None else [],
         )
         self._scheduler.check(state)
         return state
@@ -333,6 +338,26 @@ class Engine:
                 return out
             self.step()  # the running requests hold the pages: let them move on
 
+    def prompt_logprobs(self, token_ids: Sequence[int], k: int = 0) -> list:
+        """Log-probabilities of each prompt token after the ones before it (None for the
+        first), with the k best at its position (TokenLogprob, as generated tokens carry):
+        the log-softmax of the scoring pass's raw logits, in float64 on the host."""
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS:
+            raise RequestError(f"k = {k!r} is invalid; it must be an integer in 0..{MAX_LOGPROBS}")
+        ids = list(token_ids)
+        logits = self.logits(ids)[:-1].astype(np.float64)  # [T - 1, V]: each predicts the next
+        lp = logits - logits.max(axis=-1, keepdims=True)
+        lp -= np.log(np.exp(lp).sum(axis=-1, keepdims=True))
+        k = min(k, lp.shape[-1])
+        best = np.argpartition(-lp, k - 1, axis=-1)[:, :k] if k else np.zeros((len(lp), 0), int)
+        order = np.argsort(-np.take_along_axis(lp, best, axis=-1), axis=-1, kind="stable")
+        best = np.take_along_axis(best, order, axis=-1)  # [T - 1, k], best first
+        out: list = [None]
+        for t, row in enumerate(lp):
+            top = tuple((int(i), float(row[i])) for i in best[t])
+            out.append(TokenLogprob(ids[t + 1], float(row[ids[t + 1]]), top))
+        return out
+
     def perf_stats(self) -> PerfStats:
         cc = self.compile_cache
         stats = self._perf.copy()
@@ -366,6 +391,16 @@ class Engine:
         snapshots_cached and snapshot_bytes."""
         stats = {"dtype": self.executor.kv_dtype, **self.executor.pages.stats()}
         return {**stats, **self.executor.state_stats()}
+
+    def slots(self) -> list[dict]:
+        """The running requests (llama-server's /slots): each one's slot (0-based), prompt
+        ids, tokens generated, tokens it may still generate (remaining) and SamplingParams."""
+        return [
+            {"slot": a.slot - 1,  # state slots count from 1: 0 is the padding rows'
+             "prompt": list(s.prompt), "generated": len(s.token_ids),
+             "remaining": s.budget - len(s.token_ids), "params": s.params}
+            for a in self._scheduler.running if (s := a.state) is not None
+        ]  # fmt: skip
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (running requests keep their pages)."""

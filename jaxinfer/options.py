@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import operator
 import os
@@ -26,6 +27,7 @@ ACTIVATIONS = ("int8", "float")  # what GGUF block weights multiply (EngineOptio
 PAGE_SIZES = (16, 32, 64, 128, 256)  # 128 measured fastest: benchmarks/results/paged_kv.md
 SPECULATIVE = ("ngram", "mtp")  # or a draft model: a path, or a ModelConfig (random weights)
 MAX_DRAFT_TOKENS = 16
+MAX_LOGPROBS = 20  # top log-probabilities per token (vLLM's cap, OpenAI's limit)
 
 
 def _is_int(value) -> bool:
@@ -58,6 +60,14 @@ class SamplingParams:
     # cache_prompt=False neither reads nor fills the cache (llama-server's field)
     cache_salt: str | None = None
     cache_prompt: bool = True
+    # log-probabilities: None = none; k = each generated token's and its k best (0..20)
+    logprobs: int | None = None
+    # structured output (at most one): a JSON schema (a dict or its JSON text; {} = any JSON
+    # object), a grammar (GBNF, or llguidance's Lark when it starts with %llguidance) or a
+    # regular expression the generated text must match
+    json_schema: Any = None
+    grammar: str | None = None
+    regex: str | None = None
 
     def __post_init__(self):
         def bad(name, want):
@@ -85,6 +95,19 @@ class SamplingParams:
             bad("cache_salt", "a string or None")
         if not isinstance(self.cache_prompt, bool):
             bad("cache_prompt", "true or false")
+        if self.logprobs is not None and (
+            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            bad("logprobs", f"an integer in 0..{MAX_LOGPROBS} or None")
+        constraints = [n for n in ("json_schema", "grammar", "regex")
+                       if getattr(self, n) is not None]  # fmt: skip
+        if len(constraints) > 1:
+            raise RequestError(f"pass one of {' / '.join(constraints)}, not several")
+        for name in ("grammar", "regex"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                bad(name, "a string")
+        if self.json_schema is not None:
+            object.__setattr__(self, "json_schema", _schema_text(self.json_schema))
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         if any(not isinstance(s, str) or not s for s in stop):
             raise RequestError("stop strings must be non-empty strings")
@@ -124,6 +147,21 @@ class SamplingParams:
         if self.seed is None or self.seed < 0:
             return secrets.randbelow(2**31 - 1)
         return self.seed % (2**31 - 1)
+
+
+def _schema_text(schema) -> str:
+    """A JSON schema as compact JSON text (a dict, or text that parses to an object)."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise RequestError(f"json_schema is not valid JSON ({e})") from None
+    if not isinstance(schema, dict):
+        raise RequestError("json_schema must be a JSON object (a dict), e.g. {} for any object")
+    try:
+        return json.dumps(schema, separators=(",", ":"))
+    except (TypeError, ValueError) as e:
+        raise RequestError(f"json_schema cannot be written as JSON ({e})") from None
 
 
 def default_compile_cache_dir() -> Path | None:

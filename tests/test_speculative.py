@@ -21,7 +21,7 @@ import jaxinfer
 from jaxinfer.cli import main
 from jaxinfer.errors import JaxinferError, RequestError, UnsupportedModelError
 from jaxinfer.model.kvcache import KVView
-from jaxinfer.ops.sampling import recent_window
+from jaxinfer.ops.sampling import Logprobs, recent_window
 from jaxinfer.runtime import speculative
 from jaxinfer.runtime.inputs import DecodeState
 
@@ -96,13 +96,18 @@ def test_advance_keeps_the_accepted_prefix_up_to_a_stop_token_and_the_budget():
     new = jnp.array([[11, 12, 13, 14], [21, 99, 23, 24], [31, 32, 33, 34]])
     n = jnp.array([2, 3, 3])  # accepted drafts: row 1's stop token 99 is its second token
     stops = jnp.array([[99, -1], [99, -1], [99, -1]])
-    made, out, s2, n2 = speculative.advance(
-        s, jnp.array([1, 0, 0]), jnp.full((B, C), -1), new, n, stops, s.window, s.history
+    # each candidate's logprob rides along: here its own id, to see where it lands
+    lp = Logprobs(new.astype(jnp.float32), new[..., None], new[..., None].astype(jnp.float32))
+    out = (jnp.full((B, C), -1), Logprobs.empty((B, C), 1))
+    made, (out, out_lp), s2, n2 = speculative.advance(
+        s, jnp.array([1, 0, 0]), out, new, n, stops, s.window, s.history, lp
     )
     assert made.tolist() == [4, 2, 0] and n2.tolist() == [2, 1, 0]
     assert out[0].tolist() == [-1, 11, 12, 13, -1, -1, -1, -1]  # after its earlier token
     assert out[1].tolist() == [21, 99, -1, -1, -1, -1, -1, -1]
     assert out[2].tolist() == [-1] * C
+    for lp_out in (out_lp.token, out_lp.ids[..., 0], out_lp.values[..., 0]):
+        assert np.array_equal(np.where(out >= 0, lp_out, -1), out)
     assert s2.tokens.tolist() == [13, 99, 7] and s2.pos.tolist() == [13, 22, 30]
     assert s2.budget.tolist() == [7, 8, 10] and s2.done.tolist() == [False, True, True]
 

@@ -4,6 +4,11 @@ Every sampling value travels as an array row, never as a static argument, so cha
 temperature or the seed between requests compiles nothing. The chain is llama.cpp's default
 (common/common.h): penalties over the last `PENALTY_WINDOW` tokens, then top-k, top-p and
 min-p on the untempered logits, then temperature on the survivors, then the draw.
+
+Two per-row inputs ride along: a token mask (structured output: a packed bitmask the host's
+grammar matcher fills, all ones for free rows) applied before everything, and the number of
+log-probabilities a row wants back (`logprobs`: the log-softmax of the model's raw logits at
+the chosen token and its MAX_LOGPROBS best, computed only when some row asks).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import numpy as np
 from flax import struct
 
 from ..errors import RequestError
-from ..options import SamplingParams
+from ..options import MAX_LOGPROBS, SamplingParams
 
 PENALTY_WINDOW = 64  # llama.cpp's --repeat-last-n default; the prompt tail counts too
 N_STOP_IDS = 8  # stop-token slots per row (EOS ids + user stop tokens)
@@ -33,7 +38,7 @@ CANDIDATES = 128
 FLOATS = (
     "temperature", "top_p", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty",
 )  # fmt: skip
-INTS = ("top_k", "seed")
+INTS = ("top_k", "seed", "logprobs")  # logprobs: how many best ones a row wants, -1 = none
 _C = {name: i for i, name in enumerate(FLOATS)} | {name: i for i, name in enumerate(INTS)}
 
 
@@ -53,6 +58,9 @@ class SamplingRows:
     floats: jax.Array  # [B, len(FLOATS)] float32
     ints: jax.Array  # [B, len(INTS)] int32
     stops: jax.Array  # [B, N_STOP_IDS] int32 stop ids, -1 = unused
+    # [B, mask_words(V)] int32: bit t % 32 of word t // 32 allows token t (-1 = every token);
+    # None: no masks (the programs always pass one)
+    mask: jax.Array | None = None
 
     @staticmethod
     def row(params: SamplingParams, seed: int, stop_ids: list[int]) -> tuple:
@@ -66,29 +74,103 @@ class SamplingRows:
         stops[: len(stop_ids)] = stop_ids
         return (
             np.array([getattr(params, name) for name in FLOATS], np.float32),
-            np.array([params.top_k, seed], np.int32),
+            np.array([params.top_k, seed, -1 if params.logprobs is None else params.logprobs],
+                     np.int32),
             stops,
-        )
+        )  # fmt: skip
 
     @staticmethod
-    def abstract(batch: int) -> SamplingRows:
+    def abstract(batch: int, vocab: int | None = None) -> SamplingRows:
         def spec(width, dtype):
             return jax.ShapeDtypeStruct((batch, width), dtype)
 
+        mask = spec(mask_words(vocab), np.int32) if vocab else None
         return SamplingRows(
-            spec(len(FLOATS), np.float32), spec(len(INTS), np.int32), spec(N_STOP_IDS, np.int32)
+            spec(len(FLOATS), np.float32),
+            spec(len(INTS), np.int32),
+            spec(N_STOP_IDS, np.int32),
+            mask,
         )
 
     @staticmethod
-    def stack(rows: list[tuple], batch: int) -> SamplingRows:
-        """Host rows for `batch` rows: `rows` first, then greedy padding."""
+    def stack(rows: list[tuple], batch: int, vocab: int | None = None, masks=None) -> SamplingRows:
+        """Host rows for `batch` rows: `rows` first, then greedy padding; with `vocab`, their
+        token masks (`masks`: {row: packed mask}, every token allowed elsewhere)."""
         floats = np.zeros((batch, len(FLOATS)), np.float32)
         floats[:, _C["top_p"]] = floats[:, _C["repeat_penalty"]] = 1.0
         ints = np.zeros((batch, len(INTS)), np.int32)
+        ints[:, _C["logprobs"]] = -1
         stops = np.full((batch, N_STOP_IDS), -1, np.int32)
         for b, (f, i, s) in enumerate(rows):
             floats[b], ints[b], stops[b] = f, i, s
-        return SamplingRows(floats, ints, stops)
+        mask = None
+        if vocab:
+            mask = np.full((batch, mask_words(vocab)), -1, np.int32)
+            for b, m in (masks or {}).items():
+                mask[b] = m
+        return SamplingRows(floats, ints, stops, mask)
+
+
+def mask_words(vocab: int) -> int:
+    """int32 words of a packed token mask over `vocab` tokens."""
+    return -(-vocab // 32)
+
+
+def _masked(logits, mask):
+    """logits [N, V] with the tokens `mask` [N, W] does not allow at -inf; batches whose
+    masks allow everything skip the pass."""
+    if mask is None:
+        return logits
+    V = logits.shape[-1]
+
+    def apply(_):
+        bits = (mask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [N, W, 32]
+        allowed = bits.reshape(mask.shape[0], -1)[:, :V] > 0
+        return jnp.where(allowed, logits, -jnp.inf)
+
+    return jax.lax.cond(jnp.all(mask == -1), lambda _: logits, apply, None)
+
+
+def constrained(rows: SamplingRows) -> jax.Array:
+    """[B] whether a row's mask leaves some token out (a grammar holds it)."""
+    if rows.mask is None:
+        return jnp.zeros(rows.ints.shape[0], bool)
+    return jnp.any(rows.mask != -1, axis=-1)
+
+
+@struct.dataclass
+class Logprobs:
+    """Log-probabilities of chosen tokens under the model's raw logits (before penalties,
+    filters and masks, vLLM's default): the token's, and the MAX_LOGPROBS best, descending."""
+
+    token: jax.Array  # [...] float32
+    ids: jax.Array  # [..., K] int32
+    values: jax.Array  # [..., K] float32
+
+    @staticmethod
+    def empty(shape: tuple, vocab: int) -> Logprobs:
+        k = min(MAX_LOGPROBS, vocab)
+        return Logprobs(
+            jnp.zeros(shape, jnp.float32),
+            jnp.zeros((*shape, k), jnp.int32),
+            jnp.zeros((*shape, k), jnp.float32),
+        )
+
+
+def logprobs(logits, tokens, rows: SamplingRows) -> Logprobs:
+    """logits [B, ..., V] float32, tokens [B, ...] (negative: none) -> their Logprobs [B, ...];
+    zeros unless some row wants them (so a batch without such rows pays nothing)."""
+    V = logits.shape[-1]
+    want = rows.ints[:, _C["logprobs"]] >= 0
+
+    def compute(_):
+        lp = jax.nn.log_softmax(logits, axis=-1)
+        at = jnp.maximum(tokens, 0)[..., None]
+        values, ids = jax.lax.top_k(lp, min(MAX_LOGPROBS, V))
+        return Logprobs(jnp.take_along_axis(lp, at, axis=-1)[..., 0], ids.astype(jnp.int32), values)
+
+    empty = Logprobs.empty(tokens.shape, V)
+    return jax.lax.cond(jnp.any(want), compute, lambda _: empty, None)
 
 
 def _col(rows: jax.Array, name: str) -> jax.Array:
@@ -221,7 +303,7 @@ def sample(logits, window, rows: SamplingRows, positions):
     decode is split into calls.
     """
     f = rows.floats
-    logits = _penalize(logits, window, f)
+    logits = _penalize(_masked(logits, rows.mask), window, f)
     greedy = argmax(logits)
     temperature = _col(f, "temperature")
 
@@ -253,7 +335,8 @@ def accept(logits, windows, rows: SamplingRows, positions, drafts, count):
     B, T, V = logits.shape
     flat = jax.tree.map(lambda a: jnp.repeat(a, T, axis=0), rows)  # [B*T, ...]
     f = flat.floats
-    logits = _penalize(logits.reshape(B * T, V), windows.reshape(B * T, -1), f)
+    logits = _masked(logits.reshape(B * T, V), flat.mask)
+    logits = _penalize(logits, windows.reshape(B * T, -1), f)
     greedy = argmax(logits).reshape(B, T)
     temperature = rows.floats[:, _C["temperature"]]  # [B]
     steps = jnp.arange(T)[None]  # [1, T]

@@ -58,8 +58,9 @@ class Executor:
         self.draft = draft
         draft_runner = draft.runner if draft else None
         self.programs: dict[str, Program] = programs(
-            self.runner, self.kv_config, self.tokens_per_call, self.spec, draft_runner
-        )
+            self.runner, self.kv_config, self.tokens_per_call, self.cfg.vocab_size, self.spec,
+            draft_runner,
+        )  # fmt: skip
         self.kv = None  # the page pools, allocated on first use
         self._replicated = named(self.mesh)
         self._kv_shardings = self.runner.kv_shardings() + (

@@ -32,31 +32,33 @@ def programs(
     runner: Runner,
     kv_config: KVConfig,
     tokens_per_call: int,
+    vocab: int,
     spec: SpecConfig | None = None,
     draft: Runner | None = None,
 ) -> dict[str, Program]:
-    """The programs of one model on one mesh; `tokens_per_call` = C, most decode steps a call.
+    """The programs of one model on one mesh; `tokens_per_call` = C, most decode steps a call,
+    `vocab` = V, the logits' width (the sampling rows carry token masks over it).
     With a draft model, `params` is (the model's, the draft's) and `kv` lists the model's
     layers then the draft's (one page pool, one set of slots)."""
-    setup = steps.Setup(runner, kv_config, tokens_per_call, spec, draft)
+    setup = steps.Setup(runner, kv_config, tokens_per_call, vocab, spec, draft)
 
     snaps = setup.snapshots  # prefix snapshots: prefill and the loops take snapshot tables
 
     def loop_inputs(B: int, T: int, NB: int) -> tuple:
         history = spec.history if spec else 0
         state = DecodeState.abstract(B, history)
-        fixed = (state, abstract(B, NB), SamplingRows.abstract(B), abstract())
+        fixed = (state, abstract(B, NB), SamplingRows.abstract(B, vocab), abstract())
         return (*fixed, abstract(B, NB)) if snaps else fixed
 
     def prefill_inputs(B: int, T: int, NB: int) -> tuple:
         chunk = Chunk.abstract(B, T, NB, snaps, snaps)
-        return chunk, abstract(B, PENALTY_WINDOW), SamplingRows.abstract(B)
+        return chunk, abstract(B, PENALTY_WINDOW), SamplingRows.abstract(B, vocab)
 
     return {
         "cache": Program(partial(steps.cache, setup), lambda B, T, NB: (), ("kv",), donate=()),
-        "prefill": Program(partial(steps.prefill, setup), prefill_inputs, ("kv", "rep")),
-        "decode": Program(partial(steps.decode, setup), loop_inputs, ("kv", "rep", "rep")),
-        "verify": Program(partial(verify, setup), loop_inputs, ("kv", "rep", "rep", "rep")),
+        "prefill": Program(partial(steps.prefill, setup), prefill_inputs, ("kv", "rep", "rep")),
+        "decode": Program(partial(steps.decode, setup), loop_inputs, ("kv", "rep", "rep", "rep")),
+        "verify": Program(partial(verify, setup), loop_inputs, ("kv",) + ("rep",) * 4),
         "score": Program(
             partial(steps.score, setup),
             lambda B, T, NB: (Chunk.abstract(B, T, NB, snaps),),

@@ -1,8 +1,9 @@
 """A request on the host: its prompt, sampling values and stops, and the text it has made.
 
-`RequestState.accept(ids)` takes the ids a compiled call produced for this request: it applies
-stop tokens, stop strings and the token budget, detokenizes incrementally, and returns the
-piece of text that can be shown (held back while it could still start a stop string).
+`RequestState.accept(ids, lp)` takes the ids a compiled call produced for this request (and
+their log-probabilities, where it asked for them): it applies stop tokens, stop strings, the
+token budget and the end of its grammar, detokenizes incrementally, and returns the piece of
+text that can be shown (held back while it could still start a stop string).
 `Request` is the handle `Engine.submit` returns.
 """
 
@@ -12,9 +13,20 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..formats.tokenizer import StreamDecoder
 from ..options import SamplingParams
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the model's raw logits, and the `k` best
+    tokens' (id, logprob) pairs at its position, best first (k = the request's `logprobs`)."""
+
+    id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
 
 
 @dataclass
@@ -27,6 +39,7 @@ class Result:
     queue_ms: float = 0.0  # from submit to admission (waiting for a slot or KV pages)
     prompt_ms: float = 0.0  # from admission to the first new token (prefill)
     decode_ms: float = 0.0  # from the first new token to the last
+    logprobs: list[TokenLogprob] | None = None  # one per generated token, where asked for
 
 
 @dataclass(frozen=True)
@@ -34,6 +47,7 @@ class StreamPiece:
     text: str  # newly completed text (held back while it could start a stop string)
     token_ids: list[int]  # ids produced since the previous piece
     finish_reason: str | None = None  # set on the last piece
+    logprobs: tuple[TokenLogprob, ...] = ()  # of token_ids, where asked for
 
 
 @dataclass(eq=False)
@@ -49,8 +63,10 @@ class RequestState:
     decoder: StreamDecoder
     sampling: tuple  # its packed sampling row (SamplingRows.row), checked at submit
     interactive: bool = False  # streamed or with stop strings: the host wakes more often
+    constraint: Any = None  # structured.Constraint: the grammar its tokens follow
     cached_tokens: int = 0  # prompt tokens its admission found in the prefix cache
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None  # a list where params.logprobs asks for them
     text: str = ""
     emitted: int = 0  # characters of `text` already streamed
     finish: str | None = None
@@ -78,18 +94,33 @@ class RequestState:
         self.finish = reason
         self.finished_at = time.perf_counter()
 
-    def accept(self, ids: list[int]) -> StreamPiece:
-        """Append newly generated ids; the piece they complete (maybe empty)."""
+    def accept(self, ids: list[int], lp=None) -> StreamPiece:
+        """Append newly generated ids (lp: their sampling.Logprobs rows on the host, where the
+        request wants them); the piece they complete (maybe empty)."""
         if self.finish or not ids:
             return StreamPiece("", [], self.finish)
         if self.first_token_at is None:
             self.first_token_at = time.perf_counter()
         piece = self._accept(ids)
+        if self.logprobs is not None and lp is not None:
+            k = self.params.logprobs
+            made = [
+                TokenLogprob(t, float(lp.token[i]), tuple(zip(ids[:k], values[:k], strict=True)))
+                for i, (t, ids, values) in enumerate(
+                    zip(piece.token_ids, lp.ids.tolist(), lp.values.tolist(), strict=False)
+                )
+            ]
+            self.logprobs.extend(made)
+            piece = StreamPiece(piece.text, piece.token_ids, piece.finish_reason, tuple(made))
         if self.finish:
             self.finished_at = time.perf_counter()
         return piece
 
     def _accept(self, ids: list[int]) -> StreamPiece:
+        over = False
+        if self.constraint is not None:  # one token per call; its grammar may end with it
+            ids = ids[:1]
+            over = not self.constraint.consume(ids[0])
         if self.stop_strings:
             new_ids = self._accept_each(ids)
         else:  # the device already stopped at stop tokens: take the chunk whole
@@ -104,6 +135,9 @@ class RequestState:
             self.text += self.decoder.push(new_ids[:hit] if hit is not None else new_ids)
             if self.finish:
                 self.text += self.decoder.flush()
+        if over and not self.finish:
+            self.finish = "stop"
+            self.text += self.decoder.flush()
         hold = 0 if self.finish else max((len(s) for s in self.stop_strings), default=1) - 1
         upto = max(self.emitted, len(self.text) - hold)
         piece = self.text[self.emitted : upto]
@@ -151,6 +185,7 @@ class RequestState:
             queue_ms=ms(self.submitted_at, self.admitted_at),
             prompt_ms=ms(self.admitted_at, self.first_token_at),
             decode_ms=ms(self.first_token_at, self.finished_at),
+            logprobs=None if self.logprobs is None else list(self.logprobs),
         )
 
 

@@ -15,6 +15,10 @@ for its logits); hybrid models start that prefill from the snapshot of the linea
 state at the prefix's end. Pages a request fills are registered by chain hash as they fill,
 prompt and generated tokens alike, with a snapshot of the state at their end where the model
 needs one (an MTP model's one position late, once the MTP head's row there is written too).
+
+Structured output: a row whose request follows a grammar gets its token mask filled before
+each call that samples for it, and such a call makes one token per row. Log-probabilities
+come back from the device only when a row in the call asked for them.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import jax
 import numpy as np
 
 from ..errors import RequestError
@@ -281,10 +286,11 @@ class Scheduler:
                     source[b] = active.source
             snaps = self._snaps(rows, B, lambda a: min(a.offset + T, len(a.state.prompt)))
             view = view.replace(source=source, snaps=snaps)
-        sampling = SamplingRows.stack([a.state.sampling for a in rows], B)
+        sampling = self._sampling(rows, B, [active.offset + T >= len(active.state.prompt)
+                                            for active in rows])  # fmt: skip
         t0 = self.clock()
-        (first,) = self.executor.run("prefill", Chunk(tokens, view), window, sampling)
-        first = np.asarray(first)
+        first, lp = self.executor.run("prefill", Chunk(tokens, view), window, sampling)
+        first, lp = np.asarray(first), self._logprobs(rows, lp)
         self.perf.prompt_ms += (self.clock() - t0) * 1e3
         self.perf.prompt_tokens += int(length.sum())
         for b, active in enumerate(rows):
@@ -297,7 +303,7 @@ class Scheduler:
             if active.offset < len(state.prompt):
                 continue
             token = int(first[b])  # the prompt is in: its first new token
-            out.append((state, state.accept([token])))
+            out.append((state, state.accept([token], _row(lp, b, None))))
             if state.finish:
                 self._retire(active)
                 continue
@@ -317,10 +323,10 @@ class Scheduler:
         state, sampling, tables = self._inputs(rows, B, lambda a: a.pos + n + ahead)
         t0 = self.clock()
         table, *snaps = tables
-        state, ids, *counts = self.executor.run(
+        state, ids, lp, *counts = self.executor.run(
             self.shapes.loop, state, table, sampling, self._steps(n), *snaps
         )
-        ids = np.asarray(ids)
+        ids, lp = np.asarray(ids), self._logprobs(rows, lp)
         if counts:  # drafted, accepted, row steps
             drafted, accepted, steps = (int(c) for c in np.asarray(counts[0]))
             self.perf.draft_tokens += drafted
@@ -334,7 +340,7 @@ class Scheduler:
             generated += len(new)
             active.pos += len(new)
             active.token, active.left = new[-1], active.left - len(new)
-            out.append((active.state, active.state.accept(new)))
+            out.append((active.state, active.state.accept(new, _row(lp, b, ids[b] >= 0))))
             # (a stop string may end token_ids before the positions the call wrote)
             known = len(active.state.prompt) + len(active.state.token_ids)
             self._register(active, min(active.pos, known))
@@ -356,13 +362,32 @@ class Scheduler:
             new_tables += (self._snaps(list(rows), batch, upto),)
         if rows != last_rows:  # rows joined or left: the device state is rebuilt, in one put
             state = self._host_state(rows, batch)
-            sampling = SamplingRows.stack([a.state.sampling for a in rows], batch)
+            sampling = self._sampling(rows, batch)
             host_tables = new_tables
             state, sampling, tables = self.executor.put((state, sampling, new_tables))
         elif any(not np.array_equal(a, b) for a, b in zip(new_tables, host_tables, strict=True)):
             host_tables, tables = new_tables, self.executor.put(new_tables)
+        if rows == last_rows and any(a.state.constraint is not None for a in rows):  # new masks
+            sampling = self.executor.put(self._sampling(rows, batch))
         self._last = (rows, state, sampling, (host_tables, tables))
         return state, sampling, tables
+
+    def _sampling(self, rows, batch: int, sampled=None) -> SamplingRows:
+        """The sampling rows of a call, with the token masks of the constrained rows that it
+        samples for (`sampled` [row]: whether it does; every row by default)."""
+        masks = {
+            b: active.state.constraint.mask()
+            for b, active in enumerate(rows)
+            if active.state.constraint is not None and (sampled is None or sampled[b])
+        }
+        vocab = self.executor.cfg.vocab_size
+        return SamplingRows.stack([a.state.sampling for a in rows], batch, vocab, masks)
+
+    def _logprobs(self, rows, lp):
+        """The call's Logprobs on the host where a row wants them, else None."""
+        if any(a.state.logprobs is not None for a in rows):
+            return jax.device_get(lp)
+        return None
 
     def _steps(self, n: int):
         """The steps argument of decode, kept on the device per value."""
@@ -371,7 +396,10 @@ class Scheduler:
         return self._step_arrays[n]
 
     def _tokens_per_call(self, rows) -> int:
-        """Fewer tokens per call while anyone streams, has stop strings or waits to start."""
+        """Fewer tokens per call while anyone streams, has stop strings or waits to start;
+        one while a grammar holds a row (each of its tokens needs the host's matcher)."""
+        if any(a.state.constraint is not None for a in rows):
+            return 1
         waiting = bool(self.queue) or any(not a.decoding for a in self.running)
         interactive = self.always_interactive or waiting or any(a.state.interactive for a in rows)
         return self.stream_chunk if interactive else self.decode_chunk
@@ -452,3 +480,9 @@ class Scheduler:
                 pages.snapshots.unpin(active.source)
         skipped = np.full((hit, out[0].shape[1]), np.nan, np.float32)
         return np.concatenate([skipped, *out], axis=0)
+
+
+def _row(lp, b: int, take):
+    """Row b of a call's host Logprobs (None: nobody asked) at the positions `take` selects
+    (None: a prefill's one token)."""
+    return None if lp is None else jax.tree.map(lambda a: a[b][take], lp)

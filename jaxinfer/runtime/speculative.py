@@ -33,7 +33,16 @@ import jax.numpy as jnp
 
 from ..model import gdn
 from ..model.kvcache import KVView
-from ..ops.sampling import PENALTY_WINDOW, SamplingRows, accept, argmax, sample
+from ..ops.sampling import (
+    PENALTY_WINDOW,
+    Logprobs,
+    SamplingRows,
+    accept,
+    argmax,
+    constrained,
+    logprobs,
+    sample,
+)
 from .inputs import I32, DecodeState
 from .steps import (
     Setup,
@@ -111,12 +120,12 @@ def with_input(s: DecodeState) -> jax.Array:
     return s.history.at[rows, s.pos % H].set(s.tokens) if H else s.history
 
 
-def advance(s: DecodeState, made, out, new, n, stops, window, history):
+def advance(s: DecodeState, made, out, new, n, stops, window, history, lp: Logprobs):
     """Keep tokens new[:, :n + 1] of each live row (of ~s.done) up to its first stop token:
-    made [B] tokens the call made so far, out [B, C + K] the call's tokens (-1 = none), new
-    [B, t] candidates, n [B] accepted drafts, stops [B, S] stop ids (-1 = unused), window
-    [B, W] and history [B, H] after the step -> made, out, the row's new state, n (what it
-    kept of its drafts, 0 for done rows)."""
+    made [B] tokens the call made so far, out (the call's tokens [B, C + K], -1 = none, and
+    their Logprobs), new [B, t] candidates and lp their Logprobs, n [B] accepted drafts,
+    stops [B, S] stop ids (-1 = unused), window [B, W] and history [B, H] after the step ->
+    made, out, the row's new state, n (what it kept of its drafts, 0 for done rows)."""
     B = new.shape[0]
     rows = jnp.arange(B)
     live = ~s.done
@@ -126,7 +135,10 @@ def advance(s: DecodeState, made, out, new, n, stops, window, history):
     n = jnp.where(live, jnp.where(hit, jnp.minimum(n, jnp.argmax(stop, axis=1)), n), 0)
     made_now = jnp.where(live, n + 1, 0)
     kept = (at <= n[:, None]) & live[:, None]
-    out = out.at[rows[:, None], made[:, None] + at].set(jnp.where(kept, new, -1), mode="drop")
+    where = (rows[:, None], made[:, None] + at)
+    ids, out_lp = out
+    ids = ids.at[where].set(jnp.where(kept, new, -1), mode="drop")
+    out_lp = jax.tree.map(lambda a, x: a.at[where].set(x, mode="drop"), out_lp, lp)
     budget = s.budget - made_now
     s = s.replace(
         tokens=jnp.where(live, new[rows, n], s.tokens),
@@ -136,7 +148,7 @@ def advance(s: DecodeState, made, out, new, n, stops, window, history):
         window=window,
         history=history,
     )
-    return made + made_now, out, s, n
+    return made + made_now, (ids, out_lp), s, n
 
 
 class Loop(NamedTuple):
@@ -217,10 +229,10 @@ def model_drafts(loop: Loop, s: DecodeState, live, pick, draft_kv):
 
 
 def next_drafts(loop: Loop, s: DecodeState, pick, draft_kv, catch):
-    """The coming step's drafts [B, K] and count [B] (0 for done rows and rows backing off,
-    and never past a row's budget), and the proposer's kv. `catch`: for the MTP head, the
-    rows kept since its last proposal (their hidden states, next tokens, first position and
-    count)."""
+    """The coming step's drafts [B, K] and count [B] (0 for done rows, rows backing off and
+    rows a grammar holds, and never past a row's budget), and the proposer's kv. `catch`:
+    for the MTP head, the rows kept since its last proposal (their hidden states, next
+    tokens, first position and count)."""
     live = ~s.done
     method, K = loop.setup.spec.method, loop.setup.spec.k
     if method == "ngram":
@@ -229,14 +241,14 @@ def next_drafts(loop: Loop, s: DecodeState, pick, draft_kv, catch):
         drafts, count, draft_kv = mtp_drafts(loop, live, s.slot, draft_kv, *catch)
     else:
         drafts, count, draft_kv = model_drafts(loop, s, live, pick, draft_kv)
-    count = jnp.where(s.backoff[:, 1] > 0, 0, count)
+    count = jnp.where((s.backoff[:, 1] > 0) | constrained(loop.sampling), 0, count)
     return drafts, jnp.where(live, jnp.minimum(count, s.budget - 1), 0), draft_kv
 
 
 def score_drafts(loop: Loop, s: DecodeState, kv, window, drafts, count, pick):
     """One forward over each row's input token and its drafts (T = K + 1 tokens) and the
     acceptance rule -> candidates [B, T], accepted n [B], hidden [B, T, D], kv, the penalty
-    windows [B, T, W] each position saw."""
+    windows [B, T, W] each position saw, the candidates' Logprobs [B, T]."""
     setup, sampling = loop.setup, loop.sampling
     runner, K = setup.runner, setup.spec.k
     rows = jnp.arange(s.tokens.shape[0])
@@ -252,7 +264,7 @@ def score_drafts(loop: Loop, s: DecodeState, kv, window, drafts, count, pick):
     positions = s.pos[:, None] + 1 + jnp.arange(K + 1)[None]  # [B, T] of the tokens predicted
     logits = runner.head(loop.params, h)  # [B, T, V]
     new, n = accept(logits, windows, sampling, positions, drafts, count)
-    return new, n, h, kv, windows
+    return new, n, h, kv, windows, logprobs(logits, new, sampling)
 
 
 def keep_snapshots(loop: Loop, pools, kv, draft_kv, s: DecodeState, n, T: int):
@@ -285,7 +297,7 @@ def step(loop: Loop, carry, speculating: bool):
     live = ~s.done
     if speculating:
         with jax.named_scope("verify"):
-            new, n, h, kv, windows = score_drafts(loop, s, kv, window, drafts, count, pick)
+            new, n, h, kv, windows, lp = score_drafts(loop, s, kv, window, drafts, count, pick)
         H = history.shape[1]
         if H:  # accepted drafts join the history
             at = jnp.arange(K)[None]
@@ -296,9 +308,11 @@ def step(loop: Loop, carry, speculating: bool):
     else:  # the plain decode step
         view = KVView(loop.table, s.pos, live.astype(I32), None, pick, jnp.int32(0))
         h, kv = setup.runner.forward(loop.params, s.tokens[:, None], view, kv)  # [B, 1, D]
-        new = sample(setup.runner.head(loop.params, h[:, 0]), window, sampling, s.pos + 1)
+        logits = setup.runner.head(loop.params, h[:, 0])  # [B, V]
+        new = sample(logits, window, sampling, s.pos + 1)
+        lp = jax.tree.map(lambda x: x[:, None], logprobs(logits, new, sampling))
         new, n = new[:, None], jnp.zeros((B,), I32)
-    made, out, s_new, n = advance(s, made, out, new, n, sampling.stops, window, history)
+    made, out, s_new, n = advance(s, made, out, new, n, sampling.stops, window, history, lp)
     if loop.snaps is not None:
         pools = keep_snapshots(loop, pools, kv, draft_kv, s, n, h.shape[1])
     counts = counts + jnp.stack([count.sum(), n.sum(), live.sum()])
@@ -314,10 +328,10 @@ def verify(
     """Speculative decode: while every live row has made fewer than `steps` tokens, each
     row proposes up to K drafts, one forward scores its input token and the drafts
     (T = K + 1 tokens), and the accepted prefix plus one token of the model's own is
-    kept. -> kv, state, out [B, C + K] (-1 where no token), counts [3] (drafts scored,
-    drafts accepted, row steps). Steps where no row has a draft run the plain one-token
-    forward. With snapshots (snaps [B, NB]), the states at page ends the rows keep go to
-    their pages' snapshots."""
+    kept. -> kv, state, out [B, C + K] (-1 where no token), their Logprobs, counts [3]
+    (drafts scored, drafts accepted, row steps). Steps where no row has a draft run the
+    plain one-token forward. With snapshots (snaps [B, NB]), the states at page ends the
+    rows keep go to their pages' snapshots."""
     K = setup.spec.k
     T = K + 1
     params, kv, draft_params, draft_kv = setup.split(params, kv)
@@ -348,7 +362,8 @@ def verify(
             lambda c: more(c) & drafted(c), lambda c: step(loop, c, True), plain
         )
 
-    out = jnp.full((B, setup.tokens_per_call + K), -1, I32)
+    width = setup.tokens_per_call + K
+    out = (jnp.full((B, width), -1, I32), Logprobs.empty((B, width), setup.vocab))
     pick = jnp.zeros((B,), I32)
     catch = None
     if setup.runner.mtp:  # the row of the input token's predecessor, from its slot
@@ -364,4 +379,4 @@ def verify(
     kv = put_states(setup, pools, kv, state.slot, pick)
     # The draft's state before the pending input token (index T): the next call feeds it.
     draft_kv = put_states(setup, draft_pools, draft_kv, state.slot, jnp.full_like(pick, T), "draft")
-    return kv + draft_kv, state, out, counts
+    return kv + draft_kv, state, *out, counts

@@ -1,8 +1,8 @@
 """The plain programs, as pure functions of arrays over a `Setup` (the model on one mesh):
 
   cache()                                            -> kv                 zeroed page pools
-  prefill(params, kv, chunk, window, sampling)       -> kv, tokens [B]     one prompt chunk per row
-  decode(params, kv, state, table, sampling, steps[, snaps]) -> kv, state, out [B, C]
+  prefill(params, kv, chunk, window, sampling)       -> kv, tokens [B], lp  one prompt chunk per row
+  decode(params, kv, state, table, sampling, steps[, snaps]) -> kv, state, out [B, C], lp
   score(params, kv, chunk)                           -> kv, logits [B, T, V]
 
 The page pools and linear-layer states `kv` are donated. With prefix snapshots (hybrid models
@@ -12,7 +12,9 @@ says (`snaps` [B, NB], per page) and a prompt chunk starts from after a prefix h
 (`view.source`). `decode` runs up to C steps inside
 one `while_loop` and leaves early when every row is done, so the host only wakes to stream
 and check stops. No program depends on the context length: rows reach their pages through
-block tables. Speculative decoding's `verify` is in speculative.py; programs.py binds them.
+block tables. `lp` holds the log-probabilities of the tokens made (zeros unless a row asked
+for them, sampling.Logprobs). Speculative decoding's `verify` is in speculative.py;
+programs.py binds them.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import jax.numpy as jnp
 from ..model import gdn
 from ..model.gdn import RecurrentState
 from ..model.kvcache import KVConfig, KVView
-from ..ops.sampling import PENALTY_WINDOW, SamplingRows, sample
+from ..ops.sampling import PENALTY_WINDOW, Logprobs, SamplingRows, logprobs, sample
 from ..parallel.placement import Runner
 from .inputs import I32, Chunk, DecodeState
 
@@ -43,6 +45,7 @@ class Setup:
     runner: Runner
     kv_config: KVConfig
     tokens_per_call: int
+    vocab: int  # V, the width of the logits
     spec: Any = None  # speculative.SpecConfig; None: no speculation
     draft: Runner | None = None
 
@@ -147,7 +150,8 @@ def prefill(setup: Setup, params, kv, chunk: Chunk, window, sampling: SamplingRo
     if runner.mtp:
         draft_kv = mtp_prefill(setup, params, draft_kv, h, chunk.tokens, view)
     logits = runner.head(params, h[jnp.arange(B), last])  # [B, V]
-    return kv + draft_kv, sample(logits, window, sampling, view.start + view.length)
+    tokens = sample(logits, window, sampling, view.start + view.length)
+    return kv + draft_kv, tokens, logprobs(logits, tokens, sampling)
 
 
 def mtp_prefill(setup: Setup, params, mtp_kv, h, tokens, view: KVView):
@@ -190,7 +194,7 @@ def decode(
     kv = take_states(setup, kv, state.slot)
 
     def step(carry):
-        i, kv, pools, s, out = carry
+        i, kv, pools, s, out, lp = carry
         # The input token joins the penalty context of the token it predicts.
         window = s.window.at[rows, s.pos % PENALTY_WINDOW].set(s.tokens)
         live = ~s.done
@@ -200,10 +204,12 @@ def decode(
         if snaps is not None:
             ids = page_end_ids(setup, snaps, s.pos, live)
             pools = put_states(setup, pools, kv, ids, snapshot=True)
-        new = sample(runner.head(params, h[:, 0]), window, sampling, s.pos + 1)  # [B]
+        logits = runner.head(params, h[:, 0])  # [B, V]
+        new = sample(logits, window, sampling, s.pos + 1)  # [B]
         stop = jnp.any(new[:, None] == sampling.stops, axis=-1)
         budget = s.budget - live
         out = out.at[:, i].set(jnp.where(live, new, -1))
+        lp = jax.tree.map(lambda a, x: a.at[:, i].set(x), lp, logprobs(logits, new, sampling))
         s = s.replace(
             tokens=jnp.where(live, new, s.tokens),
             pos=s.pos + live,
@@ -211,17 +217,19 @@ def decode(
             done=s.done | stop | (budget <= 0),
             window=window,
         )
-        return i + 1, kv, pools, s, out
+        return i + 1, kv, pools, s, out, lp
 
     def more(carry):
-        i, _, _, s, _ = carry
+        i, _, _, s, *_ = carry
         return (i < steps) & ~jnp.all(s.done)
 
-    out = jnp.full((B, setup.tokens_per_call), -1, I32)
-    init = (jnp.int32(0), kv, pools if snaps is not None else (), state, out)
-    _, kv, carried, state, out = jax.lax.while_loop(more, step, init)
+    C = setup.tokens_per_call
+    out = jnp.full((B, C), -1, I32)
+    lp = Logprobs.empty((B, C), setup.vocab)
+    init = (jnp.int32(0), kv, pools if snaps is not None else (), state, out, lp)
+    _, kv, carried, state, out, lp = jax.lax.while_loop(more, step, init)
     pools = carried if snaps is not None else pools
-    return put_states(setup, pools, kv, state.slot) + draft_kv, state, out
+    return put_states(setup, pools, kv, state.slot) + draft_kv, state, out, lp
 
 
 def score(setup: Setup, params, kv, chunk: Chunk):

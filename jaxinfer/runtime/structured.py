@@ -1,0 +1,100 @@
+"""Structured output: a request's JSON schema, grammar or regex as an llguidance matcher over
+the model's vocabulary, which fills the token mask of each constrained token and follows the
+tokens sampled under it.
+
+The mask is a device input of the sampling step (sampling.SamplingRows.mask, one packed bit
+per token), so a grammar compiles nothing: the host fills the row's mask before the call that
+samples its next token and consumes that token after it. A constrained row therefore makes
+one token per call. JSON is generated with bounded whitespace, llama.cpp's rule (one space, or
+a newline and at most 20 spaces or tabs), so a weak model cannot spend its budget on blanks.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cached_property
+
+import llguidance
+import llguidance.gbnf_to_lark
+import numpy as np
+
+from ..errors import RequestError
+from ..formats.tokenizer import Tokenizer
+from ..ops.sampling import mask_words
+from ..options import SamplingParams
+
+JSON_OPTIONS = {"whitespace_pattern": r"(?: |\n[ \t]{0,20})?"}
+LARK = "%llguidance"  # a grammar that starts so is llguidance's Lark, else GBNF (llama.cpp's rule)
+
+
+class Vocabulary:
+    """The model's tokens as llguidance sees them (built from the tokenizer's own JSON, once,
+    on first use: ~1 s for a 150k vocabulary), and each token's bytes."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab: int):
+        self.tokenizer, self.vocab = tokenizer, vocab  # vocab: the logits' width
+
+    @cached_property
+    def ll(self) -> llguidance.LLTokenizer:
+        tok = self.tokenizer
+        eos = list(tok.eos_ids) or None
+        return llguidance.LLTokenizer(tok.backend.to_str(), n_vocab=self.vocab, eos_token=eos)
+
+    def token_bytes(self, token: int) -> bytes:
+        return self.ll.decode_bytes([token])
+
+
+def grammar_text(params: SamplingParams) -> str | None:
+    """The llguidance grammar of a request's constraint (None: free), or a RequestError."""
+    if params.json_schema is not None:
+        schema = json.loads(params.json_schema)
+        if schema == {}:  # any JSON object (response_format json_object)
+            schema = {"type": "object"}
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+    if params.regex is not None:
+        return llguidance.LLMatcher.grammar_from_regex(params.regex)
+    if params.grammar is not None:
+        text = params.grammar
+        if not text.lstrip().startswith(LARK):
+            try:
+                text = llguidance.gbnf_to_lark.gbnf_to_lark(text)
+            except Exception as e:  # GbnfToLarkError and whatever the parser trips on
+                raise RequestError(f"the GBNF grammar is invalid: {_line(e)}") from None
+        return llguidance.LLMatcher.grammar_from_lark(text)
+    return None
+
+
+class Constraint:
+    """One request's matcher: `mask()` for its next token, `consume(token)` after it."""
+
+    def __init__(self, vocabulary: Vocabulary, grammar: str, what: str):
+        self.matcher = llguidance.LLMatcher(vocabulary.ll, grammar, log_level=0)
+        if self.matcher.is_error():
+            raise RequestError(f"the {what} is invalid: {_line(self.matcher.get_error())}")
+        self._mask = np.empty(mask_words(vocabulary.vocab), np.int32)
+
+    @staticmethod
+    def of(vocabulary: Vocabulary, params: SamplingParams) -> Constraint | None:
+        """The request's constraint (None: free); a bad schema or grammar is a RequestError."""
+        grammar = grammar_text(params)
+        if grammar is None:
+            return None
+        what = "json_schema" if params.json_schema is not None else (
+            "regex" if params.regex is not None else "grammar"
+        )  # fmt: skip
+        return Constraint(vocabulary, grammar, what)
+
+    def mask(self) -> np.ndarray:
+        """[mask_words(V)] int32, the tokens the grammar allows next (EOS once complete)."""
+        m = self._mask
+        self.matcher.unsafe_compute_mask_ptr(m.ctypes.data, m.nbytes)
+        return m.copy()
+
+    def consume(self, token: int) -> bool:
+        """Follow a sampled token; False when the grammar is over (complete, or broken)."""
+        self.matcher.consume_token(token)
+        return not (self.matcher.is_stopped() or self.matcher.is_error())
+
+
+def _line(text) -> str:
+    return " ".join(str(text).split())[:300]
