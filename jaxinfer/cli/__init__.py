@@ -11,6 +11,7 @@ import logging
 import sys
 import time
 import traceback
+from pathlib import Path
 
 from ..errors import JaxinferError
 from ..options import ACTIVATIONS, DTYPES, QUANTIZE, EngineOptions, SamplingParams
@@ -156,6 +157,15 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("-s", "--seed", type=int, default=-1, help="random seed (-1 = random)")
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
+    rule = g.add_mutually_exclusive_group()  # structured output, llama.cpp's flags
+    rule.add_argument(
+        "--grammar", default=None, help="GBNF grammar (llguidance Lark after %%llguidance)"
+    )
+    rule.add_argument("--grammar-file", default=None, metavar="FILE", help="--grammar from a file")
+    rule.add_argument(
+        "-j", "--json-schema", default=None, metavar="SCHEMA",
+        help="JSON schema the output follows ({} = any JSON object)",
+    )  # fmt: skip
     g.add_argument("--profile", default=None, metavar="DIR", help="write a jax profiler trace")
     g.add_argument(
         "-np", "--parallel", type=int, default=None,
@@ -172,6 +182,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     s.add_argument("--alias", default=None, help="the model name the API reports")
+    s.add_argument(
+        "--no-slots", dest="slots_endpoint", action="store_false",
+        help="turn off GET /slots (it shows the prompts being served)",
+    )  # fmt: skip
     s.add_argument(
         "--chat-template-file", default=None, metavar="FILE",
         help="a jinja chat template in place of the model's",
@@ -272,7 +286,16 @@ def _sampling(args) -> SamplingParams:
         seed=None if args.seed < 0 else args.seed,
         stop=tuple(args.stop or ()),
         ignore_eos=args.ignore_eos,
+        grammar=_read(args.grammar_file, "--grammar-file") if args.grammar_file else args.grammar,
+        json_schema=args.json_schema,
     )
+
+
+def _read(path: str, flag: str) -> str:
+    try:
+        return Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise JaxinferError(f"{flag} {path}: cannot read it ({e.strerror or e})") from None
 
 
 def _generate(args) -> None:
@@ -363,8 +386,9 @@ def _generate_run(args) -> None:
             )
     else:
         prompt = args.prompt if args.prompt is not None else "Once upon a time"
+        pieces = engine.generate(prompt, stream=True, sampling=params)  # checked here
         sys.stdout.write(prompt)
-        for piece in engine.generate(prompt, stream=True, sampling=params):
+        for piece in pieces:
             sys.stdout.write(piece.text)
             sys.stdout.flush()
         sys.stdout.write("\n")
@@ -390,7 +414,8 @@ def _serve(args) -> None:
 
     server = Server(
         lambda: _load(args), host=args.host, port=args.port, api_key=args.api_key,
-        alias=args.alias, chat_template=template, progress=True, on_ready=ready,
+        alias=args.alias, chat_template=template, slots_endpoint=args.slots_endpoint,
+        progress=True, on_ready=ready,
     )  # fmt: skip
     print(f"jaxinfer serve: listening on {server.url}; loading {args.model or 'stories260K'} "
           "(/health answers 503 until it is ready)", file=sys.stderr, flush=True)  # fmt: skip

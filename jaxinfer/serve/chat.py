@@ -33,13 +33,21 @@ class ChatTemplate:
         self._template = _compile(source)  # a syntax error raises RequestError here
 
     def render(
-        self, messages: Sequence[dict], *, add_generation_prompt: bool = True, **extra
+        self,
+        messages: Sequence[dict],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[dict] | None = None,
+        **extra,
     ) -> str:
-        """The prompt text of `messages` ([{"role", "content"}, ...], already checked)."""
+        """The prompt text of `messages` ([{"role", "content"}, ...], already checked) and of
+        `tools` (OpenAI's [{"type": "function", "function": {...}}], passed as transformers
+        does: as given, None when absent)."""
         tok = self.tokenizer
         try:
             return self._template.render(
                 messages=list(messages),
+                tools=None if tools is None else list(tools),
                 add_generation_prompt=add_generation_prompt,
                 bos_token=tok.token_text(tok.bos_id),
                 eos_token=tok.token_text(tok.eos_ids[0] if tok.eos_ids else None),
@@ -60,7 +68,9 @@ class ChatTemplate:
 
 def check_messages(messages) -> list[dict]:
     """OpenAI chat messages as the plain dicts a template reads: content parts of type "text"
-    are joined with newlines; anything else is refused with a one-line RequestError."""
+    are joined with newlines, an assistant's tool calls carry their arguments decoded (the
+    dict templates expect, as vLLM passes them); anything else is refused with a one-line
+    RequestError."""
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages must be a non-empty list of {role, content} objects")
     out = []
@@ -78,8 +88,51 @@ def check_messages(messages) -> list[dict]:
             content = ""
         elif not isinstance(content, str):
             raise RequestError(f"{where}.content must be a string or a list of text parts")
-        out.append({**message, "role": role, "content": content})
+        checked = {**message, "role": role, "content": content}
+        calls = checked.pop("tool_calls", None)
+        if calls not in (None, []):  # templates test `'tool_calls' in message`: none is absent
+            if role != "assistant":
+                raise RequestError(f"{where}.tool_calls: only assistant messages make tool calls")
+            checked["tool_calls"] = _tool_calls(calls, f"{where}.tool_calls")
+        if role == "tool" and not isinstance(message.get("tool_call_id"), str):
+            said = "is missing" if message.get("tool_call_id") is None else "must be a string"
+            raise RequestError(
+                f"{where}.tool_call_id {said}: the id of the tool call this message answers"
+            )
+        out.append(checked)
     return out
+
+
+def _tool_calls(calls, where: str) -> list[dict]:
+    if not isinstance(calls, list):
+        raise RequestError(f"{where} must be a list of {{id, type, function}} objects")
+    out = []
+    for k, call in enumerate(calls):
+        at = f"{where}[{k}]"
+        if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+            raise RequestError(f"{at}.function is missing: {{name, arguments}}")
+        if call.get("type", "function") != "function":
+            raise RequestError(f'{at}.type = {call["type"]!r:.40} is invalid; use "function"')
+        function = call["function"]
+        if not isinstance(function.get("name"), str) or not function["name"]:
+            raise RequestError(f"{at}.function.name is missing")
+        arguments = _arguments(function.get("arguments"), f"{at}.function.arguments")
+        out.append({**call, "function": {**function, "arguments": arguments}})
+    return out
+
+
+def _arguments(arguments, where: str) -> dict:
+    """A call's arguments, OpenAI's JSON text of an object, as the object."""
+    if arguments is None or arguments == "":  # a call without arguments
+        return {}
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError as e:
+            raise RequestError(f"{where} is not valid JSON ({e.msg} at {e.pos})") from None
+    if not isinstance(arguments, dict):
+        raise RequestError(f"{where} must be a JSON object, not {type(arguments).__name__}")
+    return arguments
 
 
 def _text_part(part, where: str) -> str:

@@ -3,11 +3,13 @@
 `completion_job` / `chat_job` check a request body and turn it into a `Job`: the prompts as
 token ids, `n` choices each, and their `SamplingParams` (which check every value: one-line
 RequestErrors). The Job then shapes the answer:
-a whole response, or the chunks of a Server-Sent-Events stream.
+a whole response, or the chunks of a Server-Sent-Events stream, with OpenAI's logprobs
+(`Tokens` names each token by its text and bytes).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import Sequence
@@ -16,9 +18,10 @@ from dataclasses import dataclass, field
 from ..engine import token_ids as engine_token_ids
 from ..errors import RequestError
 from ..formats.tokenizer import Tokenizer
-from ..options import SamplingParams
-from ..runtime.request import Result
+from ..options import MAX_LOGPROBS, SamplingParams
+from ..runtime.request import Result, TokenLogprob
 from .chat import ChatTemplate, check_messages
+from .tools import ToolStream, check_tools, grammar, parse, tool_format
 
 # llama.cpp's extras next to OpenAI's own fields: body key -> SamplingParams field
 SAMPLING = {
@@ -33,15 +36,8 @@ SAMPLING = {
 }
 # Fields this server cannot honour: refused unless they carry their "off" value.
 UNSUPPORTED = {
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
-    "echo": (None, False),
     "suffix": (None, ""),
     "logit_bias": (None, {}),
-    "tools": (None, []),
-    "functions": (None, []),
-    "tool_choice": (None, "none"),
-    "response_format": (None, {"type": "text"}),
 }
 MAX_CHOICES = 128
 
@@ -68,8 +64,13 @@ class Job:
     stream: bool
     include_usage: bool
     model: str
+    echo: bool = False  # completions: the prompt's text (and logprobs) before each choice's
+    tool_format: str | None = None  # chat with tools: how the model's calls are read back
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
+
+    def replace(self, **changes) -> Job:
+        return dataclasses.replace(self, **changes)
 
     @property
     def choices(self) -> int:
@@ -94,31 +95,53 @@ class Job:
         prefix = "chatcmpl-" if self.chat else "cmpl-"
         return {"id": prefix + self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def response(self, results: Sequence[Result]) -> dict:
-        if self.chat:
-            choices = [
-                {"index": i, "message": {"role": "assistant", "content": r.text},
-                 "logprobs": None, "finish_reason": finish_reason(r)}
-                for i, r in enumerate(results)
-            ]  # fmt: skip
-        else:
-            choices = [
-                {"index": i, "text": r.text, "logprobs": None, "finish_reason": finish_reason(r)}
-                for i, r in enumerate(results)
-            ]
+    def response(self, results: Sequence[Result], tokens: Tokens, echoed=None) -> dict:
+        """The whole answer; `echoed` (with echo): per prompt, its text and its tokens'
+        TokenLogprobs (None for the first token; the list None without logprobs)."""
+        choices = []
+        for i, r in enumerate(results):
+            choice = {"index": i, "logprobs": None, "finish_reason": finish_reason(r)}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": r.text}
+                if self.tool_format:
+                    content, calls = parse(r.text, self.tool_format)
+                    if calls:
+                        choice["message"] = {"role": "assistant", "content": content,
+                                             "tool_calls": calls}  # fmt: skip
+                        choice["finish_reason"] = "tool_calls"
+                if r.logprobs is not None:
+                    choice["logprobs"] = tokens.chat(r.logprobs)
+            else:
+                text, lps = echoed[i // self.n] if echoed else ("", None)
+                choice["text"] = text + r.text
+                if r.logprobs is not None:
+                    ids = self.prompts[i // self.n]
+                    choice["logprobs"] = tokens.completion((lps or []) + r.logprobs, 0, ids)
+            choices.append(choice)
         obj = "chat.completion" if self.chat else "text_completion"
         answer = {**self._head(obj), "choices": choices, "usage": usage(self, results)}
         return {**answer, "timings": timings(results[0])}
 
-    def chunk(self, index: int, text: str | None, finish: str | None = None) -> dict:
-        """One streamed chunk of choice `index`: new text, or (text None) its end. A chat
-        stream opens each choice with its role (`opening`)."""
+    def chunk(
+        self, index: int, text: str | None, finish: str | None = None, logprobs=None, calls=()
+    ) -> dict:
+        """One streamed chunk of choice `index`: new text, or (text None) its end, with the
+        logprobs of its tokens (`logprobs`: Tokens.chat / Tokens.completion's object, or
+        None) or the tool calls it makes. A chat stream opens each choice with its role
+        (`opening`)."""
         if self.chat:
             delta = {} if text is None else {"content": text}
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+            if calls:
+                delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             return {**self._head("chat.completion.chunk"), "choices": [choice]}
-        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "text": text or "", "logprobs": logprobs,
+                  "finish_reason": finish}  # fmt: skip
         return {**self._head("text_completion"), "choices": [choice]}
+
+    def tool_stream(self) -> ToolStream | None:
+        """A choice's reader of tool calls while it streams (None: no tools)."""
+        return ToolStream(self.tool_format) if self.tool_format else None
 
     def opening(self, index: int) -> dict | None:
         if not self.chat:
@@ -131,6 +154,41 @@ class Job:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         chunk = {**self._head(obj), "choices": [], "usage": usage(self, results)}
         return {**chunk, "timings": timings(results[0])}
+
+
+class Tokens:
+    """Tokens as OpenAI's logprobs name them: each by its text and its UTF-8 bytes (a token
+    may hold part of a character: its text then has U+FFFD, its bytes are exact)."""
+
+    def __init__(self, token_bytes):
+        self.token_bytes = token_bytes  # id -> bytes
+
+    def entry(self, token: int, logprob: float) -> dict:
+        raw = self.token_bytes(token)
+        text = raw.decode("utf-8", errors="replace")
+        return {"token": text, "logprob": logprob, "bytes": list(raw)}
+
+    def chat(self, lps: Sequence[TokenLogprob]) -> dict:
+        """Chat's logprobs object."""
+        content = [
+            {**self.entry(t.id, t.logprob), "top_logprobs": [self.entry(i, v) for i, v in t.top]}
+            for t in lps
+        ]
+        return {"content": content, "refusal": None}
+
+    def completion(self, lps: Sequence[TokenLogprob | None], offset: int, ids=()) -> dict:
+        """Completions' logprobs object: per token its text, logprob and top ones (None for
+        a prompt's first token, whose id comes from `ids`), and its text's offset."""
+        tokens, values, tops, offsets = [], [], [], []
+        for k, t in enumerate(lps):
+            text = self.entry(t.id if t else ids[k], 0.0)["token"]
+            tokens.append(text)
+            values.append(t.logprob if t else None)
+            tops.append({self.entry(i, v)["token"]: v for i, v in t.top} if t else None)
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
+                "text_offset": offsets}  # fmt: skip
 
 
 def finish_reason(result: Result) -> str:
@@ -203,15 +261,34 @@ def chat_job(body, template: ChatTemplate | None, n_ctx: int, model: str) -> Job
     extra = body.get("chat_template_kwargs") or {}
     if not isinstance(extra, dict):
         raise RequestError("chat_template_kwargs must be an object")
+    reserved = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"} & set(extra)
+    if reserved:
+        raise RequestError(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}")
+    tools = check_tools(body)
+    fmt = None
+    if tools is not None and tools.choice != "none":
+        fmt = tool_format(template.source)
+        if fmt is None:
+            raise RequestError(
+                "this model's chat template has no tool-call format jaxinfer reads (Hermes/Qwen "
+                "<tool_call> or Llama 3.1 JSON); pass a template that has one with "
+                "--chat-template-file, or leave tools out"
+            )
     generation = _get(body, "add_generation_prompt", bool, True)
-    ids = template.encode(messages, add_generation_prompt=generation, **extra)
+    ids = template.encode(
+        messages, add_generation_prompt=generation, tools=tools.tools if tools else None, **extra
+    )
     _fits(len(ids), n_ctx)
-    max_tokens = _get(body, "max_completion_tokens", int, None)
-    body = {**body, "max_tokens": _get(body, "max_tokens", int, max_tokens)}
-    return _job(body, [ids], n_ctx, model, chat=True, default_max=None)  # the whole context
+    max_tokens = _max_tokens(body, "max_completion_tokens", None)
+    body = {**body, "max_tokens": _max_tokens(body, "max_tokens", max_tokens)}
+    forced = grammar(tools, fmt)  # tool_choice required / a named function: a call is forced
+    job = _job(body, [ids], n_ctx, model, chat=True, default_max=None, forced=forced)
+    return job.replace(tool_format=fmt) if fmt else job  # default_max: the whole context
 
 
-def _job(body: dict, prompts, n_ctx: int, model: str, *, chat: bool, default_max) -> Job:
+def _job(
+    body: dict, prompts, n_ctx: int, model: str, *, chat: bool, default_max, forced=None
+) -> Job:
     for name, allowed in UNSUPPORTED.items():
         if body.get(name) not in allowed:
             raise RequestError(f"{name} is not supported by this server; leave it out")
@@ -221,8 +298,8 @@ def _job(body: dict, prompts, n_ctx: int, model: str, *, chat: bool, default_max
     best_of = body.get("best_of")
     if best_of is not None and best_of != n:
         raise RequestError("best_of is not supported by this server (only best_of = n)")
-    max_tokens = _get(body, "max_tokens", int, default_max)
-    if max_tokens is None or max_tokens < 0:  # llama.cpp's -1: until the context is full
+    max_tokens = _max_tokens(body, "max_tokens", default_max)
+    if max_tokens is None or max_tokens == -1:  # llama.cpp's -1: until the context is full
         max_tokens = n_ctx
     stop = body.get("stop")
     if stop is not None and not isinstance(stop, str | list):
@@ -233,8 +310,13 @@ def _job(body: dict, prompts, n_ctx: int, model: str, *, chat: bool, default_max
         ignore_eos=_get(body, "ignore_eos", bool, False),
         cache_salt=_get(body, "cache_salt", str, None),
         cache_prompt=_get(body, "cache_prompt", bool, True),
+        logprobs=_logprobs(body, chat),
+        **_constraint(body, forced),
         **{kw: body[key] for key, kw in SAMPLING.items() if body.get(key) is not None},
     )
+    echo = _get(body, "echo", bool, False)
+    if echo and chat:
+        raise RequestError("echo is for /v1/completions; leave it out of chat requests")
     stream = _get(body, "stream", bool, False)
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict):
@@ -242,7 +324,66 @@ def _job(body: dict, prompts, n_ctx: int, model: str, *, chat: bool, default_max
     include_usage = stream and _get(stream_options, "include_usage", bool, False)
     if body.get("model") is not None and not isinstance(body["model"], str):
         raise RequestError("model must be a string")
-    return Job(chat, tuple(map(tuple, prompts)), n, sampling, stream, include_usage, model)
+    return Job(chat, tuple(map(tuple, prompts)), n, sampling, stream, include_usage, model, echo)
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """How many top logprobs per token (None: no logprobs): chat's `logprobs: true` with
+    `top_logprobs: k`, completions' `logprobs: k`."""
+    if not chat:
+        k = _get(body, "logprobs", int, None)
+        if body.get("top_logprobs") is not None:
+            raise RequestError("top_logprobs is for chat; completions take logprobs: k")
+    elif _get(body, "logprobs", bool, False):
+        k = _get(body, "top_logprobs", int, 0)
+    elif body.get("top_logprobs") is not None:
+        raise RequestError("top_logprobs needs logprobs: true")
+    else:
+        k = None
+    if k is not None and not 0 <= k <= MAX_LOGPROBS:
+        name = "top_logprobs" if chat else "logprobs"
+        raise RequestError(f"{name} = {k} is invalid; it must be in 0..{MAX_LOGPROBS}")
+    return k
+
+
+def _constraint(body: dict, forced: str | None) -> dict:
+    """The structured-output keywords of SamplingParams: OpenAI's response_format, or
+    llama.cpp's json_schema and grammar (GBNF, or llguidance's Lark after %llguidance); or
+    `forced`, the grammar of a tool call tool_choice demands."""
+    given = [n for n in ("response_format", "json_schema", "grammar") if body.get(n) is not None]
+    if forced is not None:
+        if given:
+            raise RequestError(f"tool_choice forces a tool call; leave {given[0]} out")
+        return {"grammar": forced}
+    if len(given) > 1:
+        raise RequestError(f"pass one of {' / '.join(given)}, not several")
+    if body.get("grammar") is not None:
+        return {"grammar": _get(body, "grammar", str, None)}
+    if body.get("json_schema") is not None:
+        return {"json_schema": _schema(body["json_schema"], "json_schema")}
+    form = body.get("response_format")
+    if form is None:
+        return {}
+    kind = form.get("type") if isinstance(form, dict) else None
+    if kind == "text":
+        return {}
+    if kind == "json_object":  # llama.cpp lets a schema ride along
+        return {"json_schema": _schema(form.get("schema", {}), "response_format.schema")}
+    if kind == "json_schema":
+        spec = form.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec and "name" not in spec:
+            raise RequestError("response_format.json_schema must be an object with a schema")
+        return {"json_schema": _schema(spec.get("schema", {}), "response_format.json_schema")}
+    raise RequestError(
+        'response_format must be {"type": "text"}, {"type": "json_object"} or '
+        '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}'
+    )
+
+
+def _schema(schema, where: str) -> dict:
+    if not isinstance(schema, dict):
+        raise RequestError(f"{where} must be a JSON schema object")
+    return schema
 
 
 def _prompt_ids(prompt, tokenizer: Tokenizer, n_ctx: int, where: str) -> list[int]:
@@ -284,6 +425,17 @@ def _get(body: dict, name: str, kind: type, default):
     if not ok:
         want = {int: "an integer", bool: "true or false", str: "a string"}[kind]
         raise RequestError(f"{name} = {value!r} is invalid; it must be {want}")
+    return value
+
+
+def _max_tokens(body: dict, name: str, default):
+    """A token count: an integer in 0..2**31-1, or llama.cpp's -1 (until the context ends)."""
+    value = _get(body, name, int, default)
+    if value is not None and not -1 <= value <= 2**31 - 1:
+        raise RequestError(
+            f"{name} = {value} is invalid; it must be -1 (until the context ends) or in "
+            f"0..{2**31 - 1}"
+        )
     return value
 
 
