@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from .options import EngineOptions, SamplingParams
     from .runtime.compile import RecompileEvent
     from .runtime.perf import PerfStats
-    from .runtime.request import Request, Result, StreamPiece
+    from .runtime.request import Request, Result, StreamPiece, TokenLogprob
 
 _SOURCES = {  # public name -> the submodule that defines it
     "CheckpointError": "errors",
@@ -42,6 +42,7 @@ _SOURCES = {  # public name -> the submodule that defines it
     "Result": "runtime.request",
     "SamplingParams": "options",
     "StreamPiece": "runtime.request",
+    "TokenLogprob": "runtime.request",
     "UnsupportedModelError": "errors",
     "generate": "loader",
     "load": "loader",
@@ -62,6 +63,7 @@ __all__ = [
     "Result",
     "SamplingParams",
     "StreamPiece",
+    "TokenLogprob",
     "UnsupportedModelError",
     "generate",
     "load",

@@ -392,7 +392,7 @@ class Engine:
         stats = {"dtype": self.executor.kv_dtype, **self.executor.pages.stats()}
         return {**stats, **self.executor.state_stats()}
 
-    def slots(self) -> list[dict]:
+    def slot_requests(self) -> list[dict]:
         """The running requests (llama-server's /slots): each one's slot (0-based), prompt
         ids, tokens generated, tokens it may still generate (remaining) and SamplingParams."""
         return [

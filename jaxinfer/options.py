@@ -27,6 +27,8 @@ ACTIVATIONS = ("int8", "float")  # what GGUF block weights multiply (EngineOptio
 PAGE_SIZES = (16, 32, 64, 128, 256)  # 128 measured fastest: benchmarks/results/paged_kv.md
 SPECULATIVE = ("ngram", "mtp")  # or a draft model: a path, or a ModelConfig (random weights)
 MAX_DRAFT_TOKENS = 16
+FLOAT32_MAX = 3.4028234663852886e38
+INT32_MAX = 2**31 - 1
 MAX_LOGPROBS = 20  # top log-probabilities per token (vLLM's cap, OpenAI's limit)
 
 
@@ -35,7 +37,13 @@ def _is_int(value) -> bool:
 
 
 def _number(value) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    """A finite number within float32's range (sampling values travel as float32)."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value) and abs(value) <= FLOAT32_MAX
+    except OverflowError:  # an int past a float's range
+        return False
 
 
 @dataclass(frozen=True)
@@ -71,18 +79,19 @@ class SamplingParams:
 
     def __post_init__(self):
         def bad(name, want):
-            raise RequestError(f"{name} = {getattr(self, name)!r} is invalid; it must be {want}")
+            value = f"{getattr(self, name)!r:.40}"  # a 400-digit number stays one short line
+            raise RequestError(f"{name} = {value} is invalid; it must be {want}")
 
         for name in ("temperature", "top_p", "min_p", "repeat_penalty", "presence_penalty",
                      "frequency_penalty"):  # fmt: skip
             if not _number(getattr(self, name)):
-                bad(name, "a finite number")
+                bad(name, "a finite number (within float32's range)")
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 0:
             bad("max_new_tokens", ">= 0")
         if self.temperature < 0:
             bad("temperature", ">= 0 (0 = greedy)")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            bad("top_k", "an integer >= 0 (0 = off)")
+        if not _is_int(self.top_k) or not 0 <= self.top_k <= INT32_MAX:
+            bad("top_k", f"an integer in 0..{INT32_MAX} (0 = off)")
         if not 0 < self.top_p <= 1:
             bad("top_p", "in (0, 1]")
         if not 0 <= self.min_p <= 1:

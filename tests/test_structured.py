@@ -171,6 +171,29 @@ def test_response_format_json_schema_through_the_client(client):
             jsonschema.validate(json.loads(text), PERSON)
 
 
+def test_constrained_and_free_clients_share_the_slots_without_compiles(client, qwen_server):
+    """2 json_schema and 2 free chat requests at once in the 4 slots: every schema holds and
+    the server compiled nothing after warmup (its own counter, from the engine thread)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    form = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+
+    def ask(k):
+        extra = {"response_format": form} if k < 2 else {"extra_body": {"ignore_eos": True}}
+        return client.chat.completions.create(
+            model="m", messages=ASK, max_tokens=150, seed=k, **extra
+        )
+
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(ask, range(4)))
+    for answer in answers[:2]:
+        jsonschema.validate(json.loads(answer.choices[0].message.content), PERSON)
+    assert all(a.usage.completion_tokens == 150 for a in answers[2:])
+    worker = qwen_server.worker
+    stats = worker.call(lambda e: e.perf_stats()).result()
+    assert stats.programs + stats.untracked_compiles == worker.compiles_at_ready
+
+
 def _calls_from_stream(chunks):
     calls, finish = {}, None
     for chunk in chunks:

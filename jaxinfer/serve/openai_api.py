@@ -66,6 +66,7 @@ class Job:
     model: str
     echo: bool = False  # completions: the prompt's text (and logprobs) before each choice's
     tool_format: str | None = None  # chat with tools: how the model's calls are read back
+    parallel_tool_calls: bool = True  # False: an answer's first call only
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -105,6 +106,7 @@ class Job:
                 choice["message"] = {"role": "assistant", "content": r.text}
                 if self.tool_format:
                     content, calls = parse(r.text, self.tool_format)
+                    calls = self.kept_calls(calls)
                     if calls:
                         choice["message"] = {"role": "assistant", "content": content,
                                              "tool_calls": calls}  # fmt: skip
@@ -138,6 +140,10 @@ class Job:
         choice = {"index": index, "text": text or "", "logprobs": logprobs,
                   "finish_reason": finish}  # fmt: skip
         return {**self._head("text_completion"), "choices": [choice]}
+
+    def kept_calls(self, calls: list[dict]) -> list[dict]:
+        """The calls an answer returns: the first alone without parallel_tool_calls."""
+        return calls if self.parallel_tool_calls else calls[:1]
 
     def tool_stream(self) -> ToolStream | None:
         """A choice's reader of tool calls while it streams (None: no tools)."""
@@ -283,7 +289,9 @@ def chat_job(body, template: ChatTemplate | None, n_ctx: int, model: str) -> Job
     body = {**body, "max_tokens": _max_tokens(body, "max_tokens", max_tokens)}
     forced = grammar(tools, fmt)  # tool_choice required / a named function: a call is forced
     job = _job(body, [ids], n_ctx, model, chat=True, default_max=None, forced=forced)
-    return job.replace(tool_format=fmt) if fmt else job  # default_max: the whole context
+    if fmt:
+        job = job.replace(tool_format=fmt, parallel_tool_calls=tools.parallel)
+    return job  # default_max None: the whole context
 
 
 def _job(
@@ -330,8 +338,8 @@ def _job(
 def _logprobs(body: dict, chat: bool) -> int | None:
     """How many top logprobs per token (None: no logprobs): chat's `logprobs: true` with
     `top_logprobs: k`, completions' `logprobs: k`."""
-    if not chat:
-        k = _get(body, "logprobs", int, None)
+    if not chat:  # (false: off, as some clients send it)
+        k = None if body.get("logprobs") is False else _get(body, "logprobs", int, None)
         if body.get("top_logprobs") is not None:
             raise RequestError("top_logprobs is for chat; completions take logprobs: k")
     elif _get(body, "logprobs", bool, False):

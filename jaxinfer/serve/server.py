@@ -13,6 +13,7 @@ import asyncio
 import hmac
 import json
 import logging
+import re
 import socket
 import threading
 import time
@@ -28,15 +29,26 @@ from starlette.routing import Route
 from .. import __version__
 from ..engine import Engine
 from ..errors import JaxinferError, RequestError
+from ..options import SamplingParams
 from ..runtime.request import Result, StreamPiece
 from .chat import ChatTemplate
 from .metrics import CONTENT_TYPE, Metrics, engine_snapshot
-from .openai_api import ContextError, Job, chat_job, completion_job, error_body, token_ids
+from .openai_api import (
+    ContextError,
+    Job,
+    Tokens,
+    chat_job,
+    completion_job,
+    error_body,
+    token_ids,
+)
 from .openai_api import finish_reason as openai_finish
 from .worker import Worker
 
 log = logging.getLogger(__name__)
 PUBLIC = ("/health", "/v1/health", "/metrics")  # answered without the API key, as in vLLM
+SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")  # a JSON escape of half a UTF-16 pair
+LONE = re.compile("[\ud800-\udfff]")  # such a half, once parsed
 
 
 class Server:
@@ -55,6 +67,7 @@ class Server:
         api_key: str | None = None,
         alias: str | None = None,
         chat_template: str | None = None,
+        slots_endpoint: bool = True,
         progress: bool = False,
         on_ready: Callable[[Server], None] | None = None,
     ):
@@ -65,7 +78,8 @@ class Server:
             on_ready=(lambda: on_ready(self)) if on_ready else None,
         )  # fmt: skip
         self.metrics = Metrics()
-        self.app = _App(self, api_key=api_key, alias=alias, chat_template=chat_template).build()
+        self.app = _App(self, api_key=api_key, alias=alias, chat_template=chat_template,
+                        slots_endpoint=slots_endpoint).build()  # fmt: skip
         # log_config=None: uvicorn's dictConfig would replace the host program's logging.
         config = uvicorn.Config(
             self.app, log_config=None, log_level="warning", access_log=False, lifespan="off"
@@ -105,10 +119,11 @@ class Server:
 class _App:
     """The routes, over one Server's worker and metrics."""
 
-    def __init__(self, server: Server, *, api_key, alias, chat_template):
+    def __init__(self, server: Server, *, api_key, alias, chat_template, slots_endpoint):
         self.worker, self.metrics = server.worker, server.metrics
         self.api_key = api_key
         self.alias = alias
+        self.slots_endpoint = slots_endpoint  # /slots shows every running prompt: --no-slots
         self._template_source = chat_template  # overrides the model's
         self._template: tuple[ChatTemplate | None, str | None] | None = None
         self.started = int(time.time())
@@ -127,6 +142,8 @@ class _App:
             Route("/tokenize", self.guard(self.tokenize), methods=["POST"]),
             Route("/detokenize", self.guard(self.detokenize), methods=["POST"]),
             Route("/reset_prefix_cache", self.guard(self.reset_prefix_cache), methods=["POST"]),
+            Route("/props", self.guard(self.props), methods=["GET"]),
+            Route("/slots", self.guard(self.slots), methods=["GET"]),
         ]
         handlers = {HTTPException: self.http_error, Exception: self.internal_error}
         return Starlette(routes=routes, exception_handlers=handlers)
@@ -171,10 +188,20 @@ class _App:
         return self.error(f"internal error: {type(exc).__name__}: {exc}", 500, "server_error")
 
     async def body(self, request: HTTPRequest):
+        """The parsed JSON body; its strings are valid Unicode (what the tokenizer takes)."""
         try:
-            return json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            text = (await request.body()).decode()  # UTF-8, as RFC 8259 asks
+            body = json.loads(text)
+        except RecursionError:
+            raise RequestError("the request body is nested too deeply") from None
+        except ValueError as e:  # bad JSON or UTF-8, an integer of over 4,300 digits
             raise RequestError(f"the request body is not valid JSON ({e})") from None
+        if SURROGATE.search(text) and (where := _lone_surrogate(body)) is not None:
+            raise RequestError(
+                f"{where:.80} holds a lone UTF-16 surrogate (a \\uD800-\\uDFFF escape without "
+                "its pair); send valid Unicode text"
+            )
+        return body
 
     @property
     def engine(self) -> Engine:
@@ -225,11 +252,12 @@ class _App:
         content = body.get("content") if isinstance(body, dict) else None
         if not isinstance(content, str):
             raise RequestError("content must be a string")
+        add_special, with_pieces = _flag(body, "add_special"), _flag(body, "with_pieces")
         tok = self.engine.tokenizer
         ids = tok.encode(content)
-        if tok.add_bos and not body.get("add_special", False):  # llama-server's default
+        if tok.add_bos and not add_special:  # llama-server's default
             ids = ids[1:]
-        if body.get("with_pieces", False):
+        if with_pieces:
             piece = tok.backend.decode  # specials shown as written
             tokens = [{"id": i, "piece": piece([i], skip_special_tokens=False)} for i in ids]
             return JSONResponse({"tokens": tokens})
@@ -245,6 +273,43 @@ class _App:
         """Empty the prefix cache (vLLM's endpoint); running requests keep their pages."""
         await asyncio.wrap_future(self.worker.call(lambda engine: engine.reset_prefix_cache()))
         return JSONResponse({"status": "ok"})
+
+    async def props(self, request: HTTPRequest):
+        """llama-server's GET /props: the defaults a request starts from, and the server."""
+        e = self.engine
+        tok = e.tokenizer
+        return JSONResponse({
+            "default_generation_settings": _slot(0, e, None),
+            "total_slots": e.shapes.rows,
+            "model_alias": self.model,
+            "model_path": e.name,
+            "chat_template": self._template_source or tok.chat_template or "",
+            "bos_token": tok.token_text(tok.bos_id),
+            "eos_token": tok.token_text(tok.eos_ids[0] if tok.eos_ids else None),
+            "modalities": {"vision": False, "audio": False},
+            "endpoint_slots": self.slots_endpoint,
+            "build_info": f"jaxinfer {__version__}",
+            "is_sleeping": False,
+        })  # fmt: skip
+
+    async def slots(self, request: HTTPRequest):
+        """llama-server's GET /slots: each slot's request (its prompt text, sampling values and
+        progress); `?fail_on_no_slot=1` answers 503 when every slot is busy."""
+        if not self.slots_endpoint:
+            return self.error("this server does not support the slots endpoint (started with "
+                              "--no-slots)", 501, "not_supported_error")  # fmt: skip
+
+        def read(engine: Engine) -> dict:  # on the engine thread: the scheduler's state
+            return {s["slot"]: {**s, "prompt": engine.detokenize(s["prompt"])}
+                    for s in engine.slot_requests()}  # fmt: skip
+
+        running = await asyncio.wrap_future(self.worker.call(read))
+        e = self.engine
+        slots = [_slot(i, e, running.get(i)) for i in range(e.shapes.rows)]
+        fail = request.query_params.get("fail_on_no_slot", "") not in ("", "0", "false")
+        if fail and all(s["is_processing"] for s in slots):
+            return self.error("no slot available", 503, "unavailable_error")
+        return JSONResponse(slots)
 
     async def completions(self, request: HTTPRequest):
         e = self.engine
@@ -271,9 +336,15 @@ class _App:
             except RuntimeError:  # the loop is closed: the server is shutting down
                 pass
 
+        echoed = []  # with echo: per prompt, its text and logprobs (scored on the engine)
+
         def submit(engine: Engine):  # on the engine thread: every choice, or none
             made = []
             try:
+                for ids in job.prompts if job.echo else ():
+                    k = job.sampling.logprobs
+                    lps = None if k is None else engine.prompt_logprobs(ids, k)
+                    echoed.append((engine.detokenize(ids), lps))
                 for ids, sampling in job.submissions():
                     made.append(engine.submit(list(ids), sampling=sampling, stream=job.stream))
             except BaseException:
@@ -283,8 +354,9 @@ class _App:
             return made
 
         handles = await asyncio.wrap_future(self.worker.open(submit, sink))
+        tokens = Tokens(self.engine.vocabulary.token_bytes)
         if job.stream:
-            events = self.events(job, handles, inbox)
+            events = self.events(job, handles, inbox, tokens, echoed)
             return StreamingResponse(events, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})  # fmt: skip
         collect = asyncio.ensure_future(_results(inbox, len(handles)))
@@ -299,23 +371,50 @@ class _App:
         results = collect.result()
         if isinstance(results, Exception):
             return self.error(f"generation failed: {results}", 500, "server_error")
-        return JSONResponse(job.response(results))
+        return JSONResponse(job.response(results, tokens, echoed))
 
-    async def events(self, job: Job, handles, inbox: asyncio.Queue) -> AsyncIterator[str]:
+    async def events(
+        self, job: Job, handles, inbox: asyncio.Queue, tokens: Tokens, echoed
+    ) -> AsyncIterator[str]:
         """The SSE stream of a job; closing it early (a client gone) cancels what still runs."""
         results: list[Result | None] = [None] * len(handles)
+        offsets = [0] * len(handles)  # completions' text_offset of each choice's next token
+        calls = [job.tool_stream() for _ in handles]  # with tools: each choice's call reader
+
+        def logprobs(index: int, lps, ids=()) -> dict | None:
+            if job.sampling.logprobs is None or not lps:
+                return None
+            if job.chat:
+                return tokens.chat(lps)
+            out = tokens.completion(lps, offsets[index], ids)
+            offsets[index] += sum(len(t) for t in out["tokens"])
+            return out
+
         try:
             for index in range(len(handles)):
                 if (opening := job.opening(index)) is not None:
                     yield _sse(opening)
+                if echoed:  # the prompt's text first (and its logprobs)
+                    text, lps = echoed[index // job.n]
+                    ids = job.prompts[index // job.n]
+                    yield _sse(job.chunk(index, text, None, logprobs(index, lps, ids)))
             while any(r is None for r in results):
                 index, item = await inbox.get()
                 if isinstance(item, StreamPiece):
-                    if item.text:
-                        yield _sse(job.chunk(index, item.text))
+                    text = calls[index].feed(item.text) if calls[index] else item.text
+                    if text or item.logprobs:
+                        lps = logprobs(index, item.logprobs)
+                        yield _sse(job.chunk(index, text, None, lps))
                 elif isinstance(item, Result):
                     results[index] = item
-                    yield _sse(job.chunk(index, None, openai_finish(item)))
+                    finish = openai_finish(item)
+                    if calls[index]:  # the held-back text, or the calls
+                        rest, made = calls[index].finish()
+                        made = job.kept_calls(made)
+                        if rest or made:
+                            yield _sse(job.chunk(index, rest or None, calls=made))
+                        finish = "tool_calls" if made else finish
+                    yield _sse(job.chunk(index, None, finish))
                 else:  # the engine failed this step: say so in the stream, as vLLM does
                     yield _sse(error_body(f"generation failed: {item}", 500, "server_error"))
                     return
@@ -344,6 +443,57 @@ async def _disconnect(request: HTTPRequest) -> None:
     """Returns when the client disconnects (what vLLM's with_cancellation listens for)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+def _slot(index: int, engine: Engine, run: dict | None) -> dict:
+    """One slot as llama-server shows it: idle with the defaults, or its running request."""
+    p = run["params"] if run else SamplingParams()
+    n_predict = p.max_new_tokens if run else -1  # -1: chat's default, the rest of the context
+    params = {
+        "n_predict": n_predict, "max_tokens": n_predict,
+        "seed": -1 if p.seed is None else p.seed,  # -1: a fresh random seed per request
+        "temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p, "min_p": p.min_p,
+        "repeat_penalty": p.repeat_penalty, "presence_penalty": p.presence_penalty,
+        "frequency_penalty": p.frequency_penalty, "stop": list(p.stop),
+        "ignore_eos": p.ignore_eos, "cache_prompt": p.cache_prompt,
+    }  # fmt: skip
+    progress = {"has_next_token": run is not None,
+                "n_remain": run["remaining"] if run else -1,
+                "n_decoded": run["generated"] if run else 0}  # fmt: skip
+    return {"id": index, "n_ctx": engine.max_seq_len, "speculative": engine.spec is not None,
+            "is_processing": run is not None, "params": params,
+            "prompt": run["prompt"] if run else "", "next_token": progress}  # fmt: skip
+
+
+def _flag(body: dict, name: str) -> bool:
+    """A boolean field (false when absent or null): JSON true or false, nothing else."""
+    value = body.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise RequestError(f"{name} = {value!r:.40} is invalid; it must be true or false")
+    return bool(value)
+
+
+def _lone_surrogate(body) -> str | None:
+    """Where a parsed JSON value holds a string (or key) with half a UTF-16 pair, which JSON
+    can escape but UTF-8 cannot encode (e.g. "messages[0].content"); None when nowhere."""
+    stack = [("", body)]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, str):
+            if LONE.search(value):
+                return where or "the request body"
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if LONE.search(key):
+                    return f"a key of {where or 'the request body'}"
+                if key.isidentifier():
+                    path = f"{where}.{key}" if where else key
+                else:  # its repr: one printable line
+                    path = f"{where}[{key!r}]"
+                stack.append((path, item))
+        elif isinstance(value, list):
+            stack.extend((f"{where or 'body'}[{i}]", item) for i, item in enumerate(value))
+    return None
 
 
 def _sse(payload: dict) -> str:

@@ -16,15 +16,13 @@ from dataclasses import dataclass
 import llguidance
 
 from ..errors import RequestError
+from ..runtime.structured import JSON_OPTIONS
 
 FORMATS = ("hermes", "llama3_json")
 CHOICES = ("auto", "none", "required")
 NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 OPEN, CLOSE = "<tool_call>", "</tool_call>"  # hermes
 PYTHON_TAG = "<|python_tag|>"  # llama3_json: Llama's tool-call token; decoded text may lack it
-# JSON whitespace a forced call may have at each place: one space, or a newline and at most 20
-# spaces or tabs (llama.cpp's rule, as runtime/structured.py), so no call runs on in blanks
-WHITESPACE = r"(?: |\n[ \t]{0,20})?"
 # a function without parameters takes none: its arguments are {}
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 
@@ -176,7 +174,7 @@ def grammar(request: ToolRequest | None, fmt: str | None) -> str | None:
 
 
 def _enforced(parameters: dict) -> dict:
-    return {**parameters, "type": "object", "x-guidance": {"whitespace_pattern": WHITESPACE}}
+    return {**parameters, "type": "object", "x-guidance": JSON_OPTIONS}  # bounded blanks
 
 
 def _validate(text: str, request: ToolRequest, names: list[str]) -> None:
