@@ -9,14 +9,13 @@ llama-server's GET /props and GET /slots (busy slots show their prompts; `?fail_
 
 import http.client
 import json
-import shutil
 import socket
 import time
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support.models import model_path
+from support.models import live_server, with_chat_template
 
 import jaxinfer
 from jaxinfer import cli
@@ -43,18 +42,12 @@ FUZZ = settings(
 def chat_model(tmp_path_factory):
     """stories260K's HF folder with a small chat template, so chat bodies reach the model."""
     folder = tmp_path_factory.mktemp("front") / "stories260K-chat"
-    shutil.copytree(model_path("stories260K-hf-derived"), folder)
-    for f in folder.iterdir():
-        f.chmod(0o644)
-    config = json.loads((folder / "tokenizer_config.json").read_text())
-    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TEMPLATE}))
-    return folder
+    return with_chat_template("stories260K-hf-derived", folder, TEMPLATE)
 
 
 @pytest.fixture(scope="module")
 def server(chat_model):
-    srv = Server(lambda: jaxinfer.load(chat_model, **PLAN), port=0).start()
-    assert srv.worker.wait_ready(600), srv.worker.error
+    srv = live_server(lambda: jaxinfer.load(chat_model, **PLAN))
     srv.reference = greedy(srv)  # what the fuzz must leave unchanged
     yield srv
     srv.stop()

@@ -43,7 +43,9 @@ def check(lp, want: np.ndarray, k: int) -> None:
             assert i == order[rank], (rank, ids, order[:k].tolist())
 
 
-@pytest.mark.parametrize("kind", list(FIXTURES))
+@pytest.mark.parametrize(
+    "kind", [k if k == "qwen3_moe" else pytest.param(k, marks=pytest.mark.slow) for k in FIXTURES]
+)
 def test_first_token_logprobs_match_the_fixtures_float64_logits(engines, kind):
     root = model_path(FIXTURES[kind])
     ref = json.loads((root / "reference.json").read_text())
@@ -83,9 +85,7 @@ def test_every_generated_token_matches_a_float64_forward(engines, stories_refere
             check(lp, want[t], 20)
 
 
-def test_prompt_logprobs_match_the_generated_ones_and_a_new_k_compiles_nothing(
-    engines, compiles
-):
+def test_prompt_logprobs_match_the_generated_ones_and_a_new_k_compiles_nothing(engines, compiles):
     """Echo's prompt logprobs (the scoring program, float64 on the host) equal the
     generated tokens' (the decode program) over the same text; k changes compile nothing."""
     engine = engines(model_path(STORIES_HF), **OPTS)
@@ -103,6 +103,7 @@ def test_prompt_logprobs_match_the_generated_ones_and_a_new_k_compiles_nothing(
     assert engine.generate("Once", max_new_tokens=2).logprobs is None
 
 
+@pytest.mark.slow
 def test_speculative_tokens_carry_their_logprobs(engines):
     """n-gram drafts accepted in bulk carry the same logprobs as the plain decode."""
     plain = engines(model_path(STORIES_HF), **OPTS)

@@ -64,9 +64,8 @@ def _cases(base: list[int], answer: list[int]) -> dict[str, tuple[list[int], int
 
 @pytest.mark.parametrize(
     "kind",
-    [k if k in ("dense", "qwen3_5") else pytest.param(k, marks=pytest.mark.slow)
-     for k in FIXTURES],
-)  # fmt: skip
+    [k if k == "dense" else pytest.param(k, marks=pytest.mark.slow) for k in FIXTURES],
+)  # fmt: skip (the hybrid fixtures in the slow tier: the default tier's time budget)
 def test_hits_give_the_tokens_and_logits_of_a_cold_run(kind):
     """Each prompt twice on one engine: with the cache, and cold (cache_prompt=False, and
     logits() without it: every token computed)."""
@@ -211,11 +210,8 @@ def _soak(engine, base, rng, n: int):
         h.result()
 
 
-@pytest.mark.parametrize(
-    "layout, devices",
-    [("single", 1), pytest.param("layer", 2, marks=pytest.mark.slow),
-     pytest.param("tensor", 2, marks=pytest.mark.slow)],
-)  # fmt: skip
+@pytest.mark.slow  # the default tier's time budget; the units above cover the pool
+@pytest.mark.parametrize("layout, devices", [("single", 1), ("layer", 2), ("tensor", 2)])
 def test_a_200_request_soak_compiles_nothing_and_gives_everything_back(
     hybrid, engines, layout, devices
 ):

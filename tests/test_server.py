@@ -7,7 +7,6 @@ compiles after warmup, and /health goes 503 -> 200."""
 import http.client
 import json
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -17,13 +16,12 @@ import time
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from support.models import model_path
+from support.models import live_server, with_chat_template
 
 import jaxinfer
 from jaxinfer.cli import main
 from jaxinfer.formats.tokenizer import Tokenizer
 from jaxinfer.serve.chat import ChatTemplate, check_messages
-from jaxinfer.serve.server import Server
 
 openai = pytest.importorskip("openai")
 
@@ -51,20 +49,13 @@ PROMPTS = [
 def chat_model(tmp_path_factory):
     """stories260K's HF folder with a chat template in its tokenizer_config.json."""
     folder = tmp_path_factory.mktemp("chat") / "stories260K-chat"
-    shutil.copytree(model_path("stories260K-hf-derived"), folder)
-    for f in folder.iterdir():
-        f.chmod(0o644)
-    config = json.loads((folder / "tokenizer_config.json").read_text())
-    config["chat_template"] = TEMPLATE
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    return folder
+    return with_chat_template("stories260K-hf-derived", folder, TEMPLATE)
 
 
 @pytest.fixture(scope="module")
 def server(chat_model):
     opts = dict(slots=4, prefill_buckets=(32, 128), batch_buckets=(1,))  # a small plan
-    srv = Server(lambda: jaxinfer.load(chat_model, **opts), port=0).start()
-    assert srv.worker.wait_ready(600), srv.worker.error
+    srv = live_server(lambda: jaxinfer.load(chat_model, **opts))
     yield srv
     srv.stop()
 

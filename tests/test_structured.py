@@ -11,7 +11,7 @@ import re
 import jsonschema
 import numpy as np
 import pytest
-from support.models import STORIES_HF, model_path
+from support.models import STORIES_HF, live_server, model_path, with_chat_template
 from support.templates import QWEN25
 from test_logprobs import LOGPROB_ATOL, log_softmax64
 
@@ -119,16 +119,10 @@ def test_bad_schemas_and_grammars_are_one_line_errors(engines):
 @pytest.fixture(scope="module")
 def qwen_server(tmp_path_factory):
     """The Qwen3-MoE fixture with Qwen2.5's chat template (Hermes tool calls)."""
-    import shutil
-
     folder = tmp_path_factory.mktemp("tools") / "qwen3-moe-tools"
-    shutil.copytree(model_path(QWEN3_MOE), folder, ignore=shutil.ignore_patterns("*.gguf"))
-    config = json.loads((folder / "tokenizer_config.json").read_text())
-    config["chat_template"] = QWEN25
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    with_chat_template(QWEN3_MOE, folder, QWEN25)
     opts = dict(slots=4, max_seq_len=1024, prefill_buckets=(32, 128), batch_buckets=(1,))
-    srv = Server(lambda: jaxinfer.load(folder, **opts), port=0).start()
-    assert srv.worker.wait_ready(600), srv.worker.error
+    srv = live_server(lambda: jaxinfer.load(folder, **opts))
     yield srv
     srv.stop()
 

@@ -1,5 +1,7 @@
 """The shared tiny models (../shared/models, outside the repository) and what they publish."""
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -27,3 +29,24 @@ def model_path(rel: str) -> Path:
     if not path.exists():
         pytest.skip(f"{path} is missing (the shared tiny models are not checked out)")
     return path
+
+
+def with_chat_template(rel: str, folder: Path, template: str) -> Path:
+    """A writable copy of the HF folder `rel` in `folder` (its GGUF files left out) with
+    `template` as its tokenizer_config.json chat_template."""
+    shutil.copytree(model_path(rel), folder, ignore=shutil.ignore_patterns("*.gguf"))
+    for f in folder.iterdir():
+        f.chmod(0o644)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    return folder
+
+
+def live_server(load):
+    """A started Server on a free port over `load()`, ready (for a module fixture to yield
+    and stop)."""
+    from jaxinfer.serve.server import Server
+
+    srv = Server(load, port=0).start()
+    assert srv.worker.wait_ready(600), srv.worker.error
+    return srv
