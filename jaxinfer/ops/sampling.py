@@ -93,9 +93,9 @@ class SamplingRows:
         )
 
     @staticmethod
-    def stack(rows: list[tuple], batch: int, vocab: int | None = None, masks=None) -> SamplingRows:
-        """Host rows for `batch` rows: `rows` first, then greedy padding; with `vocab`, their
-        token masks (`masks`: {row: packed mask}, every token allowed elsewhere)."""
+    def stack(rows: list[tuple], batch: int) -> SamplingRows:
+        """Host rows for `batch` rows: `rows` first, then greedy padding (no masks: the
+        caller sets `mask`, `free_mask` where nothing is constrained)."""
         floats = np.zeros((batch, len(FLOATS)), np.float32)
         floats[:, _C["top_p"]] = floats[:, _C["repeat_penalty"]] = 1.0
         ints = np.zeros((batch, len(INTS)), np.int32)
@@ -103,12 +103,12 @@ class SamplingRows:
         stops = np.full((batch, N_STOP_IDS), -1, np.int32)
         for b, (f, i, s) in enumerate(rows):
             floats[b], ints[b], stops[b] = f, i, s
-        mask = None
-        if vocab:
-            mask = np.full((batch, mask_words(vocab)), -1, np.int32)
-            for b, m in (masks or {}).items():
-                mask[b] = m
-        return SamplingRows(floats, ints, stops, mask)
+        return SamplingRows(floats, ints, stops)
+
+
+def free_mask(batch: int, vocab: int) -> np.ndarray:
+    """[batch, mask_words(vocab)] int32: every token allowed."""
+    return np.full((batch, mask_words(vocab)), -1, np.int32)
 
 
 def mask_words(vocab: int) -> int:

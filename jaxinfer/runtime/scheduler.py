@@ -33,7 +33,7 @@ import numpy as np
 
 from ..errors import RequestError
 from ..model.kvcache import NULL_PAGE, NULL_SLOT, KVView
-from ..ops.sampling import PENALTY_WINDOW, SamplingRows, recent_window
+from ..ops.sampling import PENALTY_WINDOW, SamplingRows, free_mask, recent_window
 from .buckets import ShapePlan
 from .executor import Executor
 from .inputs import Chunk, DecodeState
@@ -367,21 +367,24 @@ class Scheduler:
             state, sampling, tables = self.executor.put((state, sampling, new_tables))
         elif any(not np.array_equal(a, b) for a, b in zip(new_tables, host_tables, strict=True)):
             host_tables, tables = new_tables, self.executor.put(new_tables)
-        if rows == last_rows and any(a.state.constraint is not None for a in rows):  # new masks
-            sampling = self.executor.put(self._sampling(rows, batch))
+        if rows == last_rows and any(a.state.constraint is not None for a in rows):
+            sampling = sampling.replace(mask=self.executor.put(self._masks(rows, batch)))
         self._last = (rows, state, sampling, (host_tables, tables))
         return state, sampling, tables
 
     def _sampling(self, rows, batch: int, sampled=None) -> SamplingRows:
-        """The sampling rows of a call, with the token masks of the constrained rows that it
-        samples for (`sampled` [row]: whether it does; every row by default)."""
-        masks = {
-            b: active.state.constraint.mask()
-            for b, active in enumerate(rows)
-            if active.state.constraint is not None and (sampled is None or sampled[b])
-        }
-        vocab = self.executor.cfg.vocab_size
-        return SamplingRows.stack([a.state.sampling for a in rows], batch, vocab, masks)
+        """The sampling rows of a call, with its token masks (`_masks`)."""
+        rows_ = SamplingRows.stack([a.state.sampling for a in rows], batch)
+        return rows_.replace(mask=self._masks(rows, batch, sampled))
+
+    def _masks(self, rows, batch: int, sampled=None) -> np.ndarray:
+        """[batch, W] the token masks of the constrained rows a call samples for (`sampled`
+        [row]: whether it does; every row by default), every token allowed elsewhere."""
+        masks = free_mask(batch, self.executor.cfg.vocab_size)
+        for b, active in enumerate(rows):
+            if active.state.constraint is not None and (sampled is None or sampled[b]):
+                masks[b] = active.state.constraint.mask()
+        return masks
 
     def _logprobs(self, rows, lp):
         """The call's Logprobs on the host where a row wants them, else None."""

@@ -381,7 +381,8 @@ def _constraint(body: dict, forced: str | None) -> dict:
         spec = form.get("json_schema")
         if not isinstance(spec, dict) or "schema" not in spec and "name" not in spec:
             raise RequestError("response_format.json_schema must be an object with a schema")
-        return {"json_schema": _schema(spec.get("schema", {}), "response_format.json_schema")}
+        where = "response_format.json_schema.schema"
+        return {"json_schema": _schema(spec.get("schema", {}), where)}
     raise RequestError(
         'response_format must be {"type": "text"}, {"type": "json_object"} or '
         '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}'
