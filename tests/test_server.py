@@ -459,3 +459,21 @@ def test_serve_command_errors(capsys, tmp_path):
         err = capsys.readouterr().err.strip().splitlines()[-1]
         assert err.startswith("error: ") and words in err, err
     busy.close()
+
+
+def test_tools_on_a_template_without_a_call_format_and_a_bad_schema_are_clear_400s(client):
+    """This server's template (Llama 2 style) writes no tool calls; structured output and
+    plain chat still work beside the refusals (tests/test_structured.py has the rest)."""
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}  # fmt: skip
+    with pytest.raises(openai.BadRequestError, match="no tool-call format"):
+        client.chat.completions.create(model="m", messages=ask, tools=[tool], max_tokens=4)
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}
+    with pytest.raises(openai.BadRequestError, match="json_schema is invalid"):
+        client.chat.completions.create(model="m", messages=ask, max_tokens=4, response_format=bad)
+    ok = client.chat.completions.create(
+        model="m", messages=ask, max_tokens=30, temperature=0,
+        response_format={"type": "json_object"},
+    )  # fmt: skip
+    assert ok.choices[0].message.content.lstrip().startswith("{")

@@ -17,7 +17,6 @@ from test_logprobs import LOGPROB_ATOL, log_softmax64
 
 import jaxinfer
 from jaxinfer.errors import RequestError
-from jaxinfer.serve.server import Server
 
 openai = pytest.importorskip("openai")
 
@@ -246,30 +245,6 @@ def test_tool_results_go_back_in_and_auto_may_answer_in_text(client):
     # random weights: an answer in text (a call would have to parse, and then be listed)
     assert answer.finish_reason in ("stop", "length", "tool_calls")
     assert answer.message.content is not None or answer.message.tool_calls
-
-
-def test_tools_on_a_template_without_them_is_a_clear_400(tmp_path):
-    engine_opts = dict(prefill_buckets=(32,), batch_buckets=(1,), max_seq_len=256)
-    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-    srv = Server(
-        lambda: jaxinfer.load(model_path(STORIES_HF), **engine_opts), port=0,
-        chat_template=template,
-    ).start()  # fmt: skip
-    try:
-        assert srv.worker.wait_ready(600), srv.worker.error
-        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
-        with pytest.raises(openai.BadRequestError, match="no tool-call format"):
-            c.chat.completions.create(model="m", messages=ASK, tools=[WEATHER], max_tokens=4)
-        with pytest.raises(openai.BadRequestError, match="json_schema is invalid"):
-            c.chat.completions.create(
-                model="m", messages=ASK, max_tokens=4,
-                response_format={"type": "json_schema",
-                                 "json_schema": {"name": "x", "schema": {"type": "nonsense"}}},
-            )  # fmt: skip
-        ok = c.chat.completions.create(model="m", messages=ASK, max_tokens=4, temperature=0)
-        assert ok.choices[0].message.content is not None
-    finally:
-        srv.stop()
 
 
 def test_logprobs_through_the_client_match_the_fixture(client, qwen_server):
