@@ -151,6 +151,11 @@ class SamplingParams:
     def replace(self, **changes) -> SamplingParams:
         return dataclasses.replace(self, **changes)
 
+    @property
+    def constrained(self) -> bool:
+        """Whether a JSON schema, grammar or regex holds the output."""
+        return any(v is not None for v in (self.json_schema, self.grammar, self.regex))
+
     def resolved_seed(self) -> int:
         """The seed the sampler keys take (int31): a fresh random one without a seed."""
         if self.seed is None or self.seed < 0:

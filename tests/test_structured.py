@@ -94,6 +94,25 @@ def test_constrained_and_free_requests_share_slots_without_compiles(compiles):
     assert stats["pages_in_use"] == 0
 
 
+def test_constrained_rows_do_not_draft_and_match_a_plain_engine(engines):
+    """Under n-gram speculation a constrained request makes the same greedy tokens as
+    without it (its row never drafts: each token passes the matcher), while a free request
+    beside it still drafts."""
+    plain = engines(model_path(STORIES_HF), **OPTS)
+    spec = engines(model_path(STORIES_HF), speculative="ngram", draft_tokens=4, **OPTS)
+    copy = "Once upon a time, there was a little girl. Once upon a time, there was a little"
+    grammar = 'root ::= "The " ("cat " | "dog " | "sun ")+ "."'
+    for engine in (plain, spec):
+        engine.reset_perf()
+    want = plain.generate(copy, max_new_tokens=30, temperature=0, grammar=grammar).token_ids
+    free = spec.submit(copy, max_new_tokens=30, temperature=0)
+    held = spec.submit(copy, max_new_tokens=30, temperature=0, grammar=grammar)
+    assert held.result().token_ids == want
+    assert re.fullmatch(r"The ((cat|dog|sun) )+\.?", held.result().text)
+    free.result()
+    assert spec.perf_stats().accepted_tokens > 0
+
+
 def test_bad_schemas_and_grammars_are_one_line_errors(engines):
     engine = engines(model_path(STORIES_HF), **OPTS)
     bad = [

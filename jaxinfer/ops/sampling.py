@@ -38,7 +38,9 @@ CANDIDATES = 128
 FLOATS = (
     "temperature", "top_p", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty",
 )  # fmt: skip
-INTS = ("top_k", "seed", "logprobs")  # logprobs: how many best ones a row wants, -1 = none
+# logprobs: how many best ones a row wants (-1 = none); grammar: 1 where a grammar holds the
+# row (its mask is then set each call, and it makes one token a call, without drafts)
+INTS = ("top_k", "seed", "logprobs", "grammar")
 _C = {name: i for i, name in enumerate(FLOATS)} | {name: i for i, name in enumerate(INTS)}
 
 
@@ -74,8 +76,8 @@ class SamplingRows:
         stops[: len(stop_ids)] = stop_ids
         return (
             np.array([getattr(params, name) for name in FLOATS], np.float32),
-            np.array([params.top_k, seed, -1 if params.logprobs is None else params.logprobs],
-                     np.int32),
+            np.array([params.top_k, seed, -1 if params.logprobs is None else params.logprobs,
+                      params.constrained], np.int32),
             stops,
         )  # fmt: skip
 
@@ -132,10 +134,8 @@ def _masked(logits, mask):
 
 
 def constrained(rows: SamplingRows) -> jax.Array:
-    """[B] whether a row's mask leaves some token out (a grammar holds it)."""
-    if rows.mask is None:
-        return jnp.zeros(rows.ints.shape[0], bool)
-    return jnp.any(rows.mask != -1, axis=-1)
+    """[B] whether a grammar holds the row."""
+    return rows.ints[:, _C["grammar"]] > 0
 
 
 @struct.dataclass
