@@ -105,8 +105,8 @@ class RequestState:
         if self.logprobs is not None and lp is not None:
             k = self.params.logprobs
             made = [
-                TokenLogprob(t, float(lp.token[i]), tuple(zip(ids[:k], values[:k], strict=True)))
-                for i, (t, ids, values) in enumerate(
+                TokenLogprob(t, float(lp.token[i]), tuple(zip(best[:k], values[:k], strict=True)))
+                for i, (t, best, values) in enumerate(
                     zip(piece.token_ids, lp.ids.tolist(), lp.values.tolist(), strict=False)
                 )
             ]
