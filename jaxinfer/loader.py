@@ -101,8 +101,9 @@ def load(
     not both; see EngineOptions for each one.
     """
     o = EngineOptions.make(options, **short)
+    kernels.mode()  # a bad JAXINFER_KERNELS fails here, before the model loads
     if jax.default_backend() == "cpu":
-        kernels.status()  # a bad JAXINFER_CPU_KERNELS fails here, before the model loads
+        kernels.status()  # and a bad JAXINFER_CPU_KERNELS
     compute = jnp.dtype(o.dtype)
     store = executable_store(o)
     # jax's persistent cache serves what the store does not hold only without a store: the

@@ -2,8 +2,11 @@
 the same greedy tokens under every variant this CPU runs, and the NEON variant's routines
 against the scalar ones under qemu-aarch64 (where Debian's cross tools are installed)."""
 
+import json
+import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -13,7 +16,7 @@ from support.models import GOLDEN, STORIES, STORIES_Q8, model_path
 
 import jaxinfer
 from jaxinfer.errors import SetupError
-from jaxinfer.kernels import build
+from jaxinfer.kernels import backend, build
 from jaxinfer.kernels import cpu as kernels
 
 
@@ -28,6 +31,50 @@ def test_a_bad_choice_is_one_line(monkeypatch):
     monkeypatch.setenv(kernels.ENV, cannot[0])
     with pytest.raises(SetupError, match=rf"^{kernels.ENV}={cannot[0]}: (not for|the CPU lacks)"):
         kernels._choose()
+
+
+def test_jaxinfer_kernels_xla_turns_every_kernel_off(monkeypatch):
+    """JAXINFER_KERNELS=xla: the graph path, whatever JAXINFER_CPU_KERNELS names; any other
+    value than auto / xla is a one-line error, also from load()."""
+    monkeypatch.setenv(backend.ENV, "xla")
+    for forced in ("", "scalar", "off"):
+        monkeypatch.setenv(kernels.ENV, forced)
+        assert kernels._choose().variant is None
+    monkeypatch.setenv(backend.ENV, "auto")
+    monkeypatch.setenv(kernels.ENV, "off")
+    assert kernels._choose().variant is None
+    monkeypatch.setenv(backend.ENV, "triton")
+    with pytest.raises(SetupError, match=r"^JAXINFER_KERNELS='triton' is not one of auto, xla$"):
+        jaxinfer.load(model_path(STORIES))
+
+
+XLA_GREEDY = """
+import json, sys, jaxinfer
+from jaxinfer import kernels
+assert kernels.status().variant is None, kernels.status()
+out = [jaxinfer.load(p, max_seq_len=128).generate([1], max_new_tokens=24, temperature=0,
+       ignore_eos=True).token_ids for p in sys.argv[1:]]
+print(json.dumps(out))
+"""
+FIXTURES = [STORIES, STORIES_Q8] + [
+    pytest.param(f"tiny-random/{name}", marks=pytest.mark.slow)
+    for name in ("qwen3_moe_e8k2_bpe", "qwen3_5_l3f1_dense_mtp", "qwen3_next_l3f1_e8k2_mtp",
+                 "qwen3_5_moe_l3f1_e8k2_mtp", "mixtral_e8k2")
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("model", FIXTURES)
+def test_xla_mode_gives_the_default_greedy_ids(engines, model):
+    """A process under JAXINFER_KERNELS=xla (no CPU kernel at all) against this one's
+    default (its best variant): the same greedy ids."""
+    path = model_path(model)
+    env = {**os.environ, backend.ENV: "xla"}
+    out = subprocess.run([sys.executable, "-c", XLA_GREEDY, str(path)], capture_output=True,
+                         text=True, timeout=600, env=env)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    (xla,) = json.loads(out.stdout.strip().splitlines()[-1])
+    engine = engines(path, max_seq_len=128)
+    assert xla == engine.generate([1], max_new_tokens=24, temperature=0, ignore_eos=True).token_ids
 
 
 def test_the_cpu_flags_decide():

@@ -1,8 +1,10 @@
 """Kernels: implementations of the ops (`ops/`) for one backend, chosen where the model calls
 them. Today the CPU's XLA FFI custom calls (`cpu.py`; C++ sources in `src/`, one library per
 instruction set, built by `build.py`): the quantized and small-row float products and paged
-attention. The model never calls a backend directly."""
+attention. JAXINFER_KERNELS=xla forces the plain-XLA graph path (`backend.mode`). The model
+never calls a backend directly."""
 
+from .backend import mode
 from .cpu import ATTEND_POOLS, MAX_ROWS, attend, available, matmul, matmuls, serves, status
 
 __all__ = [
@@ -12,6 +14,7 @@ __all__ = [
     "available",
     "matmul",
     "matmuls",
+    "mode",
     "serves",
     "status",
 ]

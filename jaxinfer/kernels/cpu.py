@@ -1,6 +1,7 @@
 """The CPU kernels: XLA FFI custom calls (C++ in src/), one library per instruction-set variant
 (build.py), built when the package is installed and chosen when first used: the best variant
-the CPU runs, or the one JAXINFER_CPU_KERNELS names (avx512, avx2, neon, scalar; off: none).
+the CPU runs, or the one JAXINFER_CPU_KERNELS names (avx512, avx2, neon, scalar; off: none;
+JAXINFER_KERNELS=xla turns them off too, backend.py).
 `qmatmul` reads a `QArray`'s blocks once and dequantizes in registers; `model.linear` sends it
 the products where it beats XLA (CROSSOVERS, per variant); the rest, and any backend without
 the kernels, dequantize inside the graph. Float32 weights placed for it ("f32" QArrays) go to it
@@ -25,7 +26,7 @@ import numpy as np
 
 from ..errors import SetupError
 from ..ops.quant import FORMATS
-from . import build
+from . import backend, build
 
 log = logging.getLogger("jaxinfer")
 
@@ -121,6 +122,8 @@ def using(variant: str):
 
 
 def _choose() -> Status:
+    if backend.mode() == "xla":  # the graph path everywhere, whatever ENV says
+        return Status(None, (("kernels", f"{backend.ENV}=xla"),))
     forced = os.environ.get(ENV, "").strip().lower()
     if forced and forced not in CHOICES:
         raise SetupError(f"{ENV}={forced!r} is not one of {', '.join(CHOICES)}")
