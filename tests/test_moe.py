@@ -367,3 +367,35 @@ def test_layer_split_of_dense_and_moe_layers(written):
     assert "skipped" in engine.runner.description
     greedy = R.greedy(case["weights"], case["config"], PROMPT, 12)
     assert engine.generate(PROMPT, max_new_tokens=12, temperature=0).token_ids == greedy
+
+
+@pytest.mark.parametrize("N, k, E", [(1, 2, 8), (7, 2, 8), (64, 8, 16), (300, 2, 4)])
+def test_grouped_products_and_the_tile_loop_match_a_float64_expert_block(N, k, E):
+    """The accelerators' expert block (lax.ragged_dot over the sorted assignments) and the
+    CPU's tile loop against NumPy float64, with padding rows and, as under an expert split,
+    the experts in two halves whose parts sum to the whole."""
+    import jax.numpy as jnp
+
+    from jaxinfer.model.moe import expert_ffn, grouped_ffn
+
+    rng = np.random.default_rng(N + k + E)
+    D, F = 16, 24
+    x = rng.normal(size=(N, D)).astype(np.float32)
+    ids = np.stack([rng.permutation(E)[:k] for _ in range(N)]).astype(np.int32)
+    weights = rng.random((N, k)).astype(np.float32)
+    valid = rng.random(N) > 0.2
+    gate, up = (rng.normal(size=(E, F, D)).astype(np.float32) / 4 for _ in range(2))
+    down = rng.normal(size=(E, D, F)).astype(np.float32) / 4
+    want = np.zeros((N, D))
+    for n in np.flatnonzero(valid):
+        for e, w in zip(ids[n], weights[n], strict=True):
+            g, u = gate[e] @ x[n].astype(np.float64), up[e] @ x[n].astype(np.float64)
+            want[n] += w * (down[e] @ (g / (1 + np.exp(-g)) * u))
+    args = [jnp.asarray(a) for a in (x, ids, weights, valid)]
+    for ffn in (expert_ffn, grouped_ffn):
+        whole = np.asarray(ffn(*args, gate, up, down))
+        h = E // 2
+        halves = sum(np.asarray(ffn(*args, gate[s], up[s], down[s], first=s.start))
+                     for s in (slice(0, h), slice(h, E)))  # fmt: skip
+        for got in (whole, halves):
+            np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4, err_msg=ffn.__name__)

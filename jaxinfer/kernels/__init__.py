@@ -4,7 +4,7 @@ instruction set, built by `build.py`): the quantized and small-row float product
 attention. JAXINFER_KERNELS=xla forces the plain-XLA graph path (`backend.mode`). The model
 never calls a backend directly."""
 
-from .backend import mode
+from .backend import grouped_experts, mode
 from .cpu import ATTEND_POOLS, MAX_ROWS, attend, available, matmul, matmuls, serves, status
 
 __all__ = [
@@ -12,6 +12,7 @@ __all__ = [
     "MAX_ROWS",
     "attend",
     "available",
+    "grouped_experts",
     "matmul",
     "matmuls",
     "mode",

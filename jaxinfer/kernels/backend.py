@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 
+import jax
+
 from ..errors import SetupError
 
 ENV = "JAXINFER_KERNELS"
@@ -20,3 +22,9 @@ def mode() -> str:
     if value not in MODES:
         raise SetupError(f"{ENV}={value!r} is not one of {', '.join(MODES)}")
     return value
+
+
+def grouped_experts() -> bool:
+    """Whether the expert block runs as grouped products (`lax.ragged_dot`, every expert's
+    rows in one call) rather than the CPU's loop of per-expert tiles: on accelerators."""
+    return jax.default_backend() != "cpu"

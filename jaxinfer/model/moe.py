@@ -30,6 +30,7 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from .. import kernels
 from ..ops.quant import QArray
 from ..ops.vma import varying_like
 from .linear import linear
@@ -78,6 +79,29 @@ def tile_rows(assignments: int, experts: int) -> int:
     return min(MAX_TILE, -(-int(mean + 2 * mean**0.5) // 8) * 8)
 
 
+def _sorted(ids, valid, experts: int, first: int):
+    """The assignments (each token's k experts) sorted by expert, for the experts first ..
+    first + experts - 1 held here: (mine [A] whether an assignment is one of them, order [A]
+    the assignment at each sorted position, counts [experts] rows per expert)."""
+    A = ids.size
+    local = ids.reshape(A) - first  # [A]
+    mine = (local >= 0) & (local < experts) & jnp.repeat(valid, ids.shape[1])
+    key = jnp.where(mine, local, experts)  # no work here (another device's expert, padding)
+    order = jnp.argsort(key, stable=True)  # [A]
+    counts = jnp.zeros(experts + 1, jnp.int32).at[key].add(1)[:experts]  # [experts]
+    return mine, order, counts
+
+
+def _combined(ys, mine, order, weights) -> jax.Array:
+    """Each token's weighted sum of its experts' outputs ys [>= A, D] (in sorted order)."""
+    N, k = weights.shape
+    A = N * k
+    at = jnp.zeros(A, jnp.int32).at[order].set(jnp.arange(A, dtype=jnp.int32))  # sorted row
+    w = jnp.where(mine, weights.reshape(A), 0.0)[:, None]  # [A, 1]
+    out = jnp.where(w > 0, ys[at].astype(jnp.float32) * w, 0.0)  # [A, D]
+    return out.reshape(N, k, -1).sum(axis=1)
+
+
 def expert_ffn(x, ids, weights, valid, w_gate, w_up, w_down, first=0) -> jax.Array:
     """Sum over each token's experts of weight * SwiGLU_e(x), for the experts held here.
 
@@ -89,11 +113,7 @@ def expert_ffn(x, ids, weights, valid, w_gate, w_up, w_down, first=0) -> jax.Arr
     EL = w_gate.shape[0]
     A = N * k
     C = tile_rows(A, EL)
-    local = ids.reshape(A) - first  # [A]
-    mine = (local >= 0) & (local < EL) & jnp.repeat(valid, k)
-    key = jnp.where(mine, local, EL)  # EL: no work here (another device's expert, padding)
-    order = jnp.argsort(key, stable=True)  # [A] assignment at each sorted position
-    counts = jnp.zeros(EL + 1, jnp.int32).at[key].add(1)[:EL]  # [EL]
+    mine, order, counts = _sorted(ids, valid, EL, first)
     starts = jnp.cumsum(counts) - counts  # [EL] first sorted row of each expert
     tiles = -(-counts // C)  # [EL]
     tile_end = jnp.cumsum(tiles)
@@ -115,10 +135,22 @@ def expert_ffn(x, ids, weights, valid, w_gate, w_up, w_down, first=0) -> jax.Arr
 
     ys = varying_like(jnp.zeros((A + C, D), x.dtype), jax.tree.leaves(w_gate)[0])
     ys = lax.fori_loop(0, n_tiles, tile, ys)
-    at = jnp.zeros(A, jnp.int32).at[order].set(jnp.arange(A, dtype=jnp.int32))  # sorted row
-    w = jnp.where(mine, weights.reshape(A), 0.0)[:, None]  # [A, 1]
-    out = jnp.where(w > 0, ys[at].astype(jnp.float32) * w, 0.0)  # [A, D]
-    return out.reshape(N, k, D).sum(axis=1)
+    return _combined(ys, mine, order, weights)
+
+
+def grouped_ffn(x, ids, weights, valid, w_gate, w_up, w_down, first=0) -> jax.Array:
+    """`expert_ffn` as three grouped products (`lax.ragged_dot`) over the assignments sorted
+    by expert, every expert's rows in one call each: the accelerators' form (a GPU or TPU
+    starves on the one-row tiles of the loop). Plain weights only (quantized ones take the
+    loop). Rows sorted past the experts held here come out zero and weigh nothing."""
+    k = ids.shape[1]
+    mine, order, counts = _sorted(ids, valid, w_gate.shape[0], first)
+    xs = x[order // k]  # [A, D]
+    by_rows = lambda w: jnp.swapaxes(w, 1, 2)  # noqa: E731 [EL, out, in] -> [EL, in, out]
+    gate = lax.ragged_dot(xs, by_rows(w_gate), counts)  # [A, F]
+    up = lax.ragged_dot(xs, by_rows(w_up), counts)
+    ys = lax.ragged_dot((jax.nn.silu(gate) * up).astype(xs.dtype), by_rows(w_down), counts)
+    return _combined(ys, mine, order, weights)
 
 
 def expert(w, e: jax.Array):
@@ -135,13 +167,17 @@ def times(x: jax.Array, w) -> jax.Array:
 
 
 def experts(x, ids, weights, valid, w_gate, w_up, w_down, split: ExpertSplit | None):
-    """`expert_ffn` over all experts, split over `split.axis` when given -> [N, D] float32."""
+    """The expert block over all experts, split over `split.axis` when given -> [N, D]
+    float32: the tile loop (`expert_ffn`), or on accelerators with plain weights the grouped
+    products (`grouped_ffn`, kernels.grouped_experts)."""
+    plain = not isinstance(w_gate, QArray)
+    ffn = grouped_ffn if plain and kernels.grouped_experts() else expert_ffn
     if split is None:
-        return expert_ffn(x, ids, weights, valid, w_gate, w_up, w_down)
+        return ffn(x, ids, weights, valid, w_gate, w_up, w_down)
 
     def local(x, ids, weights, valid, w_gate, w_up, w_down):
         first = lax.axis_index(split.axis) * w_gate.shape[0]
-        part = expert_ffn(x, ids, weights, valid, w_gate, w_up, w_down, first)
+        part = ffn(x, ids, weights, valid, w_gate, w_up, w_down, first)
         return lax.psum(part, split.axis)
 
     rep, held = P(), P(split.axis)
