@@ -433,8 +433,13 @@ def _get(body: dict, name: str, kind: type, default):
     ok = _is_int(value) if kind is int else isinstance(value, kind)
     if not ok:
         want = {int: "an integer", bool: "true or false", str: "a string"}[kind]
-        raise RequestError(f"{name} = {value!r} is invalid; it must be {want}")
+        raise RequestError(f"{name} = {value!r:.40} is invalid; it must be {want}")
     return value
+
+
+def flag(body: dict, name: str) -> bool:
+    """A boolean field, false when absent or null: JSON true or false, nothing else."""
+    return _get(body, name, bool, False)
 
 
 def _max_tokens(body: dict, name: str, default):

@@ -40,6 +40,7 @@ from .openai_api import (
     chat_job,
     completion_job,
     error_body,
+    flag,
     token_ids,
 )
 from .openai_api import finish_reason as openai_finish
@@ -252,7 +253,7 @@ class _App:
         content = body.get("content") if isinstance(body, dict) else None
         if not isinstance(content, str):
             raise RequestError("content must be a string")
-        add_special, with_pieces = _flag(body, "add_special"), _flag(body, "with_pieces")
+        add_special, with_pieces = flag(body, "add_special"), flag(body, "with_pieces")
         tok = self.engine.tokenizer
         ids = tok.encode(content)
         if tok.add_bos and not add_special:  # llama-server's default
@@ -463,14 +464,6 @@ def _slot(index: int, engine: Engine, run: dict | None) -> dict:
     return {"id": index, "n_ctx": engine.max_seq_len, "speculative": engine.spec is not None,
             "is_processing": run is not None, "params": params,
             "prompt": run["prompt"] if run else "", "next_token": progress}  # fmt: skip
-
-
-def _flag(body: dict, name: str) -> bool:
-    """A boolean field (false when absent or null): JSON true or false, nothing else."""
-    value = body.get(name)
-    if value is not None and not isinstance(value, bool):
-        raise RequestError(f"{name} = {value!r:.40} is invalid; it must be true or false")
-    return bool(value)
 
 
 def _lone_surrogate(body) -> str | None:
