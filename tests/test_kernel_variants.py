@@ -34,47 +34,57 @@ def test_a_bad_choice_is_one_line(monkeypatch):
 
 
 def test_jaxinfer_kernels_xla_turns_every_kernel_off(monkeypatch):
-    """JAXINFER_KERNELS=xla: the graph path, whatever JAXINFER_CPU_KERNELS names; any other
-    value than auto / xla is a one-line error, also from load()."""
-    monkeypatch.setenv(backend.ENV, "xla")
-    for forced in ("", "scalar", "off"):
-        monkeypatch.setenv(kernels.ENV, forced)
-        assert kernels._choose().variant is None
+    """JAXINFER_KERNELS=xla: the graph path, whatever JAXINFER_CPU_KERNELS names (interpret:
+    the Pallas kernels, the CPU's off too); any other value than auto / xla / interpret is a
+    one-line error, also from load()."""
+    for mode in ("xla", "interpret"):
+        monkeypatch.setenv(backend.ENV, mode)
+        for forced in ("", "scalar", "off"):
+            monkeypatch.setenv(kernels.ENV, forced)
+            assert kernels._choose().variant is None
     monkeypatch.setenv(backend.ENV, "auto")
     monkeypatch.setenv(kernels.ENV, "off")
     assert kernels._choose().variant is None
     monkeypatch.setenv(backend.ENV, "triton")
-    with pytest.raises(SetupError, match=r"^JAXINFER_KERNELS='triton' is not one of auto, xla$"):
+    with pytest.raises(SetupError, match=r"^JAXINFER_KERNELS='triton' is not one of auto, xla, "):
         jaxinfer.load(model_path(STORIES))
 
 
-XLA_GREEDY = """
+GREEDY = """
 import json, sys, jaxinfer
 from jaxinfer import kernels
 assert kernels.status().variant is None, kernels.status()
-out = [jaxinfer.load(p, max_seq_len=128).generate([1], max_new_tokens=24, temperature=0,
-       ignore_eos=True).token_ids for p in sys.argv[1:]]
-print(json.dumps(out))
+engines = [jaxinfer.load(p, max_seq_len=128) for p in sys.argv[1:]]
+out = [e.generate([1], max_new_tokens=24, temperature=0, ignore_eos=True).token_ids
+       for e in engines]
+texts = [c.as_text() for e in engines for c in e.compile_cache.executables("decode")]
+print(json.dumps([out, all("paged_attention" in t for t in texts)]))
 """
-FIXTURES = [STORIES, STORIES_Q8] + [
-    pytest.param(f"tiny-random/{name}", marks=pytest.mark.slow)
+FIXTURES = [(STORIES, STORIES_Q8)] + [
+    pytest.param((f"tiny-random/{name}",), marks=pytest.mark.slow)
     for name in ("qwen3_moe_e8k2_bpe", "qwen3_5_l3f1_dense_mtp", "qwen3_next_l3f1_e8k2_mtp",
                  "qwen3_5_moe_l3f1_e8k2_mtp", "mixtral_e8k2")
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("model", FIXTURES)
-def test_xla_mode_gives_the_default_greedy_ids(engines, model):
-    """A process under JAXINFER_KERNELS=xla (no CPU kernel at all) against this one's
-    default (its best variant): the same greedy ids."""
-    path = model_path(model)
-    env = {**os.environ, backend.ENV: "xla"}
-    out = subprocess.run([sys.executable, "-c", XLA_GREEDY, str(path)], capture_output=True,
+@pytest.mark.parametrize("mode", ["xla", "interpret"])
+@pytest.mark.parametrize("models", FIXTURES)
+def test_xla_and_interpret_modes_give_the_default_greedy_ids(engines, models, mode):
+    """A process under JAXINFER_KERNELS=xla (no kernel at all) or =interpret (the accelerator
+    path: Pallas attention, quantized products and delta rule, grouped experts, interpreted)
+    against this one's default (its best CPU variant): the same greedy ids. Under interpret
+    every decode program holds the Pallas attention."""
+    paths = [model_path(m) for m in models]
+    env = {**os.environ, backend.ENV: mode}
+    out = subprocess.run([sys.executable, "-c", GREEDY, *map(str, paths)], capture_output=True,
                          text=True, timeout=600, env=env)  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
-    (xla,) = json.loads(out.stdout.strip().splitlines()[-1])
-    engine = engines(path, max_seq_len=128)
-    assert xla == engine.generate([1], max_new_tokens=24, temperature=0, ignore_eos=True).token_ids
+    ids, pallas = json.loads(out.stdout.strip().splitlines()[-1])
+    assert pallas == (mode == "interpret")
+    for path, got in zip(paths, ids, strict=True):
+        engine = engines(path, max_seq_len=128)
+        want = engine.generate([1], max_new_tokens=24, temperature=0, ignore_eos=True)
+        assert got == want.token_ids, path
 
 
 def test_the_cpu_flags_decide():

@@ -1,21 +1,97 @@
-"""Kernels: implementations of the ops (`ops/`) for one backend, chosen where the model calls
-them. Today the CPU's XLA FFI custom calls (`cpu.py`; C++ sources in `src/`, one library per
-instruction set, built by `build.py`): the quantized and small-row float products and paged
-attention. JAXINFER_KERNELS=xla forces the plain-XLA graph path (`backend.mode`). The model
-never calls a backend directly."""
+"""Kernels: implementations of the ops for one backend, chosen where the model calls them. The
+family in use (backend.py: JAXINFER_KERNELS and the backend) decides:
+- `cpu`: the CPU's XLA FFI custom calls (`cpu.py`; C++ sources in `src/`, one library per
+  instruction set, built by `build.py`): quantized and small-row float products, decode
+  attention;
+- `pallas` (GPU) and `interpret` (anywhere, the tests): Pallas kernels: paged attention
+  (`attention.py`), quantized products that dequantize in their tiles (`qmatmul.py`), the
+  Gated DeltaNet step and chunk (`delta.py`); the expert block as grouped products;
+- `xla`: none; the model's own jnp code runs every op.
+Each entry below gives an op's kernel or None (the model's XLA code runs it). The model asks
+for the op and never reads the backend. Kernels run on whole weights and pools (`whole`: the
+placement splits no axis the kernel would see)."""
 
-from .backend import grouped_experts, mode
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import jax
+
+from . import delta, qmatmul
+from .attention import paged_attention
+from .backend import family, mode
 from .cpu import ATTEND_POOLS, MAX_ROWS, attend, available, matmul, matmuls, serves, status
 
 __all__ = [
     "ATTEND_POOLS",
     "MAX_ROWS",
+    "Attention",
     "attend",
+    "attention",
     "available",
+    "delta_rule",
+    "family",
     "grouped_experts",
     "matmul",
     "matmuls",
     "mode",
+    "product",
     "serves",
     "status",
 ]
+
+
+def _pallas() -> dict | None:
+    """The Pallas kernels' keyword arguments in this family, or None outside Pallas."""
+    fam = family()
+    return {"interpret": fam == "interpret"} if fam in ("pallas", "interpret") else None
+
+
+@dataclass(frozen=True)
+class Attention:
+    """A paged attention kernel. `writes`: run(q, k, v, pools, table, start, length, window)
+    -> (out, pools) stores the chunk's keys itself (the CPU's); else run(q, pools, table,
+    start, length, window, gate) -> out reads pools that already hold them (Pallas)."""
+
+    run: Callable
+    writes: bool
+
+
+def attention(dtype, whole: bool) -> Attention | None:
+    """The attention kernel for pools of `dtype` (whole on one device or not), or None."""
+    if family() == "cpu" and whole and str(dtype) in ATTEND_POOLS and available():
+        return Attention(attend, True)
+    pallas = _pallas()
+    if pallas is not None and whole:
+        return Attention(functools.partial(paged_attention, **pallas), False)
+    return None
+
+
+def product(w) -> Callable | None:
+    """The Pallas product x [M, I] -> [M, O] float32 for the quantized weight w (a QArray
+    whole on one device: `w.kernel`), or None."""
+    pallas = _pallas()
+    if pallas is None or not w.kernel or not qmatmul.serves(w):
+        return None
+    return functools.partial(qmatmul.qmatmul, w=w, **pallas)
+
+
+def delta_rule(whole: bool) -> tuple[Callable, Callable] | None:
+    """The Gated DeltaNet's (recurrent_step, chunked) kernels for states whole on one device
+    or not, or None."""
+    pallas = _pallas()
+    if pallas is None or not whole:
+        return None
+    return (
+        functools.partial(delta.recurrent_step, **pallas),
+        functools.partial(delta.chunked, **pallas),
+    )
+
+
+def grouped_experts() -> bool:
+    """Whether the expert block runs as grouped products (`lax.ragged_dot`, every expert's rows
+    in one call) rather than the CPU's loop of per-expert tiles: on accelerators, and where
+    the Pallas kernels are interpreted (the accelerator path on CPU)."""
+    return jax.default_backend() != "cpu" or mode() == "interpret"

@@ -1,8 +1,12 @@
-"""Which implementation of the ops this process uses, from JAXINFER_KERNELS: `auto` (the
-default) picks by backend, the CPU's FFI kernels on CPU (cpu.py; JAXINFER_CPU_KERNELS picks
-the variant); `xla` forces the plain-XLA graph path everywhere, the CPU kernels included
-(whatever JAXINFER_CPU_KERNELS says). Any other value is a one-line SetupError. The model
-calls the ops and never reads this."""
+"""Which implementation of the ops this process uses, from JAXINFER_KERNELS:
+- `auto` (the default) picks by backend: on CPU the FFI kernels (cpu.py; JAXINFER_CPU_KERNELS
+  picks the variant), on GPU the Pallas kernels compiled (Triton), elsewhere plain XLA;
+- `xla` forces the plain-XLA graph path everywhere, the CPU kernels included (whatever
+  JAXINFER_CPU_KERNELS says);
+- `interpret` runs the Pallas kernels in Pallas's interpreter on any backend (how the CPU tests
+  run the accelerator path), the CPU kernels off.
+Any other value is a one-line SetupError. The model calls the ops (kernels/__init__) and never
+reads this."""
 
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ import jax
 from ..errors import SetupError
 
 ENV = "JAXINFER_KERNELS"
-MODES = ("auto", "xla")
+MODES = ("auto", "xla", "interpret")
 
 
 def mode() -> str:
@@ -24,7 +28,10 @@ def mode() -> str:
     return value
 
 
-def grouped_experts() -> bool:
-    """Whether the expert block runs as grouped products (`lax.ragged_dot`, every expert's
-    rows in one call) rather than the CPU's loop of per-expert tiles: on accelerators."""
-    return jax.default_backend() != "cpu"
+def family() -> str:
+    """The implementations in use: "cpu" (the FFI kernels), "pallas" (compiled), "interpret"
+    (Pallas interpreted) or "xla"."""
+    m = mode()
+    if m != "auto":
+        return m
+    return {"cpu": "cpu", "gpu": "pallas"}.get(jax.default_backend(), "xla")

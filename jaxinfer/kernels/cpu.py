@@ -122,8 +122,8 @@ def using(variant: str):
 
 
 def _choose() -> Status:
-    if backend.mode() == "xla":  # the graph path everywhere, whatever ENV says
-        return Status(None, (("kernels", f"{backend.ENV}=xla"),))
+    if backend.mode() != "auto":  # xla or Pallas everywhere, whatever ENV says
+        return Status(None, (("kernels", f"{backend.ENV}={backend.mode()}"),))
     forced = os.environ.get(ENV, "").strip().lower()
     if forced and forced not in CHOICES:
         raise SetupError(f"{ENV}={forced!r} is not one of {', '.join(CHOICES)}")

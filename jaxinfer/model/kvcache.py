@@ -113,8 +113,8 @@ class KVView:
     # None: no snapshots.
     source: jax.Array | None = None
     snaps: jax.Array | None = None
-    # The pools are whole on one CPU device (placement.kernel_fits): a decode token's
-    # attention runs in the CPU kernel (kernels.attend) when it is available.
+    # The pools are whole on one device (placement.kernel_fits): attention may run in a
+    # kernel (kernels.attention).
     kernel: bool = struct.field(pytree_node=False, default=False)
     page: int = struct.field(pytree_node=False, default=0)  # positions per page (snapshots)
 
@@ -161,19 +161,27 @@ def write(pools, k, v, view: KVView):
     return pool_k, pool_v
 
 
-def update(q, k, v, pools, view: KVView, window: int | None = None):
+def update(q, k, v, pools, view: KVView, window: int | None = None, gate=None):
     """The chunk's k, v [B, T, K, H] written into the pools, then its queries q [B, T, K, G, H]
-    attended (see `attend`) -> (out [B, T, K, G, H] float32, pools). On pools whole on a CPU
-    device (view.kernel) of a dtype the kernel reads (float32, float16, bfloat16) this is one
-    kernel call (kernels.attend) that writes in place and reads each row's live keys where
-    they lie."""
-    kernel_reads = str(pools[0].dtype) in kernels.ATTEND_POOLS
-    if view.kernel and kernel_reads and kernels.available():
+    attended (see `attend`), times sigmoid(gate [B, T, K, G, H]) when given -> (out
+    [B, T, K, G, H] float32, or gate's dtype when gated, pools). On pools whole on one device
+    (view.kernel) an attention kernel runs it where this process has one (kernels.attention):
+    the CPU's writes in place and reads each row's live keys where they lie; Pallas's reads
+    the pages after `write`."""
+    op = kernels.attention(pools[0].dtype, view.kernel)
+    rows = (view.table, view.start, view.length, window)
+    if op is not None and op.writes:
         q, k, v = (a.astype(jnp.float32) for a in (q, k, v))
-        made = kernels.attend(q, k, v, pools, view.table, view.start, view.length, window)
-        return varying_like(made, pools[0])  # a custom call's results vary over nothing
-    pools = write(pools, k, v, view)
-    return attend(q, k, v, pools, view, window), pools
+        # a kernel's results vary over no manual mesh axis (a pipeline stage's shard_map)
+        out, pools = varying_like(op.run(q, k, v, pools, *rows), pools[0])
+    else:
+        pools = write(pools, k, v, view)
+        if op is not None:
+            return varying_like(op.run(q, pools, *rows, gate), pools[0]), pools
+        out = attend(q, k, v, pools, view, window)
+    if gate is not None:
+        out = out.astype(gate.dtype) * jax.nn.sigmoid(gate)
+    return out, pools
 
 
 def attend(q, k, v, pools, view: KVView, window: int | None = None) -> jax.Array:

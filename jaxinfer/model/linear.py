@@ -1,8 +1,9 @@
 """The one matmul seam: `linear(x, w)` for a plain or quantized weight, and `embed` for lookups.
 
-Kernel weights (QArrays placed for the CPU kernel) go to it where it serves; everything else
+Kernel weights (QArrays whole on one device) go to the process's kernel where one serves
+(the CPU's, grouped by format; Pallas's on accelerators, kernels.product); everything else
 dequantizes inside the graph, so the model never branches on the weight's type. Weights with
-8-bit activations (`QArray.acts`) quantize x as llama.cpp does on either path.
+8-bit activations (`QArray.acts`) quantize x as llama.cpp does on every path.
 """
 
 from __future__ import annotations
@@ -48,7 +49,11 @@ def linears(x: jax.Array, ws, out_dtype=None, norm=None) -> list[jax.Array]:
     if norm is not None and any(out is None for out in outs):
         x = rms_norm(x, *norm)
     for i, w in enumerate(ws):
-        if outs[i] is None and isinstance(w, QArray) and w.acts == "int8":
+        op = kernels.product(w) if outs[i] is None and isinstance(w, QArray) else None
+        if op is not None:
+            y = op(x.reshape(rows, x.shape[-1]))  # [M, O] float32
+            outs[i] = y.reshape(*x.shape[:-1], y.shape[-1]).astype(out_dtype)
+        elif outs[i] is None and isinstance(w, QArray) and w.acts == "int8":
             outs[i] = product_int8(x, w, out_dtype)
         elif outs[i] is None:
             w = dequantize(w, x.dtype) if isinstance(w, QArray) else w

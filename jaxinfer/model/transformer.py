@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
+from .. import kernels
 from ..config import ModelConfig
 from ..ops.norm import rms_norm
 from . import gdn, kvcache, moe
@@ -133,10 +134,9 @@ class Attention(nnx.Module):
         q, k = rope(q, rope_tab), rope(k, rope_tab)
         q = (q * (1.0 / np.sqrt(H))).reshape(B, T, K, G, H)  # [B, T, K, G, H]
 
-        out, kv = kvcache.update(q, k, v, kv, view, cfg.sliding_window)  # [B, T, K, G, H]
+        gate = gate[0].reshape(B, T, K, G, H) if cfg.attn_gate else None
+        out, kv = kvcache.update(q, k, v, kv, view, cfg.sliding_window, gate)  # [B, T, K, G, H]
         out = out.reshape(B, T, K * G * H).astype(x.dtype)  # [B, T, N*H]
-        if cfg.attn_gate:
-            out = out * jax.nn.sigmoid(gate[0])
         return linear(out, self.wo[...]), kv  # [B, T, D]
 
 
@@ -222,15 +222,17 @@ class GatedDeltaNet(nnx.Module):
         b, a = b.astype(jnp.float32), a.astype(jnp.float32)
         beta = jax.nn.sigmoid(b) * real[..., None]  # [B, T, HV]
         g = self.a[...] * jax.nn.softplus(a + self.dt_bias[...]) * real[..., None]  # log decay
+        # the delta rule's step and chunk: a kernel's where the process has one
+        step, chunk = kernels.delta_rule(view.kernel) or (gdn.recurrent_step, gdn.chunked)
         if keep:
             o, S = gdn.recurrent(q, k, v, g, beta, S)  # S [B, T, HV, DK, DV]
         elif T == 1:
-            o, S = gdn.recurrent_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], S)
+            o, S = step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], S)
             o, at_marks = o[:, None], S[:, None]  # [B, 1, HV, DV], the state after token 0
-        elif marks is not None:
+        elif marks is not None:  # the states at page ends too: the XLA form
             o, S, at_marks = gdn.chunked(q, k, v, g, beta, S, marks)
         else:
-            o, S = gdn.chunked(q, k, v, g, beta, S)
+            o, S = chunk(q, k, v, g, beta, S)
         z = z.reshape(B, T, HV, DV)
         o = rms_norm(o, self.norm[...], cfg.norm_eps) * jax.nn.silu(z.astype(jnp.float32))
         if cfg.linear_out_tiled:  # wo's columns: head r * HK + k for our k * R + r

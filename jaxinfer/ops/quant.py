@@ -92,10 +92,10 @@ class QArray:
     """A quantized weight [..., O, I] in format `fmt`: parts [..., O, I / per] whose leading
     axes are the weight's (so slicing every part slices the weight's rows); `width` is I.
 
-    `kernel`: multiply with the CPU kernel (set at placement, where the weight's sharding is
-    known: the kernel runs on whole, unsharded weights). `acts`: "int8" multiplies activations
-    quantized to 8 bits as llama.cpp does (`product_int8`; GGUF block formats only), "float"
-    the float32 activations."""
+    `kernel`: a kernel may multiply it (kernels/: the CPU's, Pallas's; set at placement, where
+    the weight's sharding is known: kernels run on whole, unsharded weights). `acts`: "int8"
+    multiplies activations quantized to 8 bits as llama.cpp does (`product_int8`; GGUF block
+    formats only), "float" the float32 activations."""
 
     parts: dict[str, jax.Array]
     fmt: str = field(metadata=dict(static=True))

@@ -15,6 +15,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from .. import kernels
 from ..config import ModelConfig
 from ..errors import LayoutError
 from ..model.kvcache import AttentionKV, HiddenState, KVConfig, KVView
@@ -115,18 +116,24 @@ def to_device(host: np.ndarray, sharding: NamedSharding, arena: Arena | None = N
 
 
 def kernel_fits(mesh: Mesh) -> bool:
-    """Whether products and decode attention may use the CPU kernels (kernels/cpu.py): on CPU
-    devices, when the only split axes are the ones the program runs by hand (pipeline
-    stages, expert shards), so that the kernels always see whole weights and pools."""
-    auto = [n for name, n in mesh.shape.items() if name not in ("pp", "ep")]
-    return mesh.devices.flat[0].platform == "cpu" and all(n == 1 for n in auto)
+    """Whether products and attention may use kernels (kernels/: the CPU's FFI calls, Pallas):
+    when the only split axes are the ones the program runs by hand (pipeline stages, expert
+    shards), so that the kernels always see whole weights and pools."""
+    return all(n == 1 for name, n in mesh.shape.items() if name not in ("pp", "ep"))
 
 
 def for_kernel(path: tuple, array: jax.Array, kernel: bool, lead: int = 0):
     """A float32 matrix [*lead, O, I] as an "f32" QArray that the CPU kernel multiplies at the
     row counts where it beats XLA's dot (kernels.cpu.CROSSOVERS: XLA CPU's dot at 2-8 rows costs
     2-4x its one-row time); other weights (stacked experts, other dtypes) unchanged."""
-    if kernel and quantizable(path) and array.dtype == np.float32 and array.ndim == 2 + lead:
+    cpu = kernels.family() == "cpu"
+    if (
+        kernel
+        and cpu
+        and quantizable(path)
+        and array.dtype == np.float32
+        and array.ndim == 2 + lead
+    ):
         return QArray({"w": array}, "f32", array.shape[-1], True)
     return array
 

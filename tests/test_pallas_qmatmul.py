@@ -1,0 +1,158 @@
+"""The Pallas quantized matmul (kernels/qmatmul.py) against a float64 NumPy product of gguf-py's
+dequantized weights: every served format, decode (M = 1), ragged M, O and I that are not
+multiples of the tiles, and 8-bit activations against llama.cpp's activation quantization
+written in NumPy. On CPU the kernel runs in Pallas's interpreter; on a GPU compiled through
+Triton (tests/conftest.py sets JAX_PLATFORMS=cpu unless it is set: JAX_PLATFORMS=cuda)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+
+from jaxinfer.formats.gguf import split_blocks
+from jaxinfer.kernels.qmatmul import FORMATS_SERVED, qmatmul, serves
+from jaxinfer.ops import quant
+
+INTERPRET = jax.default_backend() == "cpu"
+BLOCK_FORMATS = tuple(f for f in FORMATS_SERVED if f in quant.INT8_ACTIVATIONS)
+
+
+def random_weight(fmt: str, rows: int, cols: int, rng) -> tuple[quant.QArray, np.ndarray]:
+    """(w, float64 reference [rows, cols]): GGUF blocks of random bytes with sane f16 scales,
+    split into parts as the loader splits them and dequantized by gguf-py; int8 from a float
+    weight, its reference q s in NumPy."""
+    if fmt == "int8":
+        host = quant.quantize_int8(rng.standard_normal((rows, cols)))
+        ref = host.parts["q"].astype(np.float32) * host.parts["s"]
+    else:
+        name = quant.FORMATS[fmt].ggml
+        kind = GGMLQuantizationType[name]
+        if fmt in ("f16", "bf16"):
+            w = rng.standard_normal((rows, cols)).astype(np.float32)
+            if fmt == "f16":
+                raw = w.astype(np.float16).view(np.uint8)
+            else:  # bf16: the top half of each float32
+                raw = (w.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+        else:
+            block, size = GGML_QUANT_SIZES[kind]
+            raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+            scales = (208,) if name == "Q6_K" else (0,)  # byte offsets of d (and m / dmin)
+            scales += (2,) if name in ("Q4_1", "Q5_1", "Q4_K", "Q5_K") else ()
+            for at in scales:
+                d = rng.uniform(-0.1, 0.1, (rows, cols // block, 1)).astype(np.float16)
+                raw[..., at : at + 2] = d.view(np.uint8)
+        raw = raw.reshape(rows, -1)
+        ref = gguf_dequantize(raw, kind).reshape(rows, cols)
+        host = split_blocks(name, raw, (rows, cols))
+    parts = {k: jnp.asarray(v) for k, v in host.take().items()}
+    return quant.QArray(parts, fmt, cols), ref.astype(np.float64)
+
+
+def check(y, want, x, ref):
+    """y within float32 accumulation noise of the float64 product `want`: 1e-5 of the sum of
+    |terms| per output. A float32 sum of n products errs by at most about n u sum|terms| (u =
+    2^-24; 3e-5 at I = 512) and typically sqrt(n) u (1.4e-6); measured in the interpreter: at
+    most 2.5e-7 (float activations) and 3.1e-7 (8-bit) over every format and shape here."""
+    bound = 1e-5 * (np.abs(np.asarray(x, np.float64)) @ np.abs(ref).T) + 1e-30
+    err = np.abs(np.asarray(y, np.float64) - want)
+    assert np.all(err <= bound), f"max error / bound {np.max(err / bound):.3g}"
+
+
+# (O, I, row counts): O = 200 and I off the tiles (padded: I = 288 and 100 to a multiple of
+# 64; K-quants' I is always a multiple of their 256), decode and ragged M; then whole tiles
+RAGGED = (200, {1: 100, 32: 288, 256: 512}, (1, 7, 33))
+TILES = (128, {1: 256, 32: 512, 256: 512}, (16, 64))
+
+
+@pytest.mark.parametrize("shape", [RAGGED, TILES], ids=["ragged", "tiles"])
+@pytest.mark.parametrize("fmt", FORMATS_SERVED)
+def test_matches_gguf_py(fmt, shape):
+    rows, widths, ms = shape
+    cols = widths[quant.FORMATS[fmt].block]
+    rng = np.random.default_rng(FORMATS_SERVED.index(fmt) * 100 + rows)
+    w, ref = random_weight(fmt, rows, cols, rng)
+    assert serves(w)
+    x = rng.standard_normal((max(ms), cols)).astype(np.float32)
+    for m in ms:
+        y = qmatmul(jnp.asarray(x[:m]), w, interpret=INTERPRET)
+        assert y.shape == (m, rows) and y.dtype == jnp.float32
+        check(y, x[:m].astype(np.float64) @ ref.T, x[:m], ref)
+
+
+def test_dtypes():
+    """bfloat16 x and output: the product of x's values, accumulated in float32, then rounded
+    once to bfloat16 (half a unit of its 8-bit significand)."""
+    rng = np.random.default_rng(3)
+    w, ref = random_weight("q4_k", 64, 256, rng)
+    x = jnp.asarray(rng.standard_normal((5, 256)), jnp.bfloat16)
+    y = qmatmul(x, w, interpret=INTERPRET, out_dtype=jnp.bfloat16)
+    assert y.dtype == jnp.bfloat16
+    x64 = np.asarray(x, np.float64)
+    want = x64 @ ref.T
+    y = np.asarray(y, np.float64)
+    assert np.all(np.abs(y - want) <= 2.0**-8 * np.abs(want) + 1e-5 * (np.abs(x64) @ np.abs(ref).T))
+
+
+def test_serves():
+    w, _ = random_weight("q8_0", 64, 64, np.random.default_rng(4))
+    assert not serves(w.rows(lambda a: jnp.stack([a, a])))  # stacked (experts)
+    assert not serves(quant.QArray({"w": jnp.zeros((64, 64))}, "f32", 64))
+    assert not serves(jnp.zeros((64, 64)))
+    with pytest.raises(ValueError, match="does not serve"):
+        qmatmul(jnp.zeros((1, 64)), w.rows(lambda a: jnp.stack([a, a])))
+
+
+def q8_reference(x, kind):
+    """x float32 [M, I] quantized as llama.cpp's x86 code quantizes activations (as in
+    test_qkernel.py, written apart from quant.quantize_activations; float32 steps in NumPy's
+    float32) -> (the dequantized activations float64 [M, I], Q8_1's s float64 [M, I / 32] or
+    None)."""
+    x = np.asarray(x, np.float32)
+    M, I = x.shape
+    out, s = np.zeros((M, I)), np.zeros((M, I // 32))
+    size = 256 if kind == "q8_k" else 32
+    for m, b in np.ndindex(M, I // size):
+        blk = x[m, size * b : size * (b + 1)]
+        if kind == "q8_k":  # quantize_row_q8_K_ref
+            top = blk[np.argmax(np.abs(blk))]  # the first of largest magnitude
+            if top == 0:
+                continue
+            iscale = np.float32(-127.0) / top
+            q = np.minimum(np.rint(iscale * blk), 127)
+            out[m, size * b : size * (b + 1)] = q * np.float64(np.float32(1.0) / iscale)
+        else:  # quantize_row_q8_0 / q8_1 (AVX2)
+            amax = np.abs(blk).max()
+            d = amax / np.float32(127.0)
+            q = np.rint(blk * (np.float32(127.0) / amax if amax else np.float32(0)))
+            out[m, size * b : size * (b + 1)] = q * np.float64(np.float16(d))
+            s[m, b] = np.float16(d * np.float32(q.sum()))
+    return out, (s if kind == "q8_1" else None)
+
+
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_int8_activations(fmt):
+    """8-bit activations (w.acts == "int8"): llama.cpp's quantize-then-multiply in float64 (Q4_1
+    / Q5_1 take their mins times s, vec_dot_q4_1_q8_1), and product_int8 (the XLA path), within
+    check's bound on the quantized activations' terms. Zero blocks, rounding ties and a negative
+    value of largest magnitude (Q8_K's sign) included."""
+    rng = np.random.default_rng(BLOCK_FORMATS.index(fmt) + 50)
+    w, ref = random_weight(fmt, 200, 512, rng)
+    w = quant.with_activations(w, "int8")
+    assert serves(w)
+    x = rng.standard_normal((13, 512)).astype(np.float32)
+    x[1, :256] = 0.0  # zero blocks
+    x[2, :32] = np.arange(32) - 15.5  # values at .5 after scaling: rounding ties
+    x[3, 7] = -np.abs(x[3]).max() * 2
+    xq, s = q8_reference(x, quant.INT8_ACTIVATIONS[fmt])
+    if s is None:
+        want = xq @ ref.T
+    else:
+        m = np.asarray(w.parts["m"], np.float64)  # [O, I / 32]
+        want = xq @ (ref - np.repeat(m, 32, axis=1)).T + s @ m.T
+    for rows in (1, 13):
+        y = qmatmul(jnp.asarray(x[:rows]), w, interpret=INTERPRET)
+        check(y, want[:rows], xq[:rows], ref)
+    xla = jax.jit(lambda x, w: quant.product_int8(x, w, jnp.float32))(x, w)
+    check(qmatmul(jnp.asarray(x), w, interpret=INTERPRET), np.asarray(xla, np.float64), xq, ref)
