@@ -55,15 +55,16 @@ import json, sys, jaxinfer
 from jaxinfer import kernels
 assert kernels.status().variant is None, kernels.status()
 engines = [jaxinfer.load(p, max_seq_len=128) for p in sys.argv[1:]]
-out = [e.generate([1], max_new_tokens=24, temperature=0, ignore_eos=True).token_ids
+out = [[e.generate([1], max_new_tokens=24, temperature=0, ignore_eos=True).token_ids,
+        all("paged_attention" in c.as_text() for c in e.compile_cache.executables("decode"))]
        for e in engines]
-texts = [c.as_text() for e in engines for c in e.compile_cache.executables("decode")]
-print(json.dumps([out, all("paged_attention" in t for t in texts)]))
+print(json.dumps(out))
 """
-FIXTURES = [(STORIES, STORIES_Q8)] + [
+HYBRID = "tiny-random/qwen3_next_l3f1_e8k2_mtp"  # GDN, gated attention (head_dim 32), MoE
+FIXTURES = [(STORIES, STORIES_Q8, HYBRID)] + [
     pytest.param((f"tiny-random/{name}",), marks=pytest.mark.slow)
-    for name in ("qwen3_moe_e8k2_bpe", "qwen3_5_l3f1_dense_mtp", "qwen3_next_l3f1_e8k2_mtp",
-                 "qwen3_5_moe_l3f1_e8k2_mtp", "mixtral_e8k2")
+    for name in ("qwen3_moe_e8k2_bpe", "qwen3_5_l3f1_dense_mtp", "qwen3_5_moe_l3f1_e8k2_mtp",
+                 "mixtral_e8k2")
 ]  # fmt: skip
 
 
@@ -73,18 +74,19 @@ def test_xla_and_interpret_modes_give_the_default_greedy_ids(engines, models, mo
     """A process under JAXINFER_KERNELS=xla (no kernel at all) or =interpret (the accelerator
     path: Pallas attention, quantized products and delta rule, grouped experts, interpreted)
     against this one's default (its best CPU variant): the same greedy ids. Under interpret
-    every decode program holds the Pallas attention."""
+    the decode programs hold the Pallas attention wherever its tiles fit (stories260K's
+    head_dim 8 does not: XLA's attention there)."""
     paths = [model_path(m) for m in models]
     env = {**os.environ, backend.ENV: mode}
     out = subprocess.run([sys.executable, "-c", GREEDY, *map(str, paths)], capture_output=True,
                          text=True, timeout=600, env=env)  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
-    ids, pallas = json.loads(out.stdout.strip().splitlines()[-1])
-    assert pallas == (mode == "interpret")
-    for path, got in zip(paths, ids, strict=True):
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    for model, path, (ids, pallas) in zip(models, paths, got, strict=True):
+        assert pallas == (mode == "interpret" and "stories" not in model), model
         engine = engines(path, max_seq_len=128)
         want = engine.generate([1], max_new_tokens=24, temperature=0, ignore_eos=True)
-        assert got == want.token_ids, path
+        assert ids == want.token_ids, model
 
 
 def test_the_cpu_flags_decide():

@@ -59,14 +59,21 @@ class Attention:
     writes: bool
 
 
-def attention(dtype, whole: bool) -> Attention | None:
-    """The attention kernel for pools of `dtype` (whole on one device or not), or None."""
-    if family() == "cpu" and whole and str(dtype) in ATTEND_POOLS and available():
+def attention(pools, whole: bool) -> Attention | None:
+    """The attention kernel for these pools ([P, K, H, page] each; whole on one device or
+    not), or None. Pallas's wants H and the page to be tiles (`_tile`)."""
+    pool = pools[0]
+    if family() == "cpu" and whole and str(pool.dtype) in ATTEND_POOLS and available():
         return Attention(attend, True)
     pallas = _pallas()
-    if pallas is not None and whole:
+    if pallas is not None and whole and all(_tile(n) for n in pool.shape[2:]):
         return Attention(functools.partial(paged_attention, **pallas), False)
     return None
+
+
+def _tile(n: int) -> bool:
+    """A power of two of at least 16: Triton's smallest dot operand."""
+    return n >= 16 and n & (n - 1) == 0
 
 
 def product(w) -> Callable | None:
@@ -78,11 +85,11 @@ def product(w) -> Callable | None:
     return functools.partial(qmatmul.qmatmul, w=w, **pallas)
 
 
-def delta_rule(whole: bool) -> tuple[Callable, Callable] | None:
-    """The Gated DeltaNet's (recurrent_step, chunked) kernels for states whole on one device
-    or not, or None."""
+def delta_rule(state: tuple[int, ...], whole: bool) -> tuple[Callable, Callable] | None:
+    """The Gated DeltaNet's (recurrent_step, chunked) kernels for states of `state`'s shape
+    [..., DK, DV] (whole on one device or not), or None. DK and DV must be tiles."""
     pallas = _pallas()
-    if pallas is None or not whole:
+    if pallas is None or not whole or not all(_tile(n) for n in state[-2:]):
         return None
     return (
         functools.partial(delta.recurrent_step, **pallas),

@@ -168,7 +168,7 @@ def update(q, k, v, pools, view: KVView, window: int | None = None, gate=None):
     (view.kernel) an attention kernel runs it where this process has one (kernels.attention):
     the CPU's writes in place and reads each row's live keys where they lie; Pallas's reads
     the pages after `write`."""
-    op = kernels.attention(pools[0].dtype, view.kernel)
+    op = kernels.attention(pools, view.kernel)
     rows = (view.table, view.start, view.length, window)
     if op is not None and op.writes:
         q, k, v = (a.astype(jnp.float32) for a in (q, k, v))

@@ -223,7 +223,7 @@ class GatedDeltaNet(nnx.Module):
         beta = jax.nn.sigmoid(b) * real[..., None]  # [B, T, HV]
         g = self.a[...] * jax.nn.softplus(a + self.dt_bias[...]) * real[..., None]  # log decay
         # the delta rule's step and chunk: a kernel's where the process has one
-        step, chunk = kernels.delta_rule(view.kernel) or (gdn.recurrent_step, gdn.chunked)
+        step, chunk = kernels.delta_rule(S.shape, view.kernel) or (gdn.recurrent_step, gdn.chunked)
         if keep:
             o, S = gdn.recurrent(q, k, v, g, beta, S)  # S [B, T, HV, DK, DV]
         elif T == 1:
