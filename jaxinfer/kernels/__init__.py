@@ -5,7 +5,8 @@ family in use (backend.py: JAXINFER_KERNELS and the backend) decides:
   attention;
 - `pallas` (GPU) and `interpret` (anywhere, the tests): Pallas kernels: paged attention
   (`attention.py`), quantized products that dequantize in their tiles (`qmatmul.py`), the
-  Gated DeltaNet step and chunk (`delta.py`); the expert block as grouped products;
+  Gated DeltaNet step and chunk (`delta.py`); the expert block's grouped products
+  (`grouped.py`);
 - `xla`: none; the model's own jnp code runs every op.
 Each entry below gives an op's kernel or None (the model's XLA code runs it). The model asks
 for the op and never reads the backend. Kernels run on whole weights and pools (`whole`: the
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 
 import jax
 
-from . import delta, qmatmul
+from . import delta, grouped, qmatmul
 from .attention import paged_attention
 from .backend import family, mode
 from .cpu import ATTEND_POOLS, MAX_ROWS, attend, available, matmul, matmuls, serves, status
@@ -34,6 +35,7 @@ __all__ = [
     "delta_rule",
     "family",
     "grouped_experts",
+    "grouped_product",
     "matmul",
     "matmuls",
     "mode",
@@ -95,6 +97,16 @@ def delta_rule(state: tuple[int, ...], whole: bool) -> tuple[Callable, Callable]
         functools.partial(delta.recurrent_step, **pallas),
         functools.partial(delta.chunked, **pallas),
     )
+
+
+def grouped_product(whole: bool) -> Callable | None:
+    """The expert block's grouped product for weights whole on one device or not: xs [A, D]
+    sorted by expert, w [EL, O, D], counts [EL] -> [A, O], reading only the experts with rows
+    (Pallas's, grouped.py), or None."""
+    pallas = _pallas()
+    if pallas is None or not whole:
+        return None
+    return functools.partial(grouped.grouped_matmul, **pallas)
 
 
 def grouped_experts() -> bool:

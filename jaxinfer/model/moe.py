@@ -23,6 +23,7 @@ k experts per token, A = N * k assignments, F expert width.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -138,19 +139,34 @@ def expert_ffn(x, ids, weights, valid, w_gate, w_up, w_down, first=0) -> jax.Arr
     return _combined(ys, mine, order, weights)
 
 
-def grouped_ffn(x, ids, weights, valid, w_gate, w_up, w_down, first=0) -> jax.Array:
-    """`expert_ffn` as three grouped products (`lax.ragged_dot`) over the assignments sorted
-    by expert, every expert's rows in one call each: the accelerators' form (a GPU or TPU
-    starves on the one-row tiles of the loop). Plain weights only (quantized ones take the
-    loop). Rows sorted past the experts held here come out zero and weigh nothing."""
+def grouped_ffn(x, ids, weights, valid, w_gate, w_up, w_down, first=0, product=None) -> jax.Array:
+    """`expert_ffn` as three grouped products over the assignments sorted by expert, every
+    expert's rows in one call each: the accelerators' form (a GPU or TPU starves on the
+    one-row tiles of the loop). `product(xs, w, counts)` is `ragged` or a kernel
+    (kernels.grouped_product). Plain weights only (quantized ones take the loop). Rows sorted
+    past the experts held here come out zero and weigh nothing."""
+    product = product or ragged
     k = ids.shape[1]
     mine, order, counts = _sorted(ids, valid, w_gate.shape[0], first)
     xs = x[order // k]  # [A, D]
-    by_rows = lambda w: jnp.swapaxes(w, 1, 2)  # noqa: E731 [EL, out, in] -> [EL, in, out]
-    gate = lax.ragged_dot(xs, by_rows(w_gate), counts)  # [A, F]
-    up = lax.ragged_dot(xs, by_rows(w_up), counts)
-    ys = lax.ragged_dot((jax.nn.silu(gate) * up).astype(xs.dtype), by_rows(w_down), counts)
+    gate = product(xs, w_gate, counts)  # [A, F]
+    up = product(xs, w_up, counts)
+    ys = product((jax.nn.silu(gate) * up).astype(xs.dtype), w_down, counts)  # [A, D]
     return _combined(ys, mine, order, weights)
+
+
+# rows [A, in] sorted by group times the stacked weights [EL, out, in] as stored: no transpose
+_BY_GROUP = lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([1], [2]), ([], [])),
+    lhs_ragged_dimensions=[0],
+    rhs_group_dimensions=[0],
+)
+
+
+def ragged(xs, w, counts) -> jax.Array:
+    """XLA's grouped product: xs [A, in] (rows sorted by group, counts [EL] per group) times
+    w [EL, out, in] -> [A, out]; rows past sum(counts) are 0."""
+    return lax.ragged_dot_general(xs, w, counts, _BY_GROUP)
 
 
 def expert(w, e: jax.Array):
@@ -166,12 +182,15 @@ def times(x: jax.Array, w) -> jax.Array:
     return linear(x, w) if isinstance(w, QArray) else x @ w.T
 
 
-def experts(x, ids, weights, valid, w_gate, w_up, w_down, split: ExpertSplit | None):
+def experts(x, ids, weights, valid, w_gate, w_up, w_down, split: ExpertSplit | None, whole=False):
     """The expert block over all experts, split over `split.axis` when given -> [N, D]
     float32: the tile loop (`expert_ffn`), or on accelerators with plain weights the grouped
-    products (`grouped_ffn`, kernels.grouped_experts)."""
+    products (`grouped_ffn`, kernels.grouped_experts): a kernel's where the process has one
+    for weights `whole` on one device (kernels.grouped_product), else XLA's."""
     plain = not isinstance(w_gate, QArray)
-    ffn = grouped_ffn if plain and kernels.grouped_experts() else expert_ffn
+    kernel = kernels.grouped_product(whole) if plain else None
+    grouped = kernel is not None or (plain and kernels.grouped_experts())
+    ffn = partial(grouped_ffn, product=kernel) if grouped else expert_ffn
     if split is None:
         return ffn(x, ids, weights, valid, w_gate, w_up, w_down)
 

@@ -279,14 +279,15 @@ class MoE(nnx.Module):
             if cfg.shared_gate:
                 self.shared_gate = _param(rngs, (D,), ("embed",))
 
-    def __call__(self, x, valid):
-        """x [B, T, D], valid [B, T] (padding routes nowhere) -> [B, T, D]."""
+    def __call__(self, x, valid, whole=False):
+        """x [B, T, D], valid [B, T] (padding routes nowhere) -> [B, T, D]. `whole`: the
+        weights are whole on one device (a kernel may run the expert block)."""
         cfg = self.cfg
         B, T, D = x.shape
         flat = x.reshape(B * T, D)
         weights, ids = moe.route(flat, self.router[...], cfg.n_experts_used, cfg.norm_topk_prob)
         w = (self.w_gate[...], self.w_up[...], self.w_down[...])
-        out = moe.experts(flat, ids, weights, valid.reshape(B * T), *w, self.split)
+        out = moe.experts(flat, ids, weights, valid.reshape(B * T), *w, self.split, whole)
         out = out.reshape(B, T, D).astype(x.dtype)
         if cfg.d_ff_shared:
             shared = self.shared(x)
@@ -329,7 +330,7 @@ class Block(nnx.Module):
         if self.experts:
             with jax.named_scope("moe"):
                 h = rms_norm(x, self.mlp_norm[...], self.eps)
-                x = x + self.moe(h, view.real(x.shape[1]))
+                x = x + self.moe(h, view.real(x.shape[1]), view.kernel)
         else:
             with jax.named_scope("mlp"):
                 x = x + self.mlp(x, norm=(self.mlp_norm[...], self.eps))
