@@ -6,7 +6,9 @@ import re
 import pytest
 from support.models import model_path
 
+import jaxinfer
 from jaxinfer.cli import main
+from jaxinfer.cli.bench import run_bench
 from jaxinfer.runtime.profiler import op_scopes, read_events, trace_files
 
 STORIES = "stories260K-gguf/stories260K.gguf"
@@ -40,6 +42,21 @@ def test_bench_json_with_graph_reuse_on_and_off(capsys):
         assert {"compile_seconds", "recompiles_same", "recompiles_diff", "params", "size"} <= set(r)
     # reuse off rebuilds every call: same-shape recompiles in the timed runs; on: none
     assert rows[1]["recompiles_same"] == 0 and rows[3]["recompiles_same"] > 0
+
+
+def test_prompt_runs_never_hit_the_prefix_cache():
+    """pp repeats one prompt: each run must compute all of it (a prefix cache hit would
+    time pages that were never computed), as llama-bench's pp does."""
+    engines = []
+
+    def make(layout, devices, slots, reuse, need):
+        engines.append(jaxinfer.load(model_path(STORIES), max_seq_len=need, page_size=16))
+        return engines[-1]
+
+    run_bench(make, prompts=[64], gens=[], repeats=2, layouts=["single"], devices=[None],
+              slots=[1], graph_reuse=[True], mem_bw=1e9)  # fmt: skip
+    stats = engines[0].kv_stats()
+    assert stats["prefix_queries"] > 0 and stats["prefix_hits"] == 0, stats
 
 
 @pytest.mark.slow

@@ -91,6 +91,7 @@ def _timed(engine: Engine, test: str, n: int, slots: int) -> tuple[float, int]:
     kw = dict(temperature=0, ignore_eos=True)
     if test == "pp":
         prompts = [[1] + [3 + (7 * i + r) % 250 for i in range(n - 1)] for r in range(slots)]
+        engine.reset_prefix_cache()  # every run computes the whole prompt, as llama-bench's
         t0 = time.perf_counter()
         engine.generate(prompts if slots > 1 else prompts[0], max_new_tokens=1, **kw)
         return time.perf_counter() - t0, n * slots
