@@ -4,7 +4,8 @@
 # tests under every variant it runs (AVX-512 where this machine has no such CPU), with the CPU
 # benchmarks named in $BENCH (default: qkernel crossovers variants) pinned to two other cores at
 # the same time; with "store" in $BENCH the executable store's tests and start-up figures
-# (benchmarks/startup.py, on the GPU); then the GPU's figures (benchmarks/gpu.py) unless GPU=0.
+# (benchmarks/startup.py, on the GPU). The GPU's own figures and kernel tests are
+# benchmarks/gpu.sh's, a run of their own.
 # KTESTS=0 leaves the kernel tests out. Wheels the machine lacks travel in .whl/ (gguf); the shared
 # tiny models in shared/models (linked to where tests/support/models.py looks).
 set -uo pipefail
@@ -53,5 +54,4 @@ if [[ $bench == *store* ]]; then
   timeout 300 python3 benchmarks/startup.py -r 3 --out "$out/startup_gpu.md" \
     >"$out/startup_gpu.log" 2>&1
 fi
-[ "${GPU:-1}" = 0 ] || timeout 240 python3 benchmarks/gpu.py "$out" -r 3 >"$out/gpu.log" 2>&1
 echo "all done after $((SECONDS - start)) s" | tee -a "$out/kernels.txt"

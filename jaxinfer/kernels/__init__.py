@@ -110,7 +110,8 @@ def grouped_product(whole: bool) -> Callable | None:
 
 
 def grouped_experts() -> bool:
-    """Whether the expert block runs as grouped products (`lax.ragged_dot`, every expert's rows
-    in one call) rather than the CPU's loop of per-expert tiles: on accelerators, and where
-    the Pallas kernels are interpreted (the accelerator path on CPU)."""
+    """Whether the expert block runs as grouped products (every expert's rows in one call:
+    `grouped_product`'s kernel, else XLA's ragged dot) rather than the CPU's loop of
+    per-expert tiles: on accelerators, and where the Pallas kernels are interpreted (the
+    accelerator path on CPU)."""
     return jax.default_backend() != "cpu" or mode() == "interpret"
