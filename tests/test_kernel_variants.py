@@ -61,15 +61,24 @@ out = [[e.generate([1], max_new_tokens=24, temperature=0, ignore_eos=True).token
 print(json.dumps(out))
 """
 HYBRID = "tiny-random/qwen3_next_l3f1_e8k2_mtp"  # GDN, gated attention (head_dim 32), MoE
-FIXTURES = [(STORIES, STORIES_Q8, HYBRID)] + [
-    pytest.param((f"tiny-random/{name}",), marks=pytest.mark.slow)
-    for name in ("qwen3_moe_e8k2_bpe", "qwen3_5_l3f1_dense_mtp", "qwen3_5_moe_l3f1_e8k2_mtp",
-                 "mixtral_e8k2")
-]  # fmt: skip
+OTHERS = (
+    "qwen3_moe_e8k2_bpe",
+    "qwen3_5_l3f1_dense_mtp",
+    "qwen3_5_moe_l3f1_e8k2_mtp",
+    "mixtral_e8k2",
+)
+# by default each mode on two fixtures (interpret: the quantized product, and attention, the
+# delta rule and the expert block of the hybrid MoE); slow: every other fixture in each, and
+# under interpret two quantized ones (experts in the tile loop of quantized products)
+CASES = [("xla", (STORIES, STORIES_Q8)), ("interpret", (STORIES_Q8, HYBRID))] + [
+    pytest.param(mode, (model,), marks=pytest.mark.slow)
+    for mode, model in [("xla", HYBRID), ("interpret", STORIES)]
+    + [(mode, f"tiny-random/{name}") for name in OTHERS for mode in ("xla", "interpret")]
+    + [("interpret", f"tiny-random/{name}/model-q8_0.gguf") for name in OTHERS[:2]]
+]
 
 
-@pytest.mark.parametrize("mode", ["xla", "interpret"])
-@pytest.mark.parametrize("models", FIXTURES)
+@pytest.mark.parametrize(("mode", "models"), CASES)
 def test_xla_and_interpret_modes_give_the_default_greedy_ids(engines, models, mode):
     """A process under JAXINFER_KERNELS=xla (no kernel at all) or =interpret (the accelerator
     path: Pallas attention, quantized products and delta rule, grouped experts, interpreted)

@@ -342,13 +342,14 @@ def _bench(args) -> None:
 
 
 def _kernels() -> str:
-    """One line: the CPU kernel variant in use and why better ones were skipped."""
+    """One line: the CPU kernel variant in use and why better ones were skipped (off CPU: the
+    kernel family in use, JAXINFER_KERNELS)."""
     import jax
 
     from .. import kernels
 
     if jax.default_backend() != "cpu":
-        return f"- (the {jax.default_backend()} backend)"
+        return f"- (the {jax.default_backend()} backend: {kernels.family()} kernels)"
     return kernels.status().describe()
 
 

@@ -7,6 +7,7 @@ family in use (backend.py: JAXINFER_KERNELS and the backend) decides:
   (`attention.py`), quantized products that dequantize in their tiles (`qmatmul.py`), the
   Gated DeltaNet step and chunk (`delta.py`); the expert block's grouped products
   (`grouped.py`);
+- `tpu`: the expert block's grouped product through jax's megablox (`tpu.py`);
 - `xla`: none; the model's own jnp code runs every op.
 Each entry below gives an op's kernel or None (the model's XLA code runs it). The model asks
 for the op and never reads the backend. Kernels run on whole weights and pools (`whole`: the
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 
 import jax
 
-from . import delta, grouped, qmatmul
+from . import delta, grouped, qmatmul, tpu
 from .attention import paged_attention
 from .backend import family, mode
 from .cpu import ATTEND_POOLS, MAX_ROWS, attend, available, matmul, matmuls, serves, status
@@ -102,10 +103,12 @@ def delta_rule(state: tuple[int, ...], whole: bool) -> tuple[Callable, Callable]
 def grouped_product(whole: bool) -> Callable | None:
     """The expert block's grouped product for weights whole on one device or not: xs [A, D]
     sorted by expert, w [EL, O, D], counts [EL] -> [A, O], reading only the experts with rows
-    (Pallas's, grouped.py), or None."""
+    (Pallas's, grouped.py; on TPUs megablox's, tpu.py), or None."""
     pallas = _pallas()
-    if pallas is None or not whole:
+    if not whole or (pallas is None and family() != "tpu"):
         return None
+    if pallas is None:
+        return tpu.grouped_matmul
     return functools.partial(grouped.grouped_matmul, **pallas)
 
 

@@ -1,6 +1,7 @@
 """Which implementation of the ops this process uses, from JAXINFER_KERNELS:
 - `auto` (the default) picks by backend: on CPU the FFI kernels (cpu.py; JAXINFER_CPU_KERNELS
-  picks the variant), on GPU the Pallas kernels compiled (Triton), elsewhere plain XLA;
+  picks the variant), on GPU the Pallas kernels compiled (Triton), on TPU jax's TPU kernels
+  where they fit (tpu.py), elsewhere plain XLA;
 - `xla` forces the plain-XLA graph path everywhere, the CPU kernels included (whatever
   JAXINFER_CPU_KERNELS says);
 - `interpret` runs the Pallas kernels in Pallas's interpreter on any backend (how the CPU tests
@@ -29,9 +30,9 @@ def mode() -> str:
 
 
 def family() -> str:
-    """The implementations in use: "cpu" (the FFI kernels), "pallas" (compiled), "interpret"
-    (Pallas interpreted) or "xla"."""
+    """The implementations in use: "cpu" (the FFI kernels), "pallas" (compiled for the GPU),
+    "interpret" (those interpreted), "tpu" (tpu.py's) or "xla"."""
     m = mode()
     if m != "auto":
         return m
-    return {"cpu": "cpu", "gpu": "pallas"}.get(jax.default_backend(), "xla")
+    return {"cpu": "cpu", "gpu": "pallas", "tpu": "tpu"}.get(jax.default_backend(), "xla")
