@@ -8,14 +8,16 @@ the cache's layout [P, K, H, page] (positions on the fast axis), in any float dt
 float16, bfloat16: products in the wider of the query's and the pool's type, accumulated in
 float32). Qwen3-Next/3.5's output gate (`out * sigmoid(gate)`) is applied on the way out.
 
-Grid (B, K, Q / BQ): one program per row, kv head and block of BQ queries (query t * G + g:
-the G query heads of a kv head share its keys, GQA), holding the online softmax state
-(m, l [BQ], acc [BQ, H] float32) and looping over pages one at a time: s = q k [BQ, page],
-then p v^T [BQ, H]. A block of queries reads pages up to its last query's position, and with
-a sliding window from its first query's window start.
+Grid (B, K, Q / BQ, S): one program per row, kv head, block of BQ queries (query t * G + g:
+the G query heads of a kv head share its keys, GQA) and split of the row's pages, holding the
+online softmax state (m, l [BQ], acc [BQ, H] float32) and looping over its pages one at a
+time: s = q k [BQ, page], then p v^T [BQ, H]. A block of queries reads pages up to its last
+query's position, and with a sliding window from its first query's window start. Short chunks
+(decode, verify) split each row's pages over S programs (flash decoding: B x K programs alone
+would leave most of a GPU idle over a long context); the splits' states are merged in XLA
+after the call, with the gate.
 
-Not done: splitting a long row's pages over several programs (flash decoding), which decode
-at batch 1 over long contexts would want on a GPU; TPU (Mosaic) versions.
+Not done: TPU (Mosaic) versions.
 """
 
 from __future__ import annotations
@@ -31,13 +33,14 @@ from jax.experimental.pallas import triton as pltriton
 _MASKED = -1e30  # finite: a fully masked page gives exp(0) * 0, never NaN
 DECODE_BLOCK = 16  # queries per program for short chunks (the dot's smallest tile)
 CHUNK_BLOCK = 64  # queries per program in prompt chunks
+PROGRAMS = 256  # a short chunk's rows x kv heads x page splits to aim at (~2 per GPU core)
 
 
-def _kernel(start_ref, length_ref, table_ref, q_ref, k_ref, v_ref, *rest, G, window):
-    """One row, kv head and query block: q_ref [BQ, H], k_ref, v_ref [P, H, page] (the kv
-    head's pool), table_ref [NB], start_ref, length_ref [1]; rest = (gate_ref [BQ, H],)?
-    and o_ref [BQ, H]."""
-    *gate_ref, o_ref = rest
+def _kernel(start_ref, length_ref, table_ref, q_ref, k_ref, v_ref, m_ref, l_ref, o_ref, *,
+            G, window, per_split):  # fmt: skip
+    """One row, kv head, query block and split of the pages: q_ref [BQ, H], k_ref, v_ref
+    [P, H, page] (the kv head's pool), table_ref [NB], start_ref, length_ref [1] -> the
+    split's softmax state: m_ref, l_ref [BQ], o_ref [BQ, H] (unnormalized)."""
     BQ, H = q_ref.shape
     page = k_ref.shape[-1]
     start, length = start_ref[0], length_ref[0]
@@ -49,6 +52,8 @@ def _kernel(start_ref, length_ref, table_ref, q_ref, k_ref, v_ref, *rest, G, win
     begin = 0
     if window:
         begin = jnp.maximum(start + first_q // G - window + 1, 0) // page
+    split = pl.program_id(3) * per_split  # this program's pages: [split, split + per_split)
+    begin, end = jnp.maximum(begin, split), jnp.minimum(end, split + per_split)
     kind = jnp.promote_types(q_ref.dtype, k_ref.dtype)
     q = q_ref[...].astype(kind)  # [BQ, H]
 
@@ -76,11 +81,16 @@ def _kernel(start_ref, length_ref, table_ref, q_ref, k_ref, v_ref, *rest, G, win
         jnp.zeros((BQ,), jnp.float32),
         jnp.zeros((BQ, H), jnp.float32),
     )
-    _, l, acc = lax.fori_loop(begin, end, body, init)
-    out = acc / jnp.where(l > 0, l, 1.0)[:, None]  # a query that saw nothing (padding): 0
-    if gate_ref:
-        out = out * jax.nn.sigmoid(gate_ref[0][...].astype(jnp.float32))
-    o_ref[...] = out.astype(o_ref.dtype)
+    m_ref[...], l_ref[...], o_ref[...] = lax.fori_loop(begin, end, body, init)
+
+
+def splits(B: int, K: int, Q: int, NB: int) -> int:
+    """Page splits per row (flash decoding): a short chunk of B rows x K kv heads alone would
+    leave most of a GPU idle over a long context, so its pages are split until about
+    PROGRAMS programs run; a prompt chunk has query blocks enough (1)."""
+    if Q > DECODE_BLOCK:
+        return 1
+    return max(1, min(NB, PROGRAMS // (B * K)))
 
 
 def paged_attention(
@@ -90,35 +100,50 @@ def paged_attention(
     rows' keys in the pools ([P, K, H, page] each, the chunk's own keys already written) ->
     [B, T, K, G, H] float32 (times sigmoid(gate [B, T, K, G, H]) when given). table [B, NB],
     start, length [B] int32 as in kvcache.KVView; a row with length 0 is idle (its output is
-    padding)."""
+    padding). The splits' softmax states are merged here (XLA fuses it with the gate)."""
     pool_k, pool_v = pools
     B, T, K, G, H = q.shape
     P, _, _, page = pool_k.shape
+    NB = table.shape[1]
     Q = T * G
     BQ = DECODE_BLOCK if Q <= DECODE_BLOCK else CHUNK_BLOCK
     Qp = -(-Q // BQ) * BQ
+    S = splits(B, K, Q, NB)
+    qh = q.transpose(0, 2, 1, 3, 4).reshape(B, K, Q, H)  # query t * G + g
+    qh = jnp.pad(qh, ((0, 0), (0, 0), (0, Qp - Q), (0, 0)))  # [B, K, Qp, H]
 
-    def heads(a):  # [B, T, K, G, H] -> [B, K, Qp, H], query t * G + g
-        a = a.transpose(0, 2, 1, 3, 4).reshape(B, K, Q, H)
-        return jnp.pad(a, ((0, 0), (0, 0), (0, Qp - Q), (0, 0)))
-
-    row = pl.BlockSpec((1,), lambda b, h, i: (b,))
-    block = pl.BlockSpec((None, None, BQ, H), lambda b, h, i: (b, h, i, 0))
-    pool = pl.BlockSpec((P, None, H, page), lambda b, h, i: (0, h, 0, 0))
-    args = [start, length, table, heads(q), pool_k, pool_v]
-    specs = [row, row, pl.BlockSpec((None, table.shape[1]), lambda b, h, i: (b, 0)), block]
-    specs += [pool, pool]
-    if gate is not None:
-        args.append(heads(gate))
-        specs.append(block)
-    out = pl.pallas_call(
-        functools.partial(_kernel, G=G, window=window),
-        grid=(B, K, Qp // BQ),
-        in_specs=specs,
-        out_specs=block,
-        out_shape=jax.ShapeDtypeStruct((B, K, Qp, H), jnp.float32),
+    row = pl.BlockSpec((1,), lambda b, h, i, s: (b,))
+    pool = pl.BlockSpec((P, None, H, page), lambda b, h, i, s: (0, h, 0, 0))
+    state = pl.BlockSpec((None, None, None, BQ), lambda b, h, i, s: (s, b, h, i))
+    m, l, acc = pl.pallas_call(
+        functools.partial(_kernel, G=G, window=window, per_split=-(-NB // S)),
+        grid=(B, K, Qp // BQ, S),
+        in_specs=[
+            row,
+            row,
+            pl.BlockSpec((None, NB), lambda b, h, i, s: (b, 0)),
+            pl.BlockSpec((None, None, BQ, H), lambda b, h, i, s: (b, h, i, 0)),
+            pool,
+            pool,
+        ],
+        out_specs=[
+            state,
+            state,
+            pl.BlockSpec((None, None, None, BQ, H), lambda b, h, i, s: (s, b, h, i, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((S, B, K, Qp), jnp.float32),
+            jax.ShapeDtypeStruct((S, B, K, Qp), jnp.float32),
+            jax.ShapeDtypeStruct((S, B, K, Qp, H), jnp.float32),
+        ],
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),  # Triton, not Mosaic
         name="paged_attention",
-    )(*args)
-    return out[:, :, :Q].reshape(B, K, T, G, H).transpose(0, 2, 1, 3, 4)
+    )(start, length, table, qh, pool_k, pool_v)
+    weight = jnp.exp(m - m.max(0))  # [S, B, K, Qp]: each split's share
+    l = (weight * l).sum(0)  # [B, K, Qp]
+    out = (weight[..., None] * acc).sum(0) / jnp.where(l > 0, l, 1.0)[..., None]  # nothing: 0
+    out = out[:, :, :Q].reshape(B, K, T, G, H).transpose(0, 2, 1, 3, 4)
+    if gate is not None:
+        out = out * jax.nn.sigmoid(gate.astype(jnp.float32))
+    return out
