@@ -54,7 +54,7 @@ GREEDY = """
 import json, sys, jaxinfer
 from jaxinfer import kernels
 assert kernels.status().variant is None, kernels.status()
-engines = [jaxinfer.load(p, max_seq_len=128) for p in sys.argv[1:]]
+engines = [jaxinfer.load(p, max_seq_len=128, **json.loads(sys.argv[1])) for p in sys.argv[2:]]
 out = [[e.generate([1], max_new_tokens=24, temperature=0, ignore_eos=True).token_ids,
         all("paged_attention" in c.as_text() for c in e.compile_cache.executables("decode"))]
        for e in engines]
@@ -85,14 +85,27 @@ def test_xla_and_interpret_modes_give_the_default_greedy_ids(engines, models, mo
     against this one's default (its best CPU variant): the same greedy ids. Under interpret
     the decode programs hold the Pallas attention wherever its tiles fit (stories260K's
     head_dim 8 does not: XLA's attention there)."""
+    expect_same_ids(engines, mode, models, {})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["layer", "expert", "tensor"])
+def test_interpreted_kernels_inside_layouts(engines, layout):
+    """The kernels inside shard_map (pipeline stages, expert shards) and beside a tensor split
+    (whose split pools take XLA's attention): the default's single-device ids."""
+    expect_same_ids(engines, "interpret", (HYBRID,), dict(layout=layout, devices=2))
+
+
+def expect_same_ids(engines, mode, models, options):
     paths = [model_path(m) for m in models]
     env = {**os.environ, backend.ENV: mode}
-    out = subprocess.run([sys.executable, "-c", GREEDY, *map(str, paths)], capture_output=True,
-                         text=True, timeout=600, env=env)  # fmt: skip
+    argv = [sys.executable, "-c", GREEDY, json.dumps(options), *map(str, paths)]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
+    whole = options.get("layout") != "tensor"  # the kernels take whole pools only
     for model, path, (ids, pallas) in zip(models, paths, got, strict=True):
-        assert pallas == (mode == "interpret" and "stories" not in model), model
+        assert pallas == (mode == "interpret" and "stories" not in model and whole), model
         engine = engines(path, max_seq_len=128)
         want = engine.generate([1], max_new_tokens=24, temperature=0, ignore_eos=True)
         assert ids == want.token_ids, model

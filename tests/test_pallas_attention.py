@@ -150,17 +150,3 @@ def test_half_precision_pools(dtype, q_dtype):
                          q_dtype=jnp.dtype(q_dtype), B=3, T=20, K=2, G=4, H=64, page=16,
                          starts=[0, 21, 40], lengths=[20, 20, 1])  # fmt: skip
     assert err <= 8 * eps, (err, eps)
-
-
-@pytest.mark.parametrize("T", [1, 100])
-def test_lowers_for_the_gpu_through_triton(T):
-    """Without a GPU, the kernel still lowers for one (Pallas's Triton lowering, the path its
-    compiler_params pick): bf16 pools, a decode step and a prompt chunk, gated."""
-    q, _, _, pools, view = case(np.random.default_rng(9), B=2, T=T, K=2, G=4, H=128, page=16,
-                                starts=[0, 40], lengths=[T, 1], dtype=jnp.bfloat16,
-                                q_dtype=jnp.bfloat16)  # fmt: skip
-    run = jax.jit(lambda q, pools, *rows: paged_attention(q, pools, *rows, None, q))
-    lowered = run.trace(q, pools, view.table, view.start, view.length).lower(
-        lowering_platforms=("cuda",)
-    )
-    assert "__gpu$xla.gpu.triton" in lowered.as_text()

@@ -33,6 +33,7 @@ __all__ = [
     "attend",
     "attention",
     "available",
+    "checks_vma",
     "delta_rule",
     "family",
     "grouped_experts",
@@ -110,6 +111,14 @@ def grouped_product(whole: bool) -> Callable | None:
     if pallas is None:
         return tpu.grouped_matmul
     return functools.partial(grouped.grouped_matmul, **pallas)
+
+
+def checks_vma() -> bool:
+    """Whether the program's shard_maps (pipeline stages, expert shards) check varying manual
+    axes: not under `interpret`, whose Pallas interpreter slices varying operands with
+    unvarying grid indices, which the check refuses (jax 0.10); compiled kernels declare their
+    outputs' axes (ops.vma.agreed)."""
+    return family() != "interpret"
 
 
 def grouped_experts() -> bool:

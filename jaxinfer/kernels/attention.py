@@ -30,6 +30,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from ..ops.vma import agreed
+
 _MASKED = -1e30  # finite: a fully masked page gives exp(0) * 0, never NaN
 DECODE_BLOCK = 16  # queries per program for short chunks (the dot's smallest tile)
 CHUNK_BLOCK = 64  # queries per program in prompt chunks
@@ -115,6 +117,7 @@ def paged_attention(
     row = pl.BlockSpec((1,), lambda b, h, i, s: (b,))
     pool = pl.BlockSpec((P, None, H, page), lambda b, h, i, s: (0, h, 0, 0))
     state = pl.BlockSpec((None, None, None, BQ), lambda b, h, i, s: (s, b, h, i))
+    args, mat = agreed(start, length, table, qh, pool_k, pool_v)  # inside shard_map
     m, l, acc = pl.pallas_call(
         functools.partial(_kernel, G=G, window=window, per_split=-(-NB // S)),
         grid=(B, K, Qp // BQ, S),
@@ -132,14 +135,14 @@ def paged_attention(
             pl.BlockSpec((None, None, None, BQ, H), lambda b, h, i, s: (s, b, h, i, 0)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((S, B, K, Qp), jnp.float32),
-            jax.ShapeDtypeStruct((S, B, K, Qp), jnp.float32),
-            jax.ShapeDtypeStruct((S, B, K, Qp, H), jnp.float32),
+            jax.ShapeDtypeStruct((S, B, K, Qp), jnp.float32, manual_axis_type=mat),
+            jax.ShapeDtypeStruct((S, B, K, Qp), jnp.float32, manual_axis_type=mat),
+            jax.ShapeDtypeStruct((S, B, K, Qp, H), jnp.float32, manual_axis_type=mat),
         ],
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),  # Triton, not Mosaic
         name="paged_attention",
-    )(start, length, table, qh, pool_k, pool_v)
+    )(*args)
     weight = jnp.exp(m - m.max(0))  # [S, B, K, Qp]: each split's share
     l = (weight * l).sum(0)  # [B, K, Qp]
     out = (weight[..., None] * acc).sum(0) / jnp.where(l > 0, l, 1.0)[..., None]  # nothing: 0

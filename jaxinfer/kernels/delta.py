@@ -47,6 +47,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from ..ops.vma import agreed
+
 CHUNK = 64  # L for long chunks, as gdn.CHUNK
 MIN_CHUNK = 16  # the smallest L: Triton's dots need every dimension >= 16
 STEP_BLOCK_V = 32  # BV of the decode step
@@ -121,11 +123,12 @@ def recurrent_step(
     vec_v = pl.BlockSpec((None, None, BV), lambda b, h, j: (b, h, j))
     one = pl.BlockSpec((None, None, 1), lambda b, h, j: (b, h, 0))
     state = pl.BlockSpec((None, None, DK, BV), lambda b, h, j: (b, h, 0, j))
+    args, mat = agreed(q, k, v, g, beta, S)  # inside shard_map
     return pl.pallas_call(
         _step_kernel,
         out_shape=(
-            jax.ShapeDtypeStruct((B, H, DV), _F32),
-            jax.ShapeDtypeStruct((B, H, DK, DV), _F32),
+            jax.ShapeDtypeStruct((B, H, DV), _F32, manual_axis_type=mat),
+            jax.ShapeDtypeStruct((B, H, DK, DV), _F32, manual_axis_type=mat),
         ),
         grid=(B, H, DV // BV),
         in_specs=[vec_k, vec_k, vec_v, one, one, state],
@@ -134,7 +137,7 @@ def recurrent_step(
         compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="gdn_recurrent_step",
-    )(q, k, v, g, beta, S)
+    )(*args)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -209,11 +212,12 @@ def chunked(
     rows_v = pl.BlockSpec((None, TP, None, BV), lambda b, h, j: (b, 0, h, j))
     per_token = pl.BlockSpec((None, TP, None), lambda b, h, j: (b, 0, h))
     state = pl.BlockSpec((None, None, DK, BV), lambda b, h, j: (b, h, 0, j))
+    args, mat = agreed(q, k, v, g, beta, S)  # inside shard_map
     o, S = pl.pallas_call(
         functools.partial(_chunk_kernel, L=L, N=TP // L),
         out_shape=(
-            jax.ShapeDtypeStruct((B, TP, H, DV), _F32),
-            jax.ShapeDtypeStruct((B, H, DK, DV), _F32),
+            jax.ShapeDtypeStruct((B, TP, H, DV), _F32, manual_axis_type=mat),
+            jax.ShapeDtypeStruct((B, H, DK, DV), _F32, manual_axis_type=mat),
         ),
         grid=(B, H, DV // BV),
         in_specs=[rows_k, rows_k, rows_v, per_token, per_token, state],
@@ -222,5 +226,5 @@ def chunked(
         compiler_params=plt.CompilerParams(num_warps=8, num_stages=1),
         interpret=interpret,
         name="gdn_chunked",
-    )(q, k, v, g, beta, S)
+    )(*args)
     return o[:, :T], S

@@ -57,6 +57,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from ..ops.vma import agreed
+
 BM = 16  # rows per tile: Triton's smallest dot
 BN = 64  # output columns per program
 BK = 64  # columns of D per step of the reduction
@@ -208,9 +210,10 @@ def run_tiles(
         _kernel, bm=block_m, bn=block_n, bk=block_k, D=D, O=O,
         kind=jnp.promote_types(xs.dtype, w.dtype),
     )  # fmt: skip
+    args, mat = agreed(*(a.astype(jnp.int32) for a in (e, r, n)), xs, w, zeros)  # shard_map
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((A, O), out_dtype),
+        out_shape=jax.ShapeDtypeStruct((A, O), out_dtype, manual_axis_type=mat),
         grid=(T, pl.cdiv(O, block_n)),
         in_specs=[one, one, one, whole(xs), whole(w), whole(zeros)],
         out_specs=whole(zeros),
@@ -218,4 +221,4 @@ def run_tiles(
         interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=3),  # Triton
         name="grouped_matmul",
-    )(*(a.astype(jnp.int32) for a in (e, r, n)), xs, w, zeros)
+    )(*args)

@@ -35,6 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from ..ops.quant import FORMATS, INT8_ACTIVATIONS, QArray, quantize_activations
+from ..ops.vma import agreed
 
 
 @dataclass(frozen=True)
@@ -110,9 +111,10 @@ def qmatmul(x: jax.Array, w: QArray, *, interpret: bool = False, out_dtype=jnp.f
     kernel = functools.partial(
         _kernel, fmt=w.fmt, views=layout.views, bk=bk, steps=ip // bk, mins=s is not None
     )
+    (xs, parts), mat = agreed(xs, parts)  # inside shard_map
     y = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((mp, op), out_dtype),
+        out_shape=jax.ShapeDtypeStruct((mp, op), out_dtype, manual_axis_type=mat),
         grid=(mp // bm, op // BN),
         in_specs=[pl.BlockSpec((xs.shape[0], bm, xs.shape[2]), lambda i, j: (0, i, 0)), specs],
         out_specs=pl.BlockSpec((bm, BN), lambda i, j: (i, j)),

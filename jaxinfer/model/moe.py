@@ -207,4 +207,5 @@ def experts(x, ids, weights, valid, w_gate, w_up, w_down, split: ExpertSplit | N
         in_specs=(rep, rep, rep, rep, held, held, held),
         out_specs=rep,
         axis_names=frozenset({split.axis}),
+        check_vma=kernels.checks_vma(),
     )(x, ids, weights, valid, w_gate, w_up, w_down)

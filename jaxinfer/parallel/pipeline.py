@@ -26,6 +26,7 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from .. import kernels
 from ..config import ModelConfig
 from ..model.gdn import RecurrentState
 from ..model.kvcache import KVConfig, KVView
@@ -282,6 +283,7 @@ def pipeline_runner(cfg: ModelConfig, mesh: Mesh, rules: dict, kv_dtype) -> Runn
         in_specs=(P(AXIS), P(), P(), P(), P(AXIS)),
         out_specs=(P(), P(AXIS)),
         axis_names=manual,
+        check_vma=kernels.checks_vma(),
     )
 
     kernel = kernel_fits(mesh)
