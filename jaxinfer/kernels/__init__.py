@@ -80,11 +80,19 @@ def _tile(n: int) -> bool:
     return n >= 16 and n & (n - 1) == 0
 
 
-def product(w) -> Callable | None:
-    """The Pallas product x [M, I] -> [M, O] float32 for the quantized weight w (a QArray
-    whole on one device: `w.kernel`), or None."""
+# Rows up to which a quantized product runs in the Pallas kernel (decode, verify, short
+# chunks: bound by reading the weight); a longer prompt chunk is bound by compute, where
+# dequantizing once for XLA's tensor-core dot beats the kernel's float32 tiles (llama.cpp's
+# CUDA backend splits the same way: its vector kernels for small batches, a dequantized GEMM
+# above).
+PRODUCT_ROWS = 64
+
+
+def product(w, rows: int) -> Callable | None:
+    """The Pallas product x [rows, I] -> [rows, O] float32 for the quantized weight w (a
+    QArray whole on one device: `w.kernel`), or None."""
     pallas = _pallas()
-    if pallas is None or not w.kernel or not qmatmul.serves(w):
+    if pallas is None or not w.kernel or rows > PRODUCT_ROWS or not qmatmul.serves(w):
         return None
     return functools.partial(qmatmul.qmatmul, w=w, **pallas)
 

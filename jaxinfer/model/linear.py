@@ -49,7 +49,7 @@ def linears(x: jax.Array, ws, out_dtype=None, norm=None) -> list[jax.Array]:
     if norm is not None and any(out is None for out in outs):
         x = rms_norm(x, *norm)
     for i, w in enumerate(ws):
-        op = kernels.product(w) if outs[i] is None and isinstance(w, QArray) else None
+        op = kernels.product(w, rows) if outs[i] is None and isinstance(w, QArray) else None
         if op is not None:
             y = op(x.reshape(rows, x.shape[-1]))  # [M, O] float32
             outs[i] = y.reshape(*x.shape[:-1], y.shape[-1]).astype(out_dtype)
