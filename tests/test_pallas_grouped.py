@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from support.reference import grouped_reference
 
 from jaxinfer.kernels.grouped import BM, grouped_matmul, run_tiles, tile_count, tile_map
 
@@ -18,20 +19,11 @@ U_BF16 = 2.0**-8  # bfloat16's unit roundoff: 8 significant bits (eps 2^-7), rou
 ACC = 1e-5  # float32 accumulation: see check_f32
 
 
-def reference(xs, w, counts):
-    """float64 [A, O]: each expert's rows times its weight transposed; rows past sum(counts) 0."""
-    xs, w = np.asarray(xs, np.float64), np.asarray(w, np.float64)
-    out = np.zeros((xs.shape[0], w.shape[1]))
-    start = 0
-    for e, c in enumerate(np.asarray(counts)):
-        out[start : start + c] = xs[start : start + c] @ w[e].T
-        start += c
-    return out
-
-
 def magnitudes(xs, w, counts):
     """float64 [A, O]: the sum of |terms| of each output, the scale of its rounding error."""
-    return reference(np.abs(np.asarray(xs, np.float64)), np.abs(np.asarray(w, np.float64)), counts)
+    return grouped_reference(
+        np.abs(np.asarray(xs, np.float64)), np.abs(np.asarray(w, np.float64)), counts
+    )
 
 
 def check(y, want, bound):
@@ -43,7 +35,7 @@ def check_f32(y, xs, w, counts):
     """Within float32 accumulation of the float64 product: 1e-5 of the sum of |terms| per output
     (a float32 sum of n products errs by at most about n u sum|terms|, u = 2^-24: 5e-6 at
     D = 80; typically sqrt(n) u)."""
-    check(y, reference(xs, w, counts), ACC * magnitudes(xs, w, counts))
+    check(y, grouped_reference(xs, w, counts), ACC * magnitudes(xs, w, counts))
 
 
 def case(rng, counts, A, D, O, dtype=np.float32):
@@ -109,8 +101,8 @@ def test_bfloat16(name):
     xs32, w32, c = case(np.random.default_rng(7), counts, spec["A"], spec["D"], spec["O"])
     xs, w = xs32.astype(jnp.bfloat16), w32.astype(jnp.bfloat16)
     size = magnitudes(xs32, w32, counts)
-    exact = reference(xs32, w32, counts)  # the unrounded inputs
-    rounded = reference(xs, w, counts)  # the bfloat16 inputs, exactly
+    exact = grouped_reference(xs32, w32, counts)  # the unrounded inputs
+    rounded = grouped_reference(xs, w, counts)  # the bfloat16 inputs, exactly
 
     y = grouped_matmul(xs, w, c, interpret=INTERPRET, out_dtype=jnp.float32)
     assert y.dtype == jnp.float32
@@ -137,7 +129,7 @@ def test_mixed_dtypes_and_other_tiles():
     check_f32(y, xs, w, counts)
     y16 = grouped_matmul(xs, w, c, interpret=INTERPRET, out_dtype=jnp.float16)
     assert y16.dtype == jnp.float16
-    want = reference(xs, w, counts)
+    want = grouped_reference(xs, w, counts)
     check(y16, want, ACC * magnitudes(xs, w, counts) + 2.0**-11 * np.abs(want))
 
 

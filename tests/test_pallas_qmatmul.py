@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
+from support.reference import q8_reference
 
 from jaxinfer.formats.gguf import split_blocks
 from jaxinfer.kernels.qmatmul import FORMATS_SERVED, qmatmul, serves
@@ -102,33 +103,6 @@ def test_serves():
     assert not serves(jnp.zeros((64, 64)))
     with pytest.raises(ValueError, match="does not serve"):
         qmatmul(jnp.zeros((1, 64)), w.rows(lambda a: jnp.stack([a, a])))
-
-
-def q8_reference(x, kind):
-    """x float32 [M, I] quantized as llama.cpp's x86 code quantizes activations (as in
-    test_qkernel.py, written apart from quant.quantize_activations; float32 steps in NumPy's
-    float32) -> (the dequantized activations float64 [M, I], Q8_1's s float64 [M, I / 32] or
-    None)."""
-    x = np.asarray(x, np.float32)
-    M, I = x.shape
-    out, s = np.zeros((M, I)), np.zeros((M, I // 32))
-    size = 256 if kind == "q8_k" else 32
-    for m, b in np.ndindex(M, I // size):
-        blk = x[m, size * b : size * (b + 1)]
-        if kind == "q8_k":  # quantize_row_q8_K_ref
-            top = blk[np.argmax(np.abs(blk))]  # the first of largest magnitude
-            if top == 0:
-                continue
-            iscale = np.float32(-127.0) / top
-            q = np.minimum(np.rint(iscale * blk), 127)
-            out[m, size * b : size * (b + 1)] = q * np.float64(np.float32(1.0) / iscale)
-        else:  # quantize_row_q8_0 / q8_1 (AVX2)
-            amax = np.abs(blk).max()
-            d = amax / np.float32(127.0)
-            q = np.rint(blk * (np.float32(127.0) / amax if amax else np.float32(0)))
-            out[m, size * b : size * (b + 1)] = q * np.float64(np.float16(d))
-            s[m, b] = np.float16(d * np.float32(q.sum()))
-    return out, (s if kind == "q8_1" else None)
 
 
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS)
