@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from support.reference import grouped_reference
+from support.kernels import grouped_reference
 
 from jaxinfer.kernels.grouped import BM, grouped_matmul, run_tiles, tile_count, tile_map
 

@@ -8,11 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from gguf.quants import dequantize as gguf_dequantize
-from support.reference import q8_reference
+from support.kernels import q8_reference, random_quantized
 
-from jaxinfer.formats.gguf import split_blocks
 from jaxinfer.kernels.qmatmul import FORMATS_SERVED, qmatmul, serves
 from jaxinfer.ops import quant
 
@@ -21,34 +18,10 @@ BLOCK_FORMATS = tuple(f for f in FORMATS_SERVED if f in quant.INT8_ACTIVATIONS)
 
 
 def random_weight(fmt: str, rows: int, cols: int, rng) -> tuple[quant.QArray, np.ndarray]:
-    """(w, float64 reference [rows, cols]): GGUF blocks of random bytes with sane f16 scales,
-    split into parts as the loader splits them and dequantized by gguf-py; int8 from a float
-    weight, its reference q s in NumPy."""
-    if fmt == "int8":
-        host = quant.quantize_int8(rng.standard_normal((rows, cols)))
-        ref = host.parts["q"].astype(np.float32) * host.parts["s"]
-    else:
-        name = quant.FORMATS[fmt].ggml
-        kind = GGMLQuantizationType[name]
-        if fmt in ("f16", "bf16"):
-            w = rng.standard_normal((rows, cols)).astype(np.float32)
-            if fmt == "f16":
-                raw = w.astype(np.float16).view(np.uint8)
-            else:  # bf16: the top half of each float32
-                raw = (w.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
-        else:
-            block, size = GGML_QUANT_SIZES[kind]
-            raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
-            scales = (208,) if name == "Q6_K" else (0,)  # byte offsets of d (and m / dmin)
-            scales += (2,) if name in ("Q4_1", "Q5_1", "Q4_K", "Q5_K") else ()
-            for at in scales:
-                d = rng.uniform(-0.1, 0.1, (rows, cols // block, 1)).astype(np.float16)
-                raw[..., at : at + 2] = d.view(np.uint8)
-        raw = raw.reshape(rows, -1)
-        ref = gguf_dequantize(raw, kind).reshape(rows, cols)
-        host = split_blocks(name, raw, (rows, cols))
-    parts = {k: jnp.asarray(v) for k, v in host.take().items()}
-    return quant.QArray(parts, fmt, cols), ref.astype(np.float64)
+    """(w, float64 reference [rows, cols]): support.reference.random_quantized's parts (GGUF
+    blocks split as the loader splits them, dequantized by gguf-py) as a QArray."""
+    parts, ref = random_quantized(fmt, rows, cols, rng)
+    return quant.QArray({k: jnp.asarray(v) for k, v in parts.items()}, fmt, cols), ref
 
 
 def check(y, want, x, ref):

@@ -7,13 +7,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from gguf.quants import dequantize as gguf_dequantize
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from support.reference import q8_reference
+from support.kernels import q8_reference, random_quantized
 
-from jaxinfer.formats.gguf import split_blocks
 from jaxinfer.kernels import cpu as qkernel
 from jaxinfer.model import linear
 from jaxinfer.ops import quant
@@ -46,37 +43,6 @@ def width(fmt: str) -> int:
     return {1: 100, 32: 96, 256: 512}[quant.FORMATS[fmt].block]
 
 
-def random_weight(fmt: str, rows: int, cols: int, rng):
-    """(parts, float64 reference [rows, cols]) of a random weight: GGUF blocks of random bytes
-    with sane f16 scales, dequantized by gguf-py; int8 from a float weight."""
-    if fmt == "f32":
-        w = rng.standard_normal((rows, cols)).astype(np.float32)
-        return {"w": w}, w.astype(np.float64)
-    if fmt == "int8":
-        hq = quant.quantize_int8(rng.standard_normal((rows, cols)))
-        ref = hq.parts["q"].astype(np.float32) * hq.parts["s"]
-        return hq.take(), ref.astype(np.float64)
-    name = quant.FORMATS[fmt].ggml
-    kind = GGMLQuantizationType[name]
-    if fmt in ("f16", "bf16"):
-        w = rng.standard_normal((rows, cols)).astype(np.float32)
-        if fmt == "f16":
-            raw = w.astype(np.float16).view(np.uint8)
-        else:  # bf16: the top half of each float32
-            raw = (w.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
-    else:
-        bs, ts = GGML_QUANT_SIZES[kind]
-        raw = rng.integers(0, 256, (rows, cols // bs, ts), dtype=np.uint8)
-        scales = (208,) if name == "Q6_K" else (0,)
-        scales += (2,) if name in ("Q4_1", "Q5_1", "Q4_K", "Q5_K") else ()
-        for at in scales:
-            d = rng.uniform(-0.1, 0.1, (rows, cols // bs, 1)).astype(np.float16)
-            raw[..., at : at + 2] = d.view(np.uint8)
-    raw = raw.reshape(rows, -1)
-    ref = gguf_dequantize(raw, kind).reshape(rows, cols).astype(np.float64)
-    return split_blocks(name, raw, (rows, cols)).take(), ref
-
-
 def check(y, x, ref, scale=1.0):
     """y within float32 rounding of x @ ref.T: 1e-5 of the sum of |terms| per output (measured:
     at most 3.6e-7 over every format and 1-64 rows; I * eps32 would allow 6e-5 at I = 1024)."""
@@ -91,7 +57,7 @@ def check(y, x, ref, scale=1.0):
 def test_matches_reference(fmt, rows, variant):
     rng = np.random.default_rng(FORMATS.index(fmt) * 1000 + rows)
     cols = width(fmt)
-    parts, ref = random_weight(fmt, rows, cols, rng)
+    parts, ref = random_quantized(fmt, rows, cols, rng)
     x = rng.standard_normal((max(MS), cols)).astype(np.float32)
 
     @jax.jit  # one program for every M
@@ -109,7 +75,7 @@ def test_float_weights_past_the_cache(variant):
     (O = 1031 rows in chunks of 128-129; I = 300, a ragged tail). check's bound: measured at
     most 5.2e-8 of the sum of |terms| over 5 seeds."""
     rng = np.random.default_rng(11)
-    parts, ref = random_weight("f32", 1031, 300, rng)
+    parts, ref = random_quantized("f32", 1031, 300, rng)
     x = rng.standard_normal((max(MS), 300)).astype(np.float32)
 
     @jax.jit
@@ -126,7 +92,7 @@ def test_several_weights_in_one_call(fmt, variant):
     reference, with output row counts that split the threads' chunks across weights."""
     rng = np.random.default_rng(7)
     cols = width(fmt)
-    weights = [random_weight(fmt, rows, cols, rng) for rows in (96, 17, 33)]
+    weights = [random_quantized(fmt, rows, cols, rng) for rows in (96, 17, 33)]
     x = rng.standard_normal((max(MS), cols)).astype(np.float32)
 
     @jax.jit
@@ -145,7 +111,7 @@ def test_linears_groups_by_format():
     rng = np.random.default_rng(8)
     cols = 512
     fmts = ("q8_0", "q4_k", "q8_0")
-    made = [random_weight(f, 40, cols, rng) for f in fmts]
+    made = [random_quantized(f, 40, cols, rng) for f in fmts]
     ws = [quant.QArray(p, f, cols, kernel=True) for (p, _), f in zip(made, fmts, strict=True)]
     plain = rng.standard_normal((24, cols)).astype(np.float32)
     x = jnp.asarray(rng.standard_normal((2, 3, cols)).astype(np.float32))
@@ -169,7 +135,7 @@ def test_linears_fold_the_norm(variant):
     rng = np.random.default_rng(9)
     cols = 512
     fmts = ("f32", "q8_0")
-    made = [random_weight(f, 40, cols, rng) for f in fmts]
+    made = [random_quantized(f, 40, cols, rng) for f in fmts]
     ws = [quant.QArray(p, f, cols, kernel=True) for (p, _), f in zip(made, fmts, strict=True)]
     plain = rng.standard_normal((24, cols)).astype(np.float32)
     refs = [r for _, r in made] + [plain.astype(np.float64)]
@@ -195,7 +161,7 @@ def test_weights_are_exact(fmt, variant):
     """One-hot activations read single weights back: bit-equal to gguf-py's float32 values."""
     rng = np.random.default_rng(1)
     cols = width(fmt)
-    parts, ref = random_weight(fmt, 13, cols, rng)
+    parts, ref = random_quantized(fmt, 13, cols, rng)
     picks = rng.choice(cols, 8, replace=False)
     x = np.zeros((8, cols), np.float32)
     x[np.arange(8), picks] = 1
@@ -205,7 +171,7 @@ def test_weights_are_exact(fmt, variant):
 
 def test_in_loops_and_cond():
     rng = np.random.default_rng(2)
-    parts, ref = random_weight("q4_k", 37, 512, rng)
+    parts, ref = random_quantized("q4_k", 37, 512, rng)
     x = rng.standard_normal((3, 512)).astype(np.float32)
 
     @jax.jit
@@ -228,7 +194,7 @@ def test_in_loops_and_cond():
 
 def test_vmap():
     rng = np.random.default_rng(3)
-    parts, ref = random_weight("q8_0", 37, 96, rng)
+    parts, ref = random_quantized("q8_0", 37, 96, rng)
     x = rng.standard_normal((4, 2, 96)).astype(np.float32)  # [batch, M, I]
     y = jax.jit(jax.vmap(lambda x: qkernel.matmul(x, "q8_0", parts, 37)))(x)
     for b in range(4):
@@ -240,7 +206,7 @@ def test_shard_map_per_device_rows():
     call the kernel inside shard_map with every mesh axis manual."""
     n = jax.device_count()
     rng = np.random.default_rng(4)
-    parts, ref = random_weight("q6_k", 12 * n, 512, rng)
+    parts, ref = random_quantized("q6_k", 12 * n, 512, rng)
     x = rng.standard_normal((2, 512)).astype(np.float32)
     mesh = jax.make_mesh((n,), ("d",))
     rows = NamedSharding(mesh, P("d"))
@@ -258,7 +224,7 @@ def test_linear_seam():
     """linear.linear sends small row counts to the kernel and larger ones to the graph; both
     give the same product."""
     rng = np.random.default_rng(5)
-    parts, ref = random_weight("q5_k", 37, 512, rng)
+    parts, ref = random_quantized("q5_k", 37, 512, rng)
     w = quant.QArray({k: jnp.asarray(v) for k, v in parts.items()}, "q5_k", 512, True)
     for rows in (1, qkernel.MAX_ROWS + 1):
         x = rng.standard_normal((rows, 512)).astype(np.float32)
@@ -287,7 +253,7 @@ def test_int8_activations_match_reference(fmt, variant):
     quantized activations' terms). Activations with exact ties and zero blocks included."""
     rng = np.random.default_rng(BLOCK_FORMATS.index(fmt) + 50)
     cols, rows = width(fmt), 37
-    parts, ref = random_weight(fmt, rows, cols, rng)
+    parts, ref = random_quantized(fmt, rows, cols, rng)
     x = rng.standard_normal((13, cols)).astype(np.float32)
     x[1, :64] = 0.0  # zero blocks
     x[2, :32] = np.arange(32) - 15.5  # values at .5 after scaling: rounding ties

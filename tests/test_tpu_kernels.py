@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support.reference import grouped_reference
+from support.kernels import grouped_reference
 
 from jaxinfer.kernels import tpu
 
