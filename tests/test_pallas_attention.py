@@ -97,8 +97,14 @@ def check(rng, window=None, gated=False, atol=F32_ATOL, **shape):
     return err, xla_err
 
 
-@pytest.mark.parametrize("page", [16, 32, 128])
-@pytest.mark.parametrize("G", [1, 4, 8])
+DEFAULT = ((16, 1), (32, 4), (128, 8))  # each page size and GQA ratio once; the rest slow
+
+
+@pytest.mark.parametrize(
+    ("page", "G"),
+    [(p, g) if (p, g) in DEFAULT else pytest.param(p, g, marks=pytest.mark.slow)
+     for p in (16, 32, 128) for g in (1, 4, 8)],
+)  # fmt: skip
 def test_decode_rows_of_ragged_lengths(page, G):
     """One token per row at ragged positions: a first token, a page's last and first
     position, a long row, an idle row (length 0)."""
