@@ -286,12 +286,14 @@ def test_no_compile_cache_means_no_store(tmp_path):
             marks=pytest.mark.slow,
             id="hybrid MoE with MTP",
         ),
-        pytest.param(STORIES, dict(speculative=str(model_path(STORIES))), id="draft model"),
+        pytest.param(STORIES, dict(speculative=STORIES), id="draft model"),
     ],
 )
 def test_speculative_programs_are_stored_and_loaded(tmp_path, model, options):
     """No program closes over a constant (serialize refuses them): the MTP head's and the
     draft model's programs store and load like the others."""
+    if options["speculative"] == STORIES:  # resolved here: a missing model skips this test
+        options = dict(speculative=str(model_path(STORIES)))
     first = load(tmp_path, model=model, **options)
     ids = generate(first)
     assert first.compile_cache.store.saved == first.perf_stats().programs == 3
