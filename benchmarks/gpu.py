@@ -133,20 +133,6 @@ def kernels(mode: str):
             os.environ[KERNELS_ENV] = old
 
 
-def pipelined_bandwidth(n_bytes: int, calls: int = 20) -> float:
-    """Copy bandwidth (read + write) with `calls` copies queued before one wait: no dispatch
-    and wait per copy in the time (measure_bandwidth waits after each one)."""
-    x = jnp.zeros(n_bytes // 4, jnp.float32)
-    copy = jax.jit(lambda a: a + 1.0)
-    copy(x).block_until_ready()
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        jax.block_until_ready([copy(x) for _ in range(calls)])
-        times.append(time.perf_counter() - t0)
-    return 2 * n_bytes * calls / statistics.median(times)
-
-
 # ---------------------------------------------------------------------------------------------
 # the results file
 
@@ -523,7 +509,7 @@ def main():
         f"{'smoke' if args.smoke else 'full'} plan, -r {args.rounds}, budget {args.budget:.0f} s"
     )
     bw = measure_bandwidth(plan.bw_bytes)
-    bw2 = pipelined_bandwidth(plan.bw_bytes)
+    bw2 = measure_bandwidth(plan.bw_bytes, calls=20)  # 20 copies queued, one wait
     log(f"copy bandwidth {bw / 1e9:.0f} GB/s (a wait per copy), {bw2 / 1e9:.0f} GB/s pipelined")
     import jaxlib
 
