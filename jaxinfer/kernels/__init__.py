@@ -25,6 +25,7 @@ from . import delta, grouped, qmatmul, tpu
 from .attention import paged_attention
 from .backend import family, mode
 from .cpu import ATTEND_POOLS, MAX_ROWS, attend, available, matmul, matmuls, serves, status
+from .grouped import tile_map
 
 __all__ = [
     "ATTEND_POOLS",
@@ -44,6 +45,7 @@ __all__ = [
     "product",
     "serves",
     "status",
+    "tile_map",
 ]
 
 

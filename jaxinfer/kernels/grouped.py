@@ -10,8 +10,8 @@ into row tiles of BM = 16 (Triton's smallest dot) that never cross an expert, so
 c rows takes ceil(c / BM) tiles and one without rows none. Tile t has its expert e_t, its first
 sorted row r_t and its valid rows n_t <= BM: three small int32 arrays [T] with the static bound
 T = ceil(A / BM) + min(EL, A) (each expert that has rows adds at most one partial tile);
-the tiles past the real ones have n_t = 0. The same map as moe.expert_ffn's loop, with a fixed
-tile height (`block_m`, default 16). `run_tiles` runs the kernel over a given map (the tests
+the tiles past the real ones have n_t = 0. moe.expert_ffn's loop runs the same map with its
+own tile height. `run_tiles` runs the kernel over a given map (the tests
 feed it in other orders).
 
 The grid is (T, O / BN), BN = 64. A program skips itself when n_t = 0 (`pl.when`); otherwise
@@ -84,7 +84,9 @@ def tile_map(counts: jax.Array, A: int, block_m: int = BM):
     tiles = -(-counts // block_m)  # [EL]
     tile_end = jnp.cumsum(tiles)  # [EL] one past each expert's last tile
     t = jnp.arange(T, dtype=jnp.int32)  # [T]
-    e = jnp.searchsorted(tile_end, t, side="right").astype(jnp.int32)  # [T] tile t's expert
+    # [T] tile t's expert: searchsorted(tile_end, t, "right") as a count (jnp.searchsorted
+    # refuses operands varying over a shard_map's manual axes, jax 0.10)
+    e = jnp.sum(t[:, None] >= tile_end[None, :], axis=1, dtype=jnp.int32)
     used = e < EL
     e = jnp.minimum(e, EL - 1)
     row = starts[e] + (t - (tile_end[e] - tiles[e])) * block_m  # [T]

@@ -115,14 +115,9 @@ def expert_ffn(x, ids, weights, valid, w_gate, w_up, w_down, first=0) -> jax.Arr
     A = N * k
     C = tile_rows(A, EL)
     mine, order, counts = _sorted(ids, valid, EL, first)
-    starts = jnp.cumsum(counts) - counts  # [EL] first sorted row of each expert
-    tiles = -(-counts // C)  # [EL]
-    tile_end = jnp.cumsum(tiles)
-    n_tiles = tile_end[-1]
-    t = jnp.arange(min(A, -(-A // C) + EL), dtype=jnp.int32)
-    passed = jnp.sum(t[:, None] >= tile_end[None, :], axis=1, dtype=jnp.int32)  # searchsorted
-    tile_e = jnp.minimum(passed, EL - 1)  # [max tiles] expert of each tile
-    tile_row = starts[tile_e] + (t - (tile_end[tile_e] - tiles[tile_e])) * C
+    # [T] each tile's expert, first sorted row, rows (0: unused, all after the used ones)
+    tile_e, tile_row, used = kernels.tile_map(counts, A, C)
+    n_tiles = jnp.sum(used > 0)
 
     xs = jnp.concatenate([x[order // k], jnp.zeros((C, D), x.dtype)])  # [A + C, D]
 
