@@ -344,35 +344,45 @@ def write_random_gguf(
     path: Path, d_model, n_layers, n_heads, n_kv_heads, d_ff, vocab, arch="llama",
     n_experts=0, n_experts_used=0, d_ff_expert=0, name="llama-86M (random)", vocab_from=None,
     attention_every=4, linear_heads=(4, 8), linear_dim=64, conv_kernel=4, chat_template=None,
+    head_dim=None, d_ff_shared=0, rope_theta=None, dtype="float32", context=4096,
 ) -> Path:  # fmt: skip
-    """A float32 GGUF with random weights and a SentencePiece-style vocabulary (or the one of
-    the GGUF `vocab_from`, e.g. stories260K's, so that it can draft): `llama`, `qwen3` /
-    `qwen3moe` (q/k norms; with `n_experts`, stacked experts and a router), or `qwen35` (every
-    `attention_every`-th layer gated attention, the others Gated DeltaNet with `linear_heads`
-    (key, value) heads of `linear_dim`; the keys and tensors llama.cpp's converter writes);
-    with `chat_template`, that jinja template in its metadata."""
+    """A GGUF with random weights (`dtype` float32, or float16 for real shapes: half the
+    bytes, and what llama.cpp's quantizer takes as well) and a SentencePiece-style vocabulary
+    (or the one of the GGUF `vocab_from`, e.g. stories260K's, so that it can draft): `llama`,
+    `qwen3` / `qwen3moe` (q/k norms; with `n_experts`, stacked experts and a router), or
+    `qwen35` / `qwen35moe` (every `attention_every`-th layer gated attention, the others Gated
+    DeltaNet with `linear_heads` (key, value) heads of `linear_dim`; qwen35moe's experts on
+    every layer, with a sigmoid-gated shared expert of width `d_ff_shared`; the keys and
+    tensors llama.cpp's converter writes); `head_dim` (default d_model / n_heads) as Qwen3's
+    and Qwen3.5's configs set it; with `chat_template`, that jinja template in its metadata.
+    Tensors are written one at a time as they are drawn: a file of many GiB never sits in
+    memory."""
     import gguf
 
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(name)
-    w.add_context_length(4096)
+    w.add_context_length(context)
     w.add_embedding_length(d_model)
     w.add_block_count(n_layers)
-    w.add_feed_forward_length(d_ff)
+    if d_ff:
+        w.add_feed_forward_length(d_ff)
     w.add_head_count(n_heads)
     w.add_head_count_kv(n_kv_heads)
-    H = d_model // n_heads
-    hybrid = arch == "qwen35"
+    H = head_dim or d_model // n_heads
+    hybrid = arch in ("qwen35", "qwen35moe")
     w.add_rope_dimension_count(H // 4 if hybrid else H)
     w.add_layer_norm_rms_eps(1e-6 if hybrid else 1e-5)
     if arch != "llama":
         w.add_key_length(H)
         w.add_value_length(H)
-        w.add_rope_freq_base(1e7 if hybrid else 1e6)
+    if rope_theta or arch != "llama":
+        w.add_rope_freq_base(rope_theta or (1e7 if hybrid else 1e6))
     if n_experts:
         w.add_expert_count(n_experts)
         w.add_expert_used_count(n_experts_used)
         w.add_expert_feed_forward_length(d_ff_expert)
+    if d_ff_shared:
+        w.add_expert_shared_feed_forward_length(d_ff_shared)
     attends = [not hybrid or (i + 1) % attention_every == 0 for i in range(n_layers)]
     nk, nv = linear_heads
     kd, vd = nk * linear_dim, nv * linear_dim
@@ -407,13 +417,23 @@ def write_random_gguf(
     if chat_template:
         w.add_chat_template(chat_template)
     rng = np.random.default_rng(0)
+    big = np.dtype(dtype)
 
-    def rand(*shape, std=0.02):
-        return (rng.standard_normal(shape, dtype=np.float32) * std).astype(np.float32)
+    # name -> (numpy shape, dtype, fn() -> the values); drawn when written
+    tensors: dict[str, tuple[tuple[int, ...], np.dtype, Callable]] = {}
 
-    w.add_tensor("token_embd.weight", rand(vocab, d_model))
-    w.add_tensor("output_norm.weight", np.ones(d_model, np.float32))
-    w.add_tensor("output.weight", rand(vocab, d_model))
+    def rand(name, *shape, std=0.02, kind=None):
+        kind = kind or big
+        tensors[name] = (shape, kind, lambda: (rng.standard_normal(shape, dtype=np.float32)
+                                               * std).astype(kind))  # fmt: skip
+
+    def fixed(name, fn, shape):
+        tensors[name] = (shape, np.dtype(np.float32), fn)
+
+    f32 = np.dtype(np.float32)
+    rand("token_embd.weight", vocab, d_model)
+    fixed("output_norm.weight", lambda: np.ones(d_model, np.float32), (d_model,))
+    rand("output.weight", vocab, d_model)
     gate = 2 if hybrid else 1  # qwen35's q projection carries the output gate
     attention = {
         "attn_q": (gate * n_heads * H, d_model),
@@ -422,39 +442,51 @@ def write_random_gguf(
         "attn_output": (d_model, n_heads * H),
     }
 
-    def delta_net():  # numpy order; ssm_a = -exp(A_log), A_log = log U(0.05, 1)
-        return {
-            "attn_qkv.weight": rand(2 * kd + vd, d_model),
-            "attn_gate.weight": rand(vd, d_model),
-            "ssm_alpha.weight": rand(nv, d_model),
-            "ssm_beta.weight": rand(nv, d_model),
-            "ssm_a": -rng.uniform(0.05, 1.0, nv).astype(np.float32),
-            "ssm_dt.bias": rand(nv, std=0.5),
-            "ssm_conv1d.weight": rand(2 * kd + vd, conv_kernel, std=0.3),
-            "ssm_norm.weight": np.ones(linear_dim, np.float32),
-            "ssm_out.weight": rand(d_model, vd),
-        }
+    def delta_net(i):  # numpy order; ssm_a = -exp(A_log), A_log = log U(0.05, 1)
+        b = f"blk.{i}."
+        rand(b + "attn_qkv.weight", 2 * kd + vd, d_model)
+        rand(b + "attn_gate.weight", vd, d_model)
+        rand(b + "ssm_alpha.weight", nv, d_model, kind=f32)
+        rand(b + "ssm_beta.weight", nv, d_model, kind=f32)
+        fixed(b + "ssm_a", lambda: -rng.uniform(0.05, 1.0, nv).astype(np.float32), (nv,))
+        rand(b + "ssm_dt.bias", nv, std=0.5, kind=f32)
+        rand(b + "ssm_conv1d.weight", 2 * kd + vd, conv_kernel, std=0.3, kind=f32)
+        fixed(b + "ssm_norm.weight", lambda: np.ones(linear_dim, np.float32), (linear_dim,))
+        rand(b + "ssm_out.weight", d_model, vd)
 
     if n_experts:
         E, F = n_experts, d_ff_expert
-        mlp = dict(ffn_gate_inp=(E, d_model), ffn_gate_exps=(E, F, d_model),
-                   ffn_up_exps=(E, F, d_model), ffn_down_exps=(E, d_model, F))  # fmt: skip
+        mlp = dict(ffn_gate_exps=(E, F, d_model), ffn_up_exps=(E, F, d_model),
+                   ffn_down_exps=(E, d_model, F))  # fmt: skip
+        if d_ff_shared:
+            S = d_ff_shared
+            mlp |= dict(ffn_gate_shexp=(S, d_model), ffn_up_shexp=(S, d_model),
+                        ffn_down_shexp=(d_model, S))  # fmt: skip
     else:
         mlp = dict(ffn_gate=(d_ff, d_model), ffn_up=(d_ff, d_model), ffn_down=(d_model, d_ff))
     qk_norms = ["attn_q_norm", "attn_k_norm"] if arch != "llama" else []
     for i in range(n_layers):
         shapes = {**attention, **mlp} if attends[i] else mlp
         for kind, shape in shapes.items():
-            w.add_tensor(f"blk.{i}.{kind}.weight", rand(*shape))
+            rand(f"blk.{i}.{kind}.weight", *shape)
+        if n_experts:  # routers stay float32, as llama.cpp's converter keeps them
+            rand(f"blk.{i}.ffn_gate_inp.weight", n_experts, d_model, kind=f32)
+            if d_ff_shared:
+                rand(f"blk.{i}.ffn_gate_inp_shexp.weight", 1, d_model, kind=f32)
         if not attends[i]:
-            for kind, value in delta_net().items():
-                w.add_tensor(f"blk.{i}.{kind}", value)
+            delta_net(i)
         norms = ["attn_norm", "post_attention_norm" if hybrid else "ffn_norm"]
         for kind in norms + (qk_norms if attends[i] else []):
             size = H if kind in qk_norms else d_model
-            w.add_tensor(f"blk.{i}.{kind}.weight", np.ones(size, np.float32))
+            fixed(f"blk.{i}.{kind}.weight", lambda size=size: np.ones(size, np.float32), (size,))
+    for tname, (shape, kind, _) in tensors.items():
+        w.add_tensor_info(tname, shape, kind, int(np.prod(shape)) * kind.itemsize)
     w.write_header_to_file()
     w.write_kv_data_to_file()
-    w.write_tensors_to_file()
+    w.write_ti_data_to_file()
+    for shape, _, fn in tensors.values():
+        values = fn()
+        assert values.shape == shape, (values.shape, shape)
+        w.write_tensor_data(values)
     w.close()
     return path

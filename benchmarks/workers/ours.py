@@ -7,9 +7,11 @@ the wall time of a `max_new_tokens=N` call on a one-token prompt; at depth D the
 
 Usage: ours.py GGUF N_CTX OPTIONS_JSON (load()'s keywords). Prints {"ready": true}, then answers
 each JSON line {"test": "pp" | "tg", "n": N, "depth": D} with {"ts": tokens/s}.
+{"test": "rss"} answers the process's peak resident bytes so far (ru_maxrss) as "ts".
 """
 
 import json
+import resource
 import sys
 import time
 
@@ -32,6 +34,10 @@ def main():
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
+        if cmd["test"] == "rss":  # the process's peak resident bytes so far
+            print(json.dumps({"ts": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+            sys.stdout.flush()
+            continue
         kw = dict(temperature=0, ignore_eos=True)
         if cmd["test"] == "pp":
             p = ids(cmd["depth"] + cmd["n"])
