@@ -22,8 +22,8 @@ from jaxinfer.kernels import cpu as kernels
 
 def test_a_bad_choice_is_one_line(monkeypatch):
     monkeypatch.setenv(kernels.ENV, "sse9")
-    with pytest.raises(SetupError, match=r"JAXINFER_CPU_KERNELS='sse9' is not one of avx512, "
-                       r"avx2, neon, scalar, off$"):  # fmt: skip
+    with pytest.raises(SetupError, match=r"JAXINFER_CPU_KERNELS='sse9' is not one of avx512vnni, "
+                       r"avx512, avx2, neon, scalar, off$"):  # fmt: skip
         kernels._choose()
     monkeypatch.setenv(kernels.ENV, "off")
     assert kernels._choose().variant is None
@@ -134,13 +134,15 @@ def greedy(path, n, **options) -> list[int]:
 @pytest.mark.skipif(not kernels.runnable(), reason="no CPU kernels here")
 def test_every_variant_has_its_crossovers():
     """Each variant routes products by its own measured row counts (kernels.cpu.CROSSOVERS),
-    and serves() follows the variant in use: quantized up to max_rows, float32 from 2 to
-    float_rows rows (and at one row only from one_row_values)."""
+    and serves() follows the variant in use: GGUF block formats at every row count, per-row
+    int8 and 16-bit floats up to max_rows, float32 from 2 to float_rows rows (and at one row
+    only from one_row_values)."""
     assert set(kernels.CROSSOVERS) == set(build.NAMES)
     for name in kernels.runnable():
         c = kernels.CROSSOVERS[name]
         with kernels.using(name):
-            assert kernels.serves(c.max_rows, "q8_0") and not kernels.serves(c.max_rows + 1, "q8_0")
+            assert all(kernels.serves(m, f) for m in (1, 4096) for f in kernels.BLOCK_FORMATS)
+            assert kernels.serves(c.max_rows, "int8") and not kernels.serves(c.max_rows + 1, "f16")
             assert kernels.serves(2, "f32") and kernels.serves(c.float_rows, "f32")
             assert not kernels.serves(c.float_rows + 1, "f32")
             assert kernels.serves(1, "f32", 1 << 30) == (c.one_row_values is not None), name

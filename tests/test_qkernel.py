@@ -221,14 +221,17 @@ def test_shard_map_per_device_rows():
 
 
 def test_linear_seam():
-    """linear.linear sends small row counts to the kernel and larger ones to the graph; both
-    give the same product."""
+    """linear.linear sends a block format's products to the kernel at every row count, and a
+    per-row int8 weight's up to MAX_ROWS, larger ones to the graph; all give the product."""
     rng = np.random.default_rng(5)
-    parts, ref = random_quantized("q5_k", 37, 512, rng)
-    w = quant.QArray({k: jnp.asarray(v) for k, v in parts.items()}, "q5_k", 512, True)
-    for rows in (1, qkernel.MAX_ROWS + 1):
-        x = rng.standard_normal((rows, 512)).astype(np.float32)
-        check(jax.jit(linear.linear)(x, w), x, ref)
+    for fmt, graph_from in (("q5_k", None), ("int8", qkernel.MAX_ROWS + 1)):
+        parts, ref = random_quantized(fmt, 37, 512, rng)
+        w = quant.QArray({k: jnp.asarray(v) for k, v in parts.items()}, fmt, 512, True)
+        for rows in (1, qkernel.MAX_ROWS + 1):
+            x = rng.standard_normal((rows, 512)).astype(np.float32)
+            text = jax.jit(linear.linear).lower(x, w).as_text()
+            assert (f"jaxinfer_qmatmul_{fmt}" in text) == (rows != graph_from), (fmt, rows)
+            check(jax.jit(linear.linear)(x, w), x, ref)
 
 
 BLOCK_FORMATS = tuple(quant.INT8_ACTIVATIONS)
@@ -266,6 +269,61 @@ def test_int8_activations_match_reference(fmt, variant):
     graph = jax.jit(lambda x, w: quant.product_int8(x, w, jnp.float32))(x, w)
     want, xq = int8_reference(x, fmt, parts, ref)
     check_int8(graph, want, xq, ref)
+
+
+# Prompt chunks and their edges: the one-row dot, idot's tiles (2-8), the GEMM from 9 rows
+# (panels of 16: full, ragged, one past), chunk buckets and one past them.
+LARGE_MS = (1, 2, 7, 16, 31, 64, 127, 128, 129, 255, 512, 513, 1024)
+
+
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
+def test_large_m_products_match_llama_cpp_arithmetic(fmt, variant):
+    """8-bit activations at every row count a prompt brings (LARGE_MS) through the seam
+    (linear.linear): the kernel serves each product (its custom call is in the program: no
+    float copy of the weight) and equals llama.cpp's quantize-then-multiply within float32
+    rounding. 37 output rows (ragged against the 8-row register tiles and the threads'
+    chunks) and 3 blocks per row (768 values of the 256-blocks: a ragged last 256 against
+    nothing, and a row of several chunks of unpacked values)."""
+    rng = np.random.default_rng(BLOCK_FORMATS.index(fmt) + 90)
+    rows, cols = 37, 3 * quant.FORMATS[fmt].block
+    parts, ref = random_quantized(fmt, rows, cols, rng)
+    w = quant.QArray({k: jnp.asarray(v) for k, v in parts.items()}, fmt, cols, True, "int8")
+    product = jax.jit(linear.linear)
+    x = rng.standard_normal((max(LARGE_MS), cols)).astype(np.float32)
+    x[3, :64] = 0.0  # a zero block
+    x[5, 7] = -np.abs(x[5]).max() * 2  # a negative value of largest magnitude (Q8_K's sign)
+    for m in LARGE_MS:
+        assert f"jaxinfer_qmatmul_{fmt}" in product.lower(x[:m], w).as_text(), m
+        want, xq = int8_reference(x[:m], fmt, parts, ref)
+        check_int8(product(x[:m], w), want, xq, ref)
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_1", "q4_k", "q6_k"])
+def test_grouped_products_read_each_expert(fmt, variant):
+    """The expert block's grouped products (kernels.grouped_matmuls): rows sorted by expert
+    times each expert's weight of a stacked [E, O, I] one, with 8-bit activations (one row, a
+    few, a GEMM's worth) and float ones, against a float64 product per expert; experts
+    without rows, and rows past the experts' (zero), as the expert block sends them."""
+    rng = np.random.default_rng(len(fmt) + 7)
+    E, O, I = 6, 24, 2 * quant.FORMATS[fmt].block
+    made = [random_quantized(fmt, O, I, rng) for _ in range(E)]
+    stacked = {k: jnp.asarray(np.stack([p[k] for p, _ in made])) for k in made[0][0]}
+    for int8 in (True, False):
+        for counts in ([0, 1, 0, 3, 0, 0], [20, 0, 9, 1, 16, 2]):
+            A = sum(counts) + 5
+            x = rng.standard_normal((A, I)).astype(np.float32)
+            y = qkernel.grouped_matmuls(jnp.asarray(x), jnp.asarray(counts, np.int32), fmt,
+                                        [stacked], [O], int8=int8)[0]  # fmt: skip
+            at = 0
+            for (parts, ref), n in zip(made, counts, strict=True):
+                xs = x[at : at + n]
+                if int8:
+                    want, xq = int8_reference(xs, fmt, parts, ref)
+                    check_int8(y[at : at + n], want, xq, ref)
+                else:
+                    check(y[at : at + n], xs, ref)
+                at += n
+            assert np.all(np.asarray(y)[at:] == 0)
 
 
 def check_int8(y, want, xq, ref):

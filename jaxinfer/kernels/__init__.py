@@ -24,7 +24,17 @@ import jax
 from . import delta, grouped, qmatmul, tpu
 from .attention import paged_attention
 from .backend import family, mode
-from .cpu import ATTEND_POOLS, MAX_ROWS, attend, available, matmul, matmuls, serves, status
+from .cpu import (
+    ATTEND_POOLS,
+    MAX_ROWS,
+    attend,
+    available,
+    grouped_matmuls,
+    matmul,
+    matmuls,
+    serves,
+    status,
+)
 from .grouped import tile_map
 
 __all__ = [
@@ -36,6 +46,7 @@ __all__ = [
     "available",
     "checks_vma",
     "delta_rule",
+    "expert_products",
     "family",
     "grouped_experts",
     "grouped_product",
@@ -121,6 +132,29 @@ def grouped_product(whole: bool) -> Callable | None:
     if pallas is None:
         return tpu.grouped_matmul
     return functools.partial(grouped.grouped_matmul, **pallas)
+
+
+def expert_products(ws, whole: bool) -> Callable | None:
+    """The expert block's grouped products for stacked quantized weights like `ws` ([EL, O, I]
+    QArrays, whole on one device or not): a function (xs [A, I] sorted by expert, weights,
+    counts [EL]) -> one [A, O] float32 per weight that reads only the experts with rows, in
+    place (the CPU's qmatmul_grouped; weights of one format share a call), or None."""
+    if family() != "cpu" or not whole or not available() or not all(w.kernel for w in ws):
+        return None
+    return _grouped_products
+
+
+def _grouped_products(xs, ws, counts) -> list:
+    outs = [None] * len(ws)
+    groups: dict[tuple[str, str], list[int]] = {}
+    for i, w in enumerate(ws):
+        groups.setdefault((w.fmt, w.acts), []).append(i)
+    for (fmt, acts), picked in groups.items():
+        ys = grouped_matmuls(xs.astype("float32"), counts, fmt, [ws[i].parts for i in picked],
+                             [ws[i].shape[-2] for i in picked], int8=acts == "int8")  # fmt: skip
+        for i, y in zip(picked, ys, strict=True):
+            outs[i] = y
+    return outs
 
 
 def checks_vma() -> bool:

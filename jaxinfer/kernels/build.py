@@ -42,14 +42,13 @@ class Variant:
 
 X86 = ("x86_64", "amd64")
 ARM = ("aarch64", "arm64")
+AVX512 = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c")
+AVX512_NEEDS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c")
 # Best first: the loader takes the first one the CPU can run.
 VARIANTS = (
-    Variant(
-        "avx512",
-        ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"),
-        ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"),
-        X86,
-    ),
+    # with VNNI's vpdpbusd (Ice Lake, Cascade Lake, Zen 4 and later): the 8-bit GEMM's products
+    Variant("avx512vnni", (*AVX512, "-mavx512vnni"), (*AVX512_NEEDS, "avx512_vnni"), X86),
+    Variant("avx512", AVX512, AVX512_NEEDS, X86),
     Variant("avx2", ("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c"), X86),
     Variant("neon", (), ("asimd",), ARM),  # NEON is in every aarch64 core (cpuinfo: asimd)
     Variant("scalar", ("-DJAXINFER_SCALAR",), (), X86 + ARM + ("",)),  # every machine

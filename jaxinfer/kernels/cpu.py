@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..errors import SetupError
-from ..ops.quant import FORMATS
+from ..ops.quant import FORMATS, INT8_ACTIVATIONS
 from . import backend, build
 
 log = logging.getLogger("jaxinfer")
@@ -169,9 +169,11 @@ def _load(variant: build.Variant) -> str | None:
             log.info("building the %s CPU kernels (their sources changed)", variant.name)
             path = build.build(variant, jax.ffi.include_dir())
         lib = ctypes.CDLL(str(path))
-        for fmt in FORMATS:
-            capsule = jax.ffi.pycapsule(getattr(lib, f"qmatmul_{fmt}"))  # every format has one
-            jax.ffi.register_ffi_target(_target(fmt, variant.name), capsule, platform="cpu")
+        for fmt in FORMATS:  # every format has both
+            for kind in ("qmatmul", "qmatmul_grouped"):
+                capsule = jax.ffi.pycapsule(getattr(lib, f"{kind}_{fmt}"))
+                jax.ffi.register_ffi_target(_target(fmt, variant.name, kind), capsule,
+                                            platform="cpu")  # fmt: skip
         for dtype, suffix in ATTEND_POOLS.items():
             capsule = jax.ffi.pycapsule(getattr(lib, f"attend_{suffix}"))
             jax.ffi.register_ffi_target(_attend_target(dtype, variant.name), capsule,
@@ -200,8 +202,9 @@ class Crossovers:
     """Where a variant's products beat XLA's, so go to the kernel: float32 weights ("f32"
     QArrays) at 2 to `float_rows` activation rows, and at one row from `one_row_values`
     weight values (None: never; XLA's one-row dot is a fused matvec whose fixed cost is
-    lower); quantized weights up to `max_rows` rows (past them XLA's dot on the in-graph
-    dequantized weight wins). Measured per variant by benchmarks/crossovers.py."""
+    lower); per-row int8 and 16-bit float weights up to `max_rows` rows (past them XLA's dot
+    on the in-graph dequantized weight wins). GGUF block weights always go to the kernel
+    (BLOCK_FORMATS). Measured per variant by benchmarks/crossovers.py."""
 
     float_rows: int
     one_row_values: int | None
@@ -214,21 +217,27 @@ class Crossovers:
 # cores. neon is not measured on Arm hardware: avx2's, whose register file holds as many
 # 16-lane values (vec.h).
 CROSSOVERS = {
+    "avx512vnni": Crossovers(float_rows=24, one_row_values=1 << 18, max_rows=128),
     "avx512": Crossovers(float_rows=24, one_row_values=1 << 18, max_rows=128),
     "avx2": Crossovers(float_rows=16, one_row_values=None, max_rows=32),
     "neon": Crossovers(float_rows=16, one_row_values=None, max_rows=32),
     # at 32 rows scalar's kernel ties in-graph (q8_0 0.94x, q4_k 1.01x of its time)
     "scalar": Crossovers(float_rows=8, one_row_values=None, max_rows=16),
 }
-# The most activation rows any variant's kernel serves.
+# The most activation rows any variant's kernel serves for the CROSSOVERS formats.
 MAX_ROWS = max(c.max_rows for c in CROSSOVERS.values())
+# GGUF block formats: the kernel serves every row count (past 8 rows with 8-bit activations as
+# a GEMM, src/gemm.h), so that no program holds a float copy of such a weight.
+BLOCK_FORMATS = frozenset(INT8_ACTIVATIONS)
 
 
 def serves(rows: int, fmt: str = "q8_0", values: int = 0) -> bool:
     """Whether a product of `rows` activation rows with a `fmt` weight of `values` values
-    goes to the kernel (the variant in use's CROSSOVERS)."""
+    goes to the kernel: always for BLOCK_FORMATS, else the variant in use's CROSSOVERS."""
     if not available():
         return False
+    if fmt in BLOCK_FORMATS:
+        return True
     c = CROSSOVERS[_in_use()]
     if fmt == "f32":
         one = rows == 1 and c.one_row_values is not None and values >= c.one_row_values
@@ -264,6 +273,26 @@ def matmuls(x: jax.Array, fmt: str, weights, out_features, norm=None, int8: bool
     return outs
 
 
+def grouped_matmuls(x: jax.Array, counts: jax.Array, fmt: str, weights, out_features,
+                    int8: bool = False) -> list[jax.Array]:  # fmt: skip
+    """The expert block's products: x f32 [A, I] (rows sorted by expert, counts int32 [E] rows
+    per expert) times each of up to MAX_WEIGHTS stacked `fmt` weights [E, O_w, I] (their parts)
+    -> [f32 [A, O_w]]: expert e's rows times its weight, read in place; experts without rows
+    are not read; rows from sum(counts) on are 0. `int8` as in matmuls."""
+    variant = _in_use()
+    outs = []
+    for at in range(0, len(weights), MAX_WEIGHTS):
+        group, sizes = weights[at : at + MAX_WEIGHTS], out_features[at : at + MAX_WEIGHTS]
+        call = jax.ffi.ffi_call(
+            _target(fmt, variant, "qmatmul_grouped"),
+            [jax.ShapeDtypeStruct((x.shape[0], o), jnp.float32) for o in sizes],
+            vmap_method="sequential",
+        )
+        parts = (parts[p.name] for parts in group for p in FORMATS[fmt].parts)
+        outs += call(x, counts.astype(jnp.int32), *parts, int8=np.int32(int8))
+    return outs
+
+
 # The attention kernel's handler (attend_<suffix> in the library, registered as
 # jaxinfer_attend_<suffix>) by the pools' dtype, the engine's kv_cache_dtype: 16-bit pools
 # are widened to float32 as they are read.
@@ -295,5 +324,5 @@ def attend(q, k, v, pools, table, start, length, window: int | None):
     return out, (pool_k, pool_v)
 
 
-def _target(fmt: str, variant: str) -> str:
-    return f"jaxinfer_qmatmul_{fmt}_{variant}"
+def _target(fmt: str, variant: str, kind: str = "qmatmul") -> str:
+    return f"jaxinfer_{kind}_{fmt}_{variant}"

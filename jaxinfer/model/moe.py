@@ -134,19 +134,19 @@ def expert_ffn(x, ids, weights, valid, w_gate, w_up, w_down, first=0) -> jax.Arr
     return _combined(ys, mine, order, weights)
 
 
-def grouped_ffn(x, ids, weights, valid, w_gate, w_up, w_down, first=0, product=None) -> jax.Array:
-    """`expert_ffn` as three grouped products over the assignments sorted by expert, every
-    expert's rows in one call each: the accelerators' form (a GPU or TPU starves on the
-    one-row tiles of the loop). `product(xs, w, counts)` is `ragged` or a kernel
-    (kernels.grouped_product). Plain weights only (quantized ones take the loop). Rows sorted
-    past the experts held here come out zero and weigh nothing."""
-    product = product or ragged
+def grouped_ffn(x, ids, weights, valid, w_gate, w_up, w_down, first=0, products=None) -> jax.Array:
+    """`expert_ffn` as grouped products over the assignments sorted by expert, every expert's
+    rows in one call: the accelerators' form (a GPU or TPU starves on the one-row tiles of the
+    loop) and the CPU kernel's for quantized weights. `products(xs, ws, counts)` -> one output
+    per weight: XLA's ragged dot (`ragged_products`) or a kernel's (kernels.grouped_product,
+    kernels.expert_products). Rows sorted past the experts held here come out zero and weigh
+    nothing."""
+    products = products or ragged_products
     k = ids.shape[1]
     mine, order, counts = _sorted(ids, valid, w_gate.shape[0], first)
     xs = x[order // k]  # [A, D]
-    gate = product(xs, w_gate, counts)  # [A, F]
-    up = product(xs, w_up, counts)
-    ys = product((jax.nn.silu(gate) * up).astype(xs.dtype), w_down, counts)  # [A, D]
+    gate, up = products(xs, [w_gate, w_up], counts)  # [A, F] each
+    (ys,) = products((jax.nn.silu(gate) * up).astype(xs.dtype), [w_down], counts)  # [A, D]
     return _combined(ys, mine, order, weights)
 
 
@@ -164,6 +164,14 @@ def ragged(xs, w, counts) -> jax.Array:
     return lax.ragged_dot_general(xs, w, counts, _BY_GROUP)
 
 
+def each_weight(product):
+    """A one-weight grouped product (xs, w, counts) as grouped_ffn's `products`."""
+    return lambda xs, ws, counts: [product(xs, w, counts) for w in ws]
+
+
+ragged_products = each_weight(ragged)
+
+
 def expert(w, e: jax.Array):
     """Expert e's weight [F, D] of stacked weights [E, F, D] (plain or quantized), read in
     place: a dynamic index, not a gather (gathering copies on XLA CPU)."""
@@ -179,13 +187,17 @@ def times(x: jax.Array, w) -> jax.Array:
 
 def experts(x, ids, weights, valid, w_gate, w_up, w_down, split: ExpertSplit | None, whole=False):
     """The expert block over all experts, split over `split.axis` when given -> [N, D]
-    float32: the tile loop (`expert_ffn`), or on accelerators with plain weights the grouped
-    products (`grouped_ffn`, kernels.grouped_experts): a kernel's where the process has one
-    for weights `whole` on one device (kernels.grouped_product), else XLA's."""
-    plain = not isinstance(w_gate, QArray)
-    kernel = kernels.grouped_product(whole) if plain else None
-    grouped = kernel is not None or (plain and kernels.grouped_experts())
-    ffn = partial(grouped_ffn, product=kernel) if grouped else expert_ffn
+    float32: grouped products (`grouped_ffn`) where a kernel reads the stacked weights in
+    place for weights `whole` on one device (kernels.expert_products for quantized ones,
+    kernels.grouped_product for plain ones) or where the accelerators want them
+    (kernels.grouped_experts: XLA's ragged dot), else the tile loop (`expert_ffn`)."""
+    if isinstance(w_gate, QArray):
+        products = kernels.expert_products((w_gate, w_up, w_down), whole)
+    else:
+        kernel = kernels.grouped_product(whole)
+        grouped = kernel is not None or kernels.grouped_experts()
+        products = (each_weight(kernel) if kernel else ragged_products) if grouped else None
+    ffn = partial(grouped_ffn, products=products) if products else expert_ffn
     if split is None:
         return ffn(x, ids, weights, valid, w_gate, w_up, w_down)
 

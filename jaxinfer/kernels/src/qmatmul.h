@@ -27,6 +27,7 @@
 #include <utility>
 
 #include "formats.h"
+#include "gemm.h"
 #include "parallel.h"
 #include "vec.h"
 #include "xla/ffi/api/ffi.h"
@@ -37,6 +38,8 @@ namespace {
 
 using namespace jaxinfer::vec;
 using namespace jaxinfer::formats;
+using jaxinfer::dispatch;
+namespace gemm = jaxinfer::gemm;
 using jaxinfer::parallel_for;
 using jaxinfer::static_for;
 // A chunk of rows handed to another thread holds at least kMinChunkRows rows and
@@ -190,14 +193,6 @@ struct HasDot : std::false_type {};
 template <class Fmt>
 struct HasDot<Fmt, std::void_t<decltype(&Fmt::dot)>> : std::true_type {};
 
-// fn(std::integral_constant<int, n>{}) for a run-time n in [1, N].
-template <int N, class Fn>
-INLINE void dispatch(int64_t n, Fn&& fn) {
-  static_for<N>([&](auto k) {
-    if (n == k + 1) fn(std::integral_constant<int, k + 1>{});
-  });
-}
-
 // Tile shapes by the register file (vec::kRegisters 16-lane values): a tile keeps its R x MT
 // accumulators, its R weight vectors and one x vector in registers. With 32 (AVX-512): two
 // weight rows against up to 8 x rows, float rows four at a time, dense() 2 x 8. With 8 or 4
@@ -232,9 +227,14 @@ void int_rows(const Fmt& f, const Acts* a, int64_t M, int64_t O, int64_t lo, int
       });
 }
 
-// x's M rows quantized for Fmt's idot(), in this thread's buffers (valid until its next call).
+// From this many activation rows the 8-bit products run as a GEMM (gemm.h): each weight row
+// unpacked once, multiplied with 16 rows per register; below, idot() per row.
+constexpr int64_t kGemmRows = 9;
+
+// x's M rows quantized for Fmt's idot() and the GEMM, rows split over the threads, in the
+// calling thread's buffers (valid until its next call).
 template <class Fmt>
-const Acts* quantize_rows(const float* x, int64_t M, int64_t I) {
+const Acts* quantize_all(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t I) {
   thread_local std::unique_ptr<int8_t[]> q;
   thread_local std::unique_ptr<float[]> d, s;
   thread_local std::unique_ptr<int32_t[]> sums;
@@ -246,10 +246,29 @@ const Acts* quantize_rows(const float* x, int64_t M, int64_t I) {
     sums.reset(new int32_t[M * blocks]), capacity = M * I;
   }
   if (rows < M) acts.reset(new Acts[M]), rows = M;
-  for (int64_t m = 0; m < M; ++m)
-    acts[m] = quantize(Fmt::kActs, x + m * I, I, q.get() + m * I, d.get() + m * blocks,
-                       s.get() + m * blocks, sums.get() + m * blocks);
-  return acts.get();
+  // the buffers as pointers: in the tasks, thread_local names are the task thread's own
+  Acts* a = acts.get();
+  int8_t* qs = q.get();
+  float *ds = d.get(), *ss = s.get();
+  int32_t* sums_ = sums.get();
+  parallel_for(pool, M, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t m = lo; m < hi; ++m)
+      a[m] = quantize(Fmt::kActs, x + m * I, I, qs + m * I, ds + m * blocks, ss + m * blocks,
+                      sums_ + m * blocks);
+  });
+  return a;
+}
+
+// The M quantized rows laid out in the GEMM's panels (gemm.h), in the calling thread's
+// buffers (valid until its next call).
+template <class Fmt>
+gemm::Panels pack_panels(ffi::ThreadPool& pool, const Acts* a, int64_t M, int64_t I) {
+  const int64_t P = (M + 15) / 16;
+  const gemm::PanelBuffers out = gemm::panel_buffers(M, I, gemm::Unpack<Fmt>::kSub);
+  parallel_for(pool, P * 16, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t m = lo; m < hi; ++m) gemm::pack_row<Fmt>(a, M, I, m, out);
+  });
+  return {out.x, out.d, out.low, P};
 }
 
 // Output rows [lo, hi) for all M activation rows.
@@ -451,7 +470,18 @@ ffi::Error run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs
   const int64_t chunk = std::max(kMinChunkRows, kMinChunkValues / I);
   if (int8) {
     if constexpr (HasIdot<Fmt>::value) {
-      const Acts* acts = quantize_rows<Fmt>(xp, M, I);
+      if (M >= kGemmRows) {
+        const gemm::Panels panels = pack_panels<Fmt>(pool, quantize_all<Fmt>(pool, xp, M, I), M, I);
+        parallel_for(pool, total, chunk, [&](int64_t lo, int64_t hi) {
+          for (size_t w = 0; w < W; ++w) {
+            const Out& o = outs[w];
+            const int64_t a = std::max(lo, o.at), b = std::min(hi, o.at + o.O);
+            if (a < b) gemm::rows(o.f, panels, M, I, o.O, a - o.at, b - o.at, o.y);
+          }
+        });
+        return ffi::Error::Success();
+      }
+      const Acts* acts = quantize_all<Fmt>(pool, xp, M, I);
       parallel_for(pool, total, chunk, [&](int64_t lo, int64_t hi) {
         for (size_t w = 0; w < W; ++w) {
           const Out& o = outs[w];
@@ -491,7 +521,157 @@ auto with() {
       .RemainingRets().Attr<float>("eps").Attr<int32_t>("int8");
 }
 
+// The format over the parts' rows from row0 on (parts at `base`, each [rows, I / per]).
+template <class Fmt>
+Fmt from_row(const void* const* base, int64_t I, int64_t row0) {
+  using S = Spec<Fmt>;
+  const void* p[std::size(S::kTypes)];
+  for (size_t k = 0; k < std::size(S::kTypes); ++k)
+    p[k] = static_cast<const char*>(base[k]) +
+           row0 * (S::kPer[k] ? I / S::kPer[k] : 1) * int64_t(ffi::ByteWidth(S::kTypes[k]));
+  return S::make(p, I);
+}
+
+// The expert block's products: x [A, I] (rows sorted by expert; counts [E] rows per expert)
+// times each of up to kMaxWeights stacked weights [E, O_w, I] -> y_w [A, O_w]. Expert e's rows
+// [s_e, s_e + n_e) multiply its weight in place (as run() multiplies one weight: 8-bit
+// activations quantized once for all rows, a GEMM for an expert with kGemmRows or more);
+// experts without rows are never read (decode reads the k experts a token routes to, as
+// llama.cpp's mul_mat_id). Rows from sum(counts) on (other devices' experts, padding) are 0.
+// The work split over the threads: the output rows of every (weight, expert with rows).
+template <class Fmt>
+ffi::Error run_grouped(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                       ffi::Buffer<ffi::S32> counts, ffi::RemainingArgs parts,
+                       ffi::RemainingRets ys, int32_t int8) {
+  using S = Spec<Fmt>;
+  constexpr size_t P = std::size(S::kTypes);
+  auto xd = x.dimensions();
+  if (xd.size() != 2) return ffi::Error::InvalidArgument("qmatmul_grouped: x must be [A, I]");
+  const int64_t A = xd[0], I = xd[1], E = int64_t(counts.element_count());
+  if (I % Fmt::kBlock && !Fmt::kTail)
+    return ffi::Error::InvalidArgument("qmatmul_grouped: I is not a multiple of the block");
+  const size_t W = ys.size();
+  if (W == 0 || W > kMaxWeights || parts.size() != W * P)
+    return ffi::Error::InvalidArgument("qmatmul_grouped: expected 1 to 8 results and parts");
+  struct Weight {
+    const void* p[P];
+    float* y;
+    int64_t O;
+  };
+  Weight ws[kMaxWeights];
+  for (size_t w = 0; w < W; ++w) {
+    auto y = ys.get<ffi::AnyBuffer>(w);
+    if (!y.has_value()) return y.error();
+    auto yd = y.value()->dimensions();
+    if (y.value()->element_type() != DataType::F32 || yd.size() != 2 || yd[0] != A)
+      return ffi::Error::InvalidArgument("qmatmul_grouped: each y must be float32 [A, O]");
+    ws[w].y = y.value()->typed_data<float>(), ws[w].O = yd[1];
+    for (size_t k = 0; k < P; ++k) {
+      auto a = parts.get<ffi::AnyBuffer>(w * P + k);
+      if (!a.has_value()) return a.error();
+      const int64_t per = S::kPer[k], rows = E * ws[w].O;
+      if (a.value().element_type() != S::kTypes[k] ||
+          int64_t(a.value().element_count()) != (per ? rows * (I / per) : rows))
+        return ffi::Error::InvalidArgument("qmatmul_grouped: a part's dtype or size differs");
+      ws[w].p[k] = a.value().untyped_data();
+    }
+  }
+  // experts' first rows; counts past A (a corrupt routing) are cut, never read past x
+  thread_local std::unique_ptr<int64_t[]> first_, rows_;
+  thread_local int64_t capacity = 0;
+  if (capacity < E + 1) first_.reset(new int64_t[E + 1]), rows_.reset(new int64_t[E]), capacity = E + 1;
+  int64_t* first = first_.get();
+  int64_t* n = rows_.get();
+  first[0] = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    n[e] = std::clamp<int64_t>(counts.typed_data()[e], 0, A - first[e]);
+    first[e + 1] = first[e] + n[e];
+  }
+  const int64_t filled = first[E];
+  for (size_t w = 0; w < W; ++w)
+    std::fill(ws[w].y + filled * ws[w].O, ws[w].y + A * ws[w].O, 0.0f);
+  int64_t total = 0;  // the output rows of every (weight, expert with rows)
+  for (size_t w = 0; w < W; ++w)
+    for (int64_t e = 0; e < E; ++e) total += n[e] ? ws[w].O : 0;
+  if (total == 0 || I == 0) return ffi::Error::Success();
+  const float* xp = x.typed_data();
+  // 8-bit activations: quantized once; experts with kGemmRows rows or more in panels of their
+  // own (each expert's rows from a panel's start)
+  const Acts* acts = nullptr;
+  thread_local std::unique_ptr<int64_t[]> panel_;
+  thread_local int64_t panel_cap = 0;
+  if (panel_cap < E + 1) panel_.reset(new int64_t[E + 1]), panel_cap = E + 1;
+  int64_t* panel = panel_.get();  // expert e's first panel
+  gemm::PanelBuffers packed{};
+  if constexpr (HasIdot<Fmt>::value) {
+    if (int8) {
+      acts = quantize_all<Fmt>(pool, xp, A, I);
+      panel[0] = 0;
+      for (int64_t e = 0; e < E; ++e)
+        panel[e + 1] = panel[e] + (n[e] >= kGemmRows ? (n[e] + 15) / 16 : 0);
+      if (panel[E]) {
+        packed = gemm::panel_buffers(16 * panel[E], I, gemm::Unpack<Fmt>::kSub);
+        parallel_for(pool, E, 1, [&](int64_t lo, int64_t hi) {
+          for (int64_t e = lo; e < hi; ++e)
+            for (int64_t m = 0; m < 16 * (panel[e + 1] - panel[e]); ++m)
+              gemm::pack_row<Fmt>(acts + first[e], n[e], I, m, gemm::PanelBuffers{
+                  packed.x + panel[e] * 16 * I, packed.d + panel[e] * 16 * (I / gemm::Unpack<Fmt>::kSub),
+                  packed.low + panel[e] * 16 * (I / gemm::Unpack<Fmt>::kSub)});
+        });
+      }
+    }
+  } else if (int8) {
+    return ffi::Error::InvalidArgument("qmatmul_grouped: 8-bit activations need a block format");
+  }
+  const float* sums = nullptr;  // each row's sums per 32 values, for a one-row dot()
+  if constexpr (HasDot<Fmt>::value)
+    if (Fmt::kSums && !int8) {
+      thread_local std::unique_ptr<float[]> buffer;
+      thread_local int64_t cap = 0;
+      if (cap < A * (I / 32)) buffer.reset(new float[cap = A * (I / 32)]);
+      for (int64_t m = 0; m < A; ++m)
+        for (int64_t j = 0; j < I / 32; ++j)
+          buffer[m * (I / 32) + j] = hsum(load(xp + m * I + 32 * j) + load(xp + m * I + 32 * j + 16));
+      sums = buffer.get();
+    }
+  const int64_t chunk = std::max(kMinChunkRows, kMinChunkValues / I);
+  parallel_for(pool, total, chunk, [&](int64_t lo, int64_t hi) {
+    int64_t at = 0;  // the range's start of the current (weight, expert)
+    for (size_t w = 0; w < W; ++w)
+      for (int64_t e = 0; e < E && at < hi; ++e) {
+        if (!n[e]) continue;
+        const int64_t O = ws[w].O, a = std::max(lo, at) - at, b = std::min(hi, at + O) - at;
+        at += O;
+        if (a >= b) continue;
+        const Fmt f = from_row<Fmt>(ws[w].p, I, e * O);
+        float* y = ws[w].y + first[e] * O;
+        if constexpr (HasIdot<Fmt>::value)
+          if (int8) {
+            if (n[e] >= kGemmRows) {
+              const int64_t J = I / gemm::Unpack<Fmt>::kSub;
+              const gemm::Panels pe{packed.x + panel[e] * 16 * I, packed.d + panel[e] * 16 * J,
+                                    packed.low + panel[e] * 16 * J, panel[e + 1] - panel[e]};
+              gemm::rows(f, pe, n[e], I, O, a, b, y);
+            } else {
+              int_rows(f, acts + first[e], n[e], O, a, b, y);
+            }
+            continue;
+          }
+        rows(f, xp + first[e] * I, n[e], I, O, a, b, y, sums ? sums + first[e] * (I / 32) : nullptr);
+      }
+  });
+  return ffi::Error::Success();
+}
+
+// Bindings: the thread pool, x, counts, the weights' parts; the results; int8.
+auto with_grouped() {
+  return ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::S32>>().RemainingArgs().RemainingRets().Attr<int32_t>("int8");
+}
+
 }  // namespace
 
-// The handler of format Fmt, named qmatmul_<name> in the library.
-#define QMATMUL_HANDLER(name, Fmt) XLA_FFI_DEFINE_HANDLER_SYMBOL(qmatmul_##name, run<Fmt>, with());
+// The handlers of format Fmt, named qmatmul_<name> and qmatmul_grouped_<name> in the library.
+#define QMATMUL_HANDLER(name, Fmt)                                                \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(qmatmul_##name, run<Fmt>, with());                \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(qmatmul_grouped_##name, run_grouped<Fmt>, with_grouped());

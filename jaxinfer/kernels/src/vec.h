@@ -13,6 +13,9 @@
 #if defined(JAXINFER_SCALAR)  // the generic bodies only, whatever the target
 #elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__FMA__)
 #define JAXINFER_AVX512 1
+#if defined(__AVX512VNNI__)  // vpdpbusd: the GEMM's 8-bit products in one instruction
+#define JAXINFER_VNNI 1
+#endif
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define JAXINFER_AVX2 1
 #elif defined(__ARM_NEON) && defined(__aarch64__)
@@ -41,7 +44,9 @@
 namespace jaxinfer {
 
 // The variant's name, as kernels/cpu.py reports it (the library's `variant()` symbol).
-#if defined(JAXINFER_AVX512)
+#if defined(JAXINFER_VNNI)
+constexpr const char* kVariant = "avx512vnni";
+#elif defined(JAXINFER_AVX512)
 constexpr const char* kVariant = "avx512";
 #elif defined(JAXINFER_AVX2)
 constexpr const char* kVariant = "avx2";
@@ -60,6 +65,14 @@ INLINE void static_for_impl(F&& f, std::integer_sequence<int, G...>) {
 template <int N, class F>
 INLINE void static_for(F&& f) {
   static_for_impl(f, std::make_integer_sequence<int, N>{});
+}
+
+// fn(std::integral_constant<int, n>{}) for a run-time n in [1, N].
+template <int N, class Fn>
+INLINE void dispatch(int64_t n, Fn&& fn) {
+  static_for<N>([&](auto k) {
+    if (n == k + 1) fn(std::integral_constant<int, k + 1>{});
+  });
 }
 
 namespace vec {
@@ -657,6 +670,102 @@ INLINE float hsum(F8 v) {
   typedef float F4 __attribute__((vector_size(16)));
   const F4 a = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
   return (a[0] + a[2]) + (a[1] + a[3]);
+}
+
+// ---- 8-bit products in 16 int32 lanes (qmatmul's GEMM, gemm.h) ----
+// A panel holds 16 activation rows, 4 bytes of each per 64-byte group (lane l: row l's values
+// [4g, 4g + 4)); the weight's 4 bytes at the same columns are one int32 broadcast to all
+// lanes. dp4: lane l + sum_k x[4 l + k] w[k]. With VNNI the panel holds x + 128 as unsigned
+// bytes (vpdpbusd multiplies unsigned by signed; the caller starts each sum at -128 sum(w)),
+// else x itself, multiplied as |x| times w with x's sign (maddubs's operands: 2 * 127 * 128
+// fits its int16 pairs), or widened (NEON, scalar).
+#if defined(JAXINFER_VNNI)
+constexpr bool kBiasedX = true;  // panels hold x + 128
+#else
+constexpr bool kBiasedX = false;
+#endif
+struct X8 {  // one panel group, as dp4 wants it
+#if defined(JAXINFER_AVX512)
+  __m512i x, ax;  // ax: |x| (without VNNI)
+  __mmask64 neg;  // x < 0
+#elif defined(JAXINFER_AVX2)
+  __m256i x[2], ax[2];
+#else
+  int8_t x[64];
+#endif
+};
+INLINE X8 x8(const uint8_t* p) {
+  X8 r;
+#if defined(JAXINFER_VNNI)
+  r.x = _mm512_loadu_si512(p);
+#elif defined(JAXINFER_AVX512)
+  r.x = _mm512_loadu_si512(p);
+  r.ax = _mm512_abs_epi8(r.x);
+  r.neg = _mm512_movepi8_mask(r.x);
+#elif defined(JAXINFER_AVX2)
+  static_for<2>([&](auto h) UNROLLED {
+    r.x[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * h));
+    r.ax[h] = _mm256_abs_epi8(r.x[h]);
+  });
+#else
+  std::memcpy(r.x, p, 64);
+#endif
+  return r;
+}
+// kFull: w may hold -128 (Q8_0's bytes), whose sign cannot be moved onto it; then |w| is
+// the unsigned operand and x takes w's sign (x never holds -128: llama.cpp's activations lie
+// in [-127, 127]).
+template <bool kFull = false>
+INLINE Int dp4(Int acc, const X8& x, int32_t w) {
+#if defined(JAXINFER_VNNI)
+  __m512i a = reinterpret_cast<__m512i&>(acc);
+  a = _mm512_dpbusd_epi32(a, x.x, _mm512_set1_epi32(w));
+  return reinterpret_cast<Int&>(a);
+#elif defined(JAXINFER_AVX512)
+  const __m512i wb = _mm512_set1_epi32(w), zero = _mm512_setzero_si512();
+  __m512i u, sv;
+  if constexpr (kFull) {
+    u = _mm512_abs_epi8(wb), sv = _mm512_mask_sub_epi8(x.x, _mm512_movepi8_mask(wb), zero, x.x);
+  } else {
+    u = x.ax, sv = _mm512_mask_sub_epi8(wb, x.neg, zero, wb);  // w sign(x)
+  }
+  const __m512i p = _mm512_madd_epi16(_mm512_maddubs_epi16(u, sv), _mm512_set1_epi16(1));
+  __m512i a = _mm512_add_epi32(reinterpret_cast<__m512i&>(acc), p);
+  return reinterpret_cast<Int&>(a);
+#elif defined(JAXINFER_AVX2)
+  const __m256i wb = _mm256_set1_epi32(w);
+  Int r;
+  static_for<2>([&](auto h) UNROLLED {
+    __m256i u, sv;
+    if constexpr (kFull)
+      u = _mm256_abs_epi8(wb), sv = _mm256_sign_epi8(x.x[h], wb);  // x sign(w)
+    else
+      u = x.ax[h], sv = _mm256_sign_epi8(wb, x.x[h]);  // w sign(x)
+    const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(u, sv), _mm256_set1_epi16(1));
+    r.p[h] = Int::N(_mm256_add_epi32(__m256i(acc.p[h]), p));
+  });
+  return r;
+#elif defined(JAXINFER_NEON)
+  const int8x8_t wb = vreinterpret_s8_s32(vdup_n_s32(w));
+  Int r;
+  static_for<4>([&](auto q) UNROLLED {  // lanes 4q..4q+3: 16 bytes of x
+    const int8x16_t xv = vld1q_s8(x.x + 16 * q);
+    const int16x8_t lo = vmull_s8(vget_low_s8(xv), wb), hi = vmull_s8(vget_high_s8(xv), wb);
+    const int32x4_t sums = vpaddq_s32(vpaddlq_s16(lo), vpaddlq_s16(hi));
+    r.p[q] = Int::N(vaddq_s32(int32x4_t(acc.p[q]), sums));
+  });
+  return r;
+#else
+  int8_t wk[4];
+  std::memcpy(wk, &w, 4);
+  Int r = acc;
+  for (int l = 0; l < 16; ++l) {
+    int32_t sum = 0;
+    for (int k = 0; k < 4; ++k) sum += int32_t(x.x[4 * l + k]) * wk[k];
+    r.set(l, r[l] + sum);
+  }
+  return r;
+#endif
 }
 
 }  // namespace vec
