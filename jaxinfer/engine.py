@@ -411,6 +411,30 @@ class Engine:
         counts once per device holding it; quantized weights count their blocks."""
         return device_bytes(self.params)
 
+    def memory(self) -> dict[str, int | None]:
+        """Bytes on this process's devices: weights (weight_bytes), kv_pool (the KV pages),
+        linear_state (the hybrid layers' per-request states), snapshots (their prefix-cache
+        snapshots), temporaries (the most any program of the plan needs besides its arguments
+        and outputs, from XLA's memory_analysis() of the executables this engine has, with
+        what the executable store holds loaded first; None when it has none) and total; and
+        programs: how many of the plan's programs the temporaries cover."""
+        ex, kv = self.executor, self.kv_stats()
+        jobs = [ex.job(name, B, T) for name, B, T in self.shapes.jobs()]
+        have = self.compile_cache.restore_planned(jobs)
+        temps = [
+            c.memory_analysis().temp_size_in_bytes
+            for name in {job.name for job in jobs}
+            for c in self.compile_cache.executables(name)
+        ]
+        out = {
+            "weights": self.weight_bytes(),
+            "kv_pool": kv["bytes_allocated"],
+            "linear_state": kv.get("state_bytes_allocated", 0),
+            "snapshots": kv.get("snapshot_bytes", 0),
+            "temporaries": max(temps) if temps else None,
+        }
+        return {**out, "total": sum(v or 0 for v in out.values()), "programs": have}
+
     def activity(self) -> dict:
         """Requests now: running (holding a slot) and queued (waiting for one or for pages)."""
         sched = self._scheduler

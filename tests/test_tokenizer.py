@@ -10,6 +10,7 @@ import pytest
 from tokenizers import pre_tokenizers
 
 from jaxinfer.errors import CheckpointError, UnsupportedModelError
+from jaxinfer.formats import gguf_file
 from jaxinfer.formats.tokenizer import Tokenizer
 
 MODELS = Path(__file__).resolve().parents[1].parent / "shared" / "models"
@@ -76,9 +77,14 @@ def random_sentences(n: int, seed: int = 1234) -> list[str]:
     return out
 
 
+def gguf_tokenizer(path) -> Tokenizer:
+    """The tokenizer of a GGUF file's metadata, read as open_gguf reads it."""
+    return Tokenizer.from_gguf(gguf_file.read(Path(path)).fields, path)
+
+
 @pytest.fixture(scope="module")
 def gguf_tok() -> Tokenizer:
-    return Tokenizer.from_gguf(gguf.GGUFReader(GGUF_PATH))
+    return gguf_tokenizer(GGUF_PATH)
 
 
 @pytest.fixture(scope="module")
@@ -285,7 +291,7 @@ def write_byte_level_gguf(path: Path, pre: str) -> Path:
 @pytest.fixture(scope="module")
 def qwen_tok(tmp_path_factory) -> Tokenizer:
     path = write_byte_level_gguf(tmp_path_factory.mktemp("gguf") / "qwen.gguf", "qwen2")
-    return Tokenizer.from_gguf(gguf.GGUFReader(path))
+    return gguf_tokenizer(path)
 
 
 def test_gguf_byte_level_encode_decode(qwen_tok):
@@ -311,9 +317,7 @@ def test_gguf_byte_level_encode_decode(qwen_tok):
 def test_gguf_byte_level_pre_selects_split_regex(tmp_path, qwen_tok):
     # Qwen2 splits digits one by one, so the "1 2" merge cannot apply; Llama 3 groups three.
     assert len(qwen_tok.encode("12")) == 2
-    llama3 = Tokenizer.from_gguf(
-        gguf.GGUFReader(write_byte_level_gguf(tmp_path / "l.gguf", "llama-bpe"))
-    )
+    llama3 = gguf_tokenizer(write_byte_level_gguf(tmp_path / "l.gguf", "llama-bpe"))
     assert llama3.encode("12") == [llama3.backend.token_to_id("12")]
 
 
@@ -370,7 +374,7 @@ def test_corrupt_config_json(tmp_path):
 def test_unknown_gguf_tokenizer_model(tmp_path):
     path = write_gguf(tmp_path / "rwkv.gguf", "rwkv6", tokenizer_model="rwkv", token_list=["a"])
     with pytest.raises(UnsupportedModelError, match="'rwkv'") as e:
-        Tokenizer.from_gguf(gguf.GGUFReader(path))
+        gguf_tokenizer(path)
     assert_one_line(e)
     assert "gpt2" in str(e.value) and "llama" in str(e.value)
 
@@ -378,10 +382,10 @@ def test_unknown_gguf_tokenizer_model(tmp_path):
 def test_gguf_missing_vocab(tmp_path):
     path = write_gguf(tmp_path / "novocab.gguf", "llama", tokenizer_model="llama")
     with pytest.raises(CheckpointError, match="tokenizer.ggml.tokens") as e:
-        Tokenizer.from_gguf(gguf.GGUFReader(path))
+        gguf_tokenizer(path)
     assert_one_line(e)
 
     path = write_gguf(tmp_path / "notok.gguf", "llama")
     with pytest.raises(CheckpointError, match="tokenizer.ggml.model") as e:
-        Tokenizer.from_gguf(gguf.GGUFReader(path))
+        gguf_tokenizer(path)
     assert_one_line(e)

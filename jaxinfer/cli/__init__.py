@@ -496,6 +496,13 @@ def _info(args) -> None:
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:>{width}} : {value}")
+    memory = engine.memory()
+    programs, plan = memory.pop("programs"), len(engine.compile_plan())
+    print(f"memory (temporaries: XLA's memory_analysis() of {programs} of the {plan} programs, "
+          "those compiled or in the executable store):")  # fmt: skip
+    for key, value in memory.items():
+        shown = "-" if value is None else f"{value / 2**20:.2f} MiB"
+        print(f"  {key.replace('_', ' '):>12} : {shown}")
     plan = engine.compile_plan()
     print(f"compile plan ({len(plan)} programs; warmup() and serve build them all):")
     for p in plan:

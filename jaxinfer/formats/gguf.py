@@ -1,15 +1,11 @@
-"""GGUF files (llama.cpp): the header walk, metadata -> ModelConfig, tensor names, the block
-split of quantized tensors into QArray parts, and `open_gguf`.
-
-gguf-py reads the file once `check_header` has found its counts and offsets sane.
+"""GGUF models (llama.cpp): metadata -> ModelConfig, tensor names, the block split of quantized
+tensors into QArray parts, and `open_gguf` (the container itself: gguf_file.py).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import mmap
-import struct
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +15,7 @@ from ..config import HYBRID_ARCHS, ModelConfig
 from ..errors import CheckpointError, UnsupportedModelError
 from ..ops import quant
 from ..ops.quant import HostQuant
+from . import gguf_file
 from .checkpoint import Checkpoint, ParamPath, param_key
 from .tokenizer import Tokenizer
 
@@ -33,138 +30,6 @@ ARCH = {
     "qwen35": "qwen3_5",
     "qwen35moe": "qwen3_5_moe",
 }  # general.architecture -> arch
-
-
-# ---------------------------------------------------------------------------------------------
-# The header
-
-
-# GGUF metadata value types: the byte size of each scalar type; 8 is a string, 9 an array.
-_SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-_STRING, _ARRAY, _UINT32 = 8, 9, 4
-
-
-def check_header(file: Path) -> None:
-    """Walk a GGUF header with `struct` before gguf-py's reader does: the reader trusts every
-    count it reads (an array of 2**60 numbers loops it for ever) and maps tensors larger than
-    the file without a word. Raises a one-line CheckpointError naming the first bad field
-    (UnsupportedModelError for a tensor type id unknown to gguf-py)."""
-    import gguf
-
-    size = file.stat().st_size
-    where = f"GGUF file {str(file)!r}"
-
-    def corrupt(what: str) -> CheckpointError:
-        return CheckpointError(f"{where}: {what}; the file is corrupt or truncated")
-
-    if size < 24:
-        raise corrupt(f"{size} bytes is shorter than a GGUF header")
-    with open(file, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-        if data[:4] != b"GGUF":
-            raise CheckpointError(f"{where} does not start with 'GGUF'; is it a GGUF file?")
-        # a version whose low half is zero: a big-endian file, which gguf-py reads too
-        order = "<" if int.from_bytes(data[4:8], "little") & 0xFFFF else ">"
-        (version,) = struct.unpack_from(order + "I", data, 4)
-        if version not in (2, 3):
-            raise corrupt(f"GGUF version {version} (jaxinfer reads versions 2 and 3)")
-        pos = 24
-
-        def take(fmt: str, what: str) -> tuple:
-            nonlocal pos
-            n = struct.calcsize(order + fmt)
-            if pos + n > size:
-                raise corrupt(f"the file ends inside {what}")
-            pos += n
-            return struct.unpack_from(order + fmt, data, pos - n)
-
-        def skip(n: int, what: str) -> None:
-            nonlocal pos
-            if n > size - pos:
-                raise corrupt(f"{what} declares {_human(n)} but {_human(size - pos)} remain")
-            pos += n
-
-        def string(what: str) -> bytes:
-            (n,) = take("Q", what)
-            skip(n, what)
-            return data[pos - n : pos]
-
-        def shown(text: bytes) -> str:  # quoted, escaped and cut: it may be garbage
-            return repr(text[:80].decode("utf-8", "replace"))
-
-        def value(vtype: int, what: str) -> None:
-            if vtype in _SCALARS:
-                skip(_SCALARS[vtype], what)
-            elif vtype == _STRING:
-                string(what)
-            elif vtype != _ARRAY:
-                raise corrupt(f"{what} has unknown value type {vtype}")
-            else:
-                itype, count = take("IQ", what)
-                if itype in _SCALARS:
-                    skip(count * _SCALARS[itype], f"{what} ({count} values)")
-                elif itype == _STRING:
-                    if count * 8 > size - pos:  # their lengths alone would not fit
-                        raise corrupt(f"{what} declares {count} strings")
-                    for _ in range(count):
-                        string(what)
-                else:  # llama.cpp refuses arrays of arrays too
-                    raise corrupt(f"{what} is an array of value type {itype}")
-
-        n_tensors, n_kv = struct.unpack_from(order + "QQ", data, 8)
-        # each metadata entry takes at least 13 bytes, each tensor's entry 28
-        if 13 * n_kv + 28 * n_tensors > size:
-            raise corrupt(
-                f"the header declares {n_kv} metadata entries and {n_tensors} tensors, more "
-                f"than its {_human(size)} can hold"
-            )
-        alignment = gguf.GGUF_DEFAULT_ALIGNMENT
-        for i in range(n_kv):
-            key = string(f"the key of metadata entry {i}")
-            (vtype,) = take("I", f"metadata {shown(key)}")
-            start = pos
-            value(vtype, f"metadata {shown(key)}")
-            if key == b"general.alignment":
-                alignment = int.from_bytes(data[start:pos], "little" if order == "<" else "big")
-                if vtype != _UINT32 or alignment & (alignment - 1) or not alignment:
-                    raise corrupt("general.alignment is not a power of two (uint32)")
-        table = []
-        for i in range(n_tensors):
-            name = shown(string(f"the name of tensor {i}"))
-            (n_dims,) = take("I", f"tensor {name}")
-            if not 1 <= n_dims <= 4:
-                raise corrupt(f"tensor {name} has {n_dims} dims; GGUF tensors have 1 to 4")
-            dims = take(f"{n_dims}Q", f"tensor {name}")
-            table.append((name, dims, *take("IQ", f"tensor {name}")))
-    start = -(-pos // alignment) * alignment  # the tensor data follows the table, aligned
-    known = {t.value for t in gguf.GGMLQuantizationType}
-    for name, dims, type_id, offset in table:
-        if type_id not in known:
-            raise UnsupportedModelError(
-                f"{where}: tensor {name} has unknown GGUF type id {type_id}; the file is "
-                "corrupt or newer than jaxinfer's gguf library"
-            )
-        qtype = gguf.GGMLQuantizationType(type_id)
-        block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
-        if min(dims) == 0 or dims[0] % block:
-            raise corrupt(
-                f"tensor {name} has dims {list(dims)}: empty, or rows that are not whole "
-                f"{qtype.name} blocks of {block}"
-            )
-        if offset % alignment:
-            raise corrupt(f"tensor {name} starts at data offset {offset}, not {alignment}-aligned")
-        n_bytes = math.prod(dims) // block * block_bytes
-        if start + offset + n_bytes > size:
-            raise corrupt(
-                f"tensor {name} declares {math.prod(dims)} elements ({_human(n_bytes)} of "
-                f"{qtype.name}) at data offset {offset}, past the end of the file "
-                f"({_human(size)})"
-            )
-
-
-def _human(n: int) -> str:
-    """A size in bytes for messages: 840 bytes, 1.131 MiB, 4 TiB."""
-    k = min(max(n.bit_length() - 1, 0) // 10, 6)  # 1024**k <= n
-    return f"{n} bytes" if not k else f"{n / 1024**k:.4g} {'KMGTPE'[k - 1]}iB"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -411,15 +276,15 @@ def tensor_name(path: ParamPath, cfg: ModelConfig) -> str:
 
 def split_blocks(ggml_type: str, data: np.ndarray, shape: tuple[int, ...]) -> HostQuant:
     """GGUF block data (uint8 [rows, bytes per row] as gguf-py reads it) of a tensor of
-    logical shape [..., O, I] -> its parts."""
+    logical shape [..., O, I] -> its parts [rows, blocks, entries per block]: views of `data`
+    where a part's bytes are stored in it, new arrays where they are unpacked (f16 scales,
+    K-quants' 6-bit scales)."""
     fmt = quant.GGML_FORMATS[ggml_type]
     *lead, width = shape
     rows = int(np.prod(lead))
     nb = width // fmt.block
-    raw = np.ascontiguousarray(data).view(np.uint8).reshape(rows, nb, -1)  # [R, nb, bytes]
-    parts = _parts(fmt, raw)
-    parts = {k: v.reshape(rows, -1) for k, v in parts.items()}
-    return HostQuant(fmt.name, parts, np.arange(rows).reshape(lead), width)
+    raw = data.view(np.uint8).reshape(rows, nb, -1)  # [R, nb, bytes], a view of the file
+    return HostQuant(fmt.name, _parts(fmt, raw), np.arange(rows).reshape(lead), width)
 
 
 def _parts(fmt: quant.Format, raw: np.ndarray) -> dict[str, np.ndarray]:
@@ -464,95 +329,70 @@ def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 # The file
 
 
-def _dequantizes(qtype) -> bool:
-    """Whether gguf-py can dequantize `qtype`: its `dequantize` raises NotImplementedError for
-    the types it lacks, so one zero block tells."""
-    import gguf
-    from gguf.quants import dequantize
-
-    try:
-        dequantize(np.zeros((1, gguf.GGML_QUANT_SIZES[qtype][1]), np.uint8), qtype)
-    except NotImplementedError:
-        return False
-    return True
+# GGUF types held as floats (widened to the compute dtype at load, or kept as a 16-bit QArray)
+FLOATS = frozenset({"F32", "F64"})
 
 
 def open_gguf(file: Path) -> Checkpoint:
-    import gguf
     from gguf.quants import dequantize
 
-    check_header(file)
-    try:
-        reader = gguf.GGUFReader(str(file))
-    except Exception as e:  # what the walk leaves to it: duplicate names, invalid UTF-8...
-        why = " ".join(f"{type(e).__name__}: {e}".split())
-        raise CheckpointError(
-            f"{str(file)!r} is not a readable GGUF file ({why}); is it truncated?"
-        ) from None
+    gg = gguf_file.read(file)
+    types = sorted({t.tensor_type.name for t in gg.tensors})
+    for t in gg.tensors:
+        if t.tensor_type.name not in quant.GGML_FORMATS and t.tensor_type.name not in FLOATS:
+            raise UnsupportedModelError(
+                f"tensor {t.name!r} has GGUF type {t.tensor_type.name}, which jaxinfer does not "
+                f"keep compressed (it keeps {', '.join(sorted(quant.GGML_FORMATS))}); "
+                "re-quantize the model to Q4_K_M, Q5_K_M, Q6_K or Q8_0"
+            )
     meta = {}
-    for key, entry in reader.fields.items():
+    for key, value in gg.fields.items():
         try:
-            meta[key] = entry.contents()
-        except Exception:  # a field the reader cannot decode is not one we need
+            meta[key] = gguf_file.text(value)
+        except UnicodeDecodeError:  # a field that is not UTF-8 is not one we need
             continue
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = {t.name: t for t in gg.tensors}
     config = model_config(meta, set(tensors))
     if "rope_freqs.weight" in tensors:
         factors = np.asarray(tensors["rope_freqs.weight"].data, np.float32).ravel()
         config = config.replace(rope_factors=tuple(float(x) for x in factors))
 
-    readable = {}  # GGUF type -> whether gguf-py dequantizes it
-    for t in reader.tensors:
-        if t.tensor_type not in readable:
-            readable[t.tensor_type] = _dequantizes(t.tensor_type)
-        if not readable[t.tensor_type]:
-            raise UnsupportedModelError(
-                f"tensor {t.name!r} has GGUF type {t.tensor_type.name}, which jaxinfer cannot "
-                "dequantize; re-quantize to Q8_0, Q4_K or F16"
-            )
+    placed: list = []  # the tensor read last, whose pages go when the next one is read
 
     def release(t) -> None:
-        """Drop the mapped file pages of a tensor that has been copied out: they would
-        otherwise stay in the process's memory (RSS) for the whole load."""
-        mapped = getattr(reader.data, "_mmap", None)
-        if mapped is not None and hasattr(mapped, "madvise"):
-            start = int(t.data_offset) // mmap.PAGESIZE * mmap.PAGESIZE
-            mapped.madvise(mmap.MADV_DONTNEED, start, int(t.data_offset) + int(t.n_bytes) - start)
+        """Blocks are read in place (views of the mapped file): the pages of the tensor read
+        before this one, which has been placed by now, leave the process's resident memory."""
+        for done in placed:
+            gg.release(done)
+        placed[:] = [t]
 
     def read(name: str) -> np.ndarray:
         t = tensors[name]
+        release(t)
         try:
             w = np.array(dequantize(t.data, t.tensor_type), np.float32)  # a copy
         except (NotImplementedError, ValueError) as e:
             raise UnsupportedModelError(
                 f"cannot dequantize {name!r} ({t.tensor_type.name}): {e}"
             ) from None
-        release(t)
         return w
 
     def blocks(name: str) -> HostQuant | None:
         t = tensors[name]
+        release(t)
         fmt = quant.GGML_FORMATS.get(t.tensor_type.name)
         if fmt is None or len(t.shape) < 2 or int(t.shape[0]) % fmt.block:
             return None
         shape = tuple(int(n) for n in reversed(t.shape))  # GGUF ne [in, out, ...]
         try:
-            kept = split_blocks(fmt.ggml, np.array(t.data), shape)  # a copy
+            kept = split_blocks(fmt.ggml, t.data, shape)  # views of the mapped file
         except ValueError as e:
             raise CheckpointError(f"tensor {name!r} has malformed {fmt.ggml} data ({e})") from None
-        release(t)
         return kept
 
-    types = sorted({t.tensor_type.name for t in reader.tensors})
-    unkept = sorted(set(types) - set(quant.GGML_FORMATS) - {"F32"})
-    if unkept:
-        log.warning(
-            "%s: %s tensors are dequantized to float at load (kept compressed: %s)",
-            file.name, ", ".join(unkept), ", ".join(sorted(quant.GGML_FORMATS)),
-        )  # fmt: skip
     return Checkpoint(  # boilerplate (the same keywords as hf.open_hf's)
         config=config,
-        tokenizer=Tokenizer.from_gguf(reader),
+        tokenizer=Tokenizer.from_gguf(gg.fields, file),
         kind="gguf",
         format=f"GGUF ({', '.join(types)})",
         read=read,

@@ -11,15 +11,14 @@ import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from jaxinfer.errors import CheckpointError, UnsupportedModelError
 
-if TYPE_CHECKING:
-    import gguf
+from .gguf_file import text
 
 # GGUF `tokenizer.ggml.token_type` values (llama.cpp's llama_token_type).
 _TYPE_NORMAL = 1
@@ -145,9 +144,10 @@ class Tokenizer:
         )
 
     @classmethod
-    def from_gguf(cls, reader: gguf.GGUFReader) -> Tokenizer:
-        """Rebuilds the tokenizer stored in a GGUF file's `tokenizer.ggml.*` metadata."""
-        meta = _GGUFMeta(reader)
+    def from_gguf(cls, fields: dict[str, Any], path: Path | str) -> Tokenizer:
+        """Rebuilds the tokenizer stored in a GGUF file's `tokenizer.ggml.*` metadata (its
+        fields as gguf_file.read gives them)."""
+        meta = _GGUFMeta(fields, path)
         tok_model = meta.get("tokenizer.ggml.model")
         if tok_model is None:
             raise CheckpointError(
@@ -406,19 +406,16 @@ def _added(content: str, *, special: bool) -> AddedToken:
 
 
 class _GGUFMeta:
-    """Typed access to a GGUFReader's key/value fields, with one-line errors."""
+    """Typed access to a GGUF file's key/value fields, with one-line errors."""
 
-    def __init__(self, reader: gguf.GGUFReader) -> None:
-        self._fields = reader.fields
-        self.name = f"GGUF file {_path_of(reader)}"
+    def __init__(self, fields: dict[str, Any], path: Path | str) -> None:
+        self._fields = fields
+        self.name = f"GGUF file {path}"
 
     def get(self, key: str) -> Any:
-        field = self._fields.get(key)
-        if field is None:
-            return None
         try:
-            return field.contents()  # arrays become lists; string arrays are decoded UTF-8
-        except (UnicodeDecodeError, ValueError, IndexError) as e:
+            return text(self._fields.get(key))  # strings (and string arrays) decoded UTF-8
+        except UnicodeDecodeError as e:
             raise CheckpointError(
                 f"{self.name}: metadata {key} is unreadable ({_one_line(e)}); the file is "
                 "corrupt, re-download or re-convert it"
@@ -451,11 +448,6 @@ class _GGUFMeta:
         """A token id key; absent, out-of-range or 0xFFFFFFFF ("none") ids become None."""
         value = self.get(key)
         return value if isinstance(value, int) and 0 <= value < n else None
-
-
-def _path_of(reader: gguf.GGUFReader) -> str:
-    # GGUFReader memory-maps its file; the numpy memmap remembers the path.
-    return str(getattr(getattr(reader, "data", None), "filename", None) or "(in memory)")
 
 
 def _split_merge(merge: str, where: str) -> tuple[str, str]:

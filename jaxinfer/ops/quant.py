@@ -16,6 +16,7 @@ small-row products there go to a custom kernel (kernels/cpu.py) that reads the b
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 import jax
@@ -285,10 +286,11 @@ def product_int8(x: jax.Array, w: QArray, out_dtype) -> jax.Array:
 
 @dataclass(frozen=True)
 class HostQuant:
-    """A quantized weight on the host, rows in any order until `take`: parts [R, X] of the
-    file's R rows, and `index` [...lead] the file row of each logical row. Row operations
-    (reshape and swap of the leading axes, slicing them) apply to `index` alone, so the
-    checkpoint's row conversions work unchanged on quantized tensors."""
+    """A quantized weight on the host, rows in any order until `take`: parts [R, ...] of the
+    file's R rows (views of a file's blocks [R, blocks, entries per block], or [R, X]), and
+    `index` [...lead] the file row of each logical row. Row operations (reshape and swap of
+    the leading axes, slicing them) apply to `index` alone, so the checkpoint's row
+    conversions work unchanged on quantized tensors."""
 
     fmt: str
     parts: dict[str, np.ndarray]
@@ -337,11 +339,21 @@ class HostQuant:
 
     def take(self) -> dict[str, np.ndarray]:
         """The parts in logical row order: [...lead, X] each."""
+        return {k: np.reshape(a, shape) for k, (a, shape) in self.pieces().items()}
+
+    def pieces(self) -> dict[str, tuple[np.ndarray, tuple[int, ...]]]:
+        """The parts in logical row order, each as (array [...lead, *rest], its shape
+        [...lead, X]): where the rows keep the file's order, views of the file's blocks (not
+        contiguous), which placement copies once, straight into their shape."""
         flat = self.index.reshape(-1)
         whole = flat.size == len(next(iter(self.parts.values())))
-        if whole and np.array_equal(flat, np.arange(flat.size)):
-            return {k: v.reshape(*self.index.shape, -1) for k, v in self.parts.items()}
-        return {k: v[flat].reshape(*self.index.shape, -1) for k, v in self.parts.items()}
+        keep = whole and np.array_equal(flat, np.arange(flat.size))
+        out = {}
+        for k, v in self.parts.items():
+            rows = v if keep else v[flat]
+            out[k] = (rows.reshape(*self.index.shape, *v.shape[1:]),
+                      (*self.index.shape, math.prod(v.shape[1:])))  # fmt: skip
+        return out
 
 
 class NotRowOp(Exception):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import mmap
+import threading
 
 import jax
 import numpy as np
@@ -40,19 +41,23 @@ class Arena:
     def __init__(self):
         self._chunk: np.ndarray | None = None  # uint8 view of the current mapping
         self._used = 0
+        self._lock = threading.Lock()  # arrays are placed from several threads at once
 
-    def put(self, host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
-        """`host` copied into the arena and placed on the sharding's one CPU device."""
+    def put(self, host: np.ndarray, sharding: jax.sharding.Sharding, shape=None) -> jax.Array:
+        """`host` copied into the arena (as `shape`: the same values, e.g. a view of a file's
+        blocks [..., blocks, bytes] as [..., X]) and placed on the sharding's one CPU device."""
         view = self._take(host.nbytes).view(host.dtype).reshape(host.shape)
-        view[...] = host
-        return jax.device_put(view, sharding, may_alias=True)
+        view[...] = host  # one copy, strided where the host array is a view
+        return jax.device_put(view.reshape(host.shape if shape is None else shape), sharding,
+                              may_alias=True)  # fmt: skip
 
     def _take(self, nbytes: int) -> np.ndarray:
-        start = -(-self._used // ALIGN) * ALIGN
-        if self._chunk is None or start + nbytes > len(self._chunk):
-            self._chunk, start = _mapping(max(CHUNK, nbytes)), 0
-        self._used = start + nbytes
-        return self._chunk[start : start + nbytes]
+        with self._lock:
+            start = -(-self._used // ALIGN) * ALIGN
+            if self._chunk is None or start + nbytes > len(self._chunk):
+                self._chunk, start = _mapping(max(CHUNK, nbytes)), 0
+            self._used = start + nbytes
+            return self._chunk[start : start + nbytes]
 
 
 def _mapping(nbytes: int) -> np.ndarray:

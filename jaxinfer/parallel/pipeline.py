@@ -139,7 +139,7 @@ def place_params(read: Reader, cfg: ModelConfig, mesh: Mesh, rules: dict, dtype)
         host = read(path, shape, blocks=quantizable(path))
         sharding = named(mesh, spec(axes, rules))
         if isinstance(host, HostQuant):
-            return put_quant(path, host.take(), host, sharding, kernel)
+            return put_quant(path, host.pieces(), host, sharding, kernel)
         array = jax.device_put(host.astype(param_dtype(path, dtype), copy=False), sharding)
         return for_kernel(path, array, kernel)
 
@@ -191,6 +191,7 @@ def stack_slot(read: Reader, plan: StagePlan, j: int, path, shape, sharding, dty
             k: np.stack([t[k] if t is not None else np.zeros_like(v) for t in taken])
             for k, v in ref.items()
         }
+        parts = {k: (v, v.shape) for k, v in parts.items()}
         return put_quant(("layers", *path), parts, real[0], sharding, kernel, lead=1)
     if fmts != {None}:  # mixed formats: this slot is read in float
         hosts = [read(("layers", n, *path), shape) if n >= 0 else None for n in layers]

@@ -373,6 +373,16 @@ class CompileCache:
                 future.result()
         return report
 
+    def restore_planned(self, jobs: list[Job]) -> int:
+        """Load what the store holds of the plan, compiling nothing -> the plan's executables
+        this cache now has."""
+        have = 0
+        for job in jobs:
+            key = self.key(job.name, job.context, job.args, self._contexts[job.context].n_fixed)
+            if key in self._entries or self.restore(key, job.fn, job.args, job.donate, job.out):
+                have += 1
+        return have
+
     def _build(self, key, fn, args, donate, out, reason):
         """(compiled, seconds, storable): an executable that jax's persistent cache returned
         is not storable (XLA:CPU serializes a deserialized executable without some of its
