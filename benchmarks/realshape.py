@@ -20,7 +20,7 @@ Per file:
   whole) + the K/V read at the step's mean depth in each engine's own K/V dtype (+ the Gated
   DeltaNet states read and written) x tokens/s, over the bandwidth of a 2-thread copy of 1 GiB
   (read + write) measured at the start of the run;
-- peak RSS (ru_maxrss) of a fresh process of each engine that loads the file, runs a 512-token
+- peak RSS (VmHWM) of a fresh process of each engine that loads the file, runs a 512-token
   prompt and 16 tokens (jaxinfer's programs read from its executable store, which the rounds
   filled): jaxinfer's less a bare `import jax` process's, over llama.cpp's (target <= 1.2);
 - `jaxinfer.load()` wall time (no warmup, the file in the page cache) beside llama.cpp's model

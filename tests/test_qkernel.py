@@ -326,6 +326,44 @@ def test_grouped_products_read_each_expert(fmt, variant):
             assert np.all(np.asarray(y)[at:] == 0)
 
 
+def delta_reference(q, k, v, g, beta, S):
+    """The delta rule token by token in float64 (gdn.py's formula): q, k [B, T, H, DK], v
+    [B, T, H, DV], g, beta [B, T, H], S [B, H, DK, DV] -> o [B, T, H, DV], final S."""
+    q, k, v, g, beta, S = (np.asarray(a, np.float64) for a in (q, k, v, g, beta, S))
+    o, S = np.zeros(v.shape), S.copy()
+    for t in range(q.shape[1]):
+        S = S * np.exp(g[:, t])[..., None, None]
+        delta = (v[:, t] - np.einsum("bhkv,bhk->bhv", S, k[:, t])) * beta[:, t][..., None]
+        S = S + k[:, t][..., :, None] * delta[..., None, :]
+        o[:, t] = np.einsum("bhkv,bhk->bhv", S, q[:, t])
+    return o, S
+
+
+@pytest.mark.parametrize("shape", [(2, 1, 3, 16, 24), (2, 37, 4, 32, 80), (1, 9, 2, 128, 128)])
+def test_delta_rule_matches_the_float64_recurrence(shape, variant):
+    """The Gated DeltaNet's step and chunk kernels (src/delta.cc) against the recurrence in
+    float64: one token, a chunk of odd length with DV not a multiple of the 64-value column
+    blocks, Qwen3.5's 128 x 128 heads; a padding token (beta = g = 0) changes nothing."""
+    B, T, H, DK, DV = shape
+    rng = np.random.default_rng(T + DK)
+    q = rng.standard_normal((B, T, H, DK)).astype(np.float32) / np.sqrt(DK)
+    k = rng.standard_normal((B, T, H, DK)).astype(np.float32)
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)  # l2-normed, as the layer feeds it
+    v = rng.standard_normal((B, T, H, DV)).astype(np.float32)
+    g = -rng.uniform(0, 1, (B, T, H)).astype(np.float32)
+    beta = rng.uniform(0, 1, (B, T, H)).astype(np.float32)
+    g[:, -1], beta[:, -1] = 0.0, 0.0  # the last token pads
+    S = rng.standard_normal((B, H, DK, DV)).astype(np.float32)
+    want_o, want_s = delta_reference(q, k, v, g, beta, S)
+    o, s = jax.jit(qkernel.delta_chunk)(q, k, v, g, beta, S)
+    np.testing.assert_allclose(o, want_o, rtol=0, atol=2e-6 * np.abs(want_o).max())
+    np.testing.assert_allclose(s, want_s, rtol=0, atol=2e-6 * np.abs(want_s).max())
+    o1, s1 = jax.jit(qkernel.delta_step)(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], S)
+    want_o, want_s = delta_reference(q[:, :1], k[:, :1], v[:, :1], g[:, :1], beta[:, :1], S)
+    np.testing.assert_allclose(o1, want_o[:, 0], rtol=0, atol=2e-6 * np.abs(want_o).max())
+    np.testing.assert_allclose(s1, want_s, rtol=0, atol=2e-6 * np.abs(want_s).max())
+
+
 def check_int8(y, want, xq, ref):
     """check's bound on the quantized activations' terms (|s m| terms are within it too)."""
     bound = 1e-5 * (np.abs(xq) @ np.abs(ref).T) + 1e-30

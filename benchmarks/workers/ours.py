@@ -7,11 +7,10 @@ the wall time of a `max_new_tokens=N` call on a one-token prompt; at depth D the
 
 Usage: ours.py GGUF N_CTX OPTIONS_JSON (load()'s keywords). Prints {"ready": true}, then answers
 each JSON line {"test": "pp" | "tg", "n": N, "depth": D} with {"ts": tokens/s}.
-{"test": "rss"} answers the process's peak resident bytes so far (ru_maxrss) as "ts".
+{"test": "rss"} answers the process's peak resident bytes so far (VmHWM) as "ts".
 """
 
 import json
-import resource
 import sys
 import time
 
@@ -34,8 +33,9 @@ def main():
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
-        if cmd["test"] == "rss":  # the process's peak resident bytes so far
-            print(json.dumps({"ts": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+        if cmd["test"] == "rss":  # the process's peak resident bytes so far (VmHWM)
+            hwm = [ln for ln in open("/proc/self/status") if ln.startswith("VmHWM:")]
+            print(json.dumps({"ts": int(hwm[0].split()[1]) * 1024}))
             sys.stdout.flush()
             continue
         kw = dict(temperature=0, ignore_eos=True)

@@ -5,13 +5,12 @@ token per decode for generation, the cache cleared between runs, a depth prompt 
 
 Usage: peer.py GGUF THREADS N_CTX. Prints {"ready": true}, then answers each JSON line
 {"test": "pp" | "tg", "n": N, "depth": D} with {"ts": tokens/s by llama.cpp's own counters}.
-{"test": "rss"} answers the process's peak resident bytes so far (ru_maxrss) as "ts".
+{"test": "rss"} answers the process's peak resident bytes so far (VmHWM) as "ts".
 greedy.py opens its model the same way (context()).
 """
 
 import ctypes
 import json
-import resource
 import sys
 
 import llama_cpp as L
@@ -68,8 +67,9 @@ def main():
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
-        if cmd["test"] == "rss":  # the process's peak resident bytes so far
-            print(json.dumps({"ts": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+        if cmd["test"] == "rss":  # the process's peak resident bytes so far (VmHWM)
+            hwm = [ln for ln in open("/proc/self/status") if ln.startswith("VmHWM:")]
+            print(json.dumps({"ts": int(hwm[0].split()[1]) * 1024}))
             sys.stdout.flush()
             continue
         L.llama_memory_clear(L.llama_get_memory(ctx), False)

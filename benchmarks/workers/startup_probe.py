@@ -1,7 +1,7 @@
 """One fresh process's start on a GGUF, timed: what realshape.py reports beside the speeds.
 
 Modes (the file's pages are read once first, so every load finds them in the page cache):
-- `bare`: `import jax` and a first array on the CPU -> {"import_s", "rss"} (ru_maxrss bytes);
+- `bare`: `import jax` and a first array on the CPU -> {"import_s", "rss"} (peak bytes);
 - `ours`: jax as in `bare`, then `jaxinfer.load(GGUF, max_seq_len=N_CTX)` without a warmup
   -> {"import_s", "load_s", "rss"}; with `cold`, then `engine.warmup()` into an empty compile
   folder (nothing compiled or stored) -> adds {"warmup_s", "programs"}; with `run`, the load
@@ -30,6 +30,13 @@ def warm(path: str):
 
 
 def rss() -> int:
+    """Peak resident bytes of this process: VmHWM, whose mark starts afresh at exec (ru_maxrss
+    keeps the parent's at fork: a benchmark that has just written a large file would lend its
+    children its own peak)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 

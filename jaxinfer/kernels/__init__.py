@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import jax
 
-from . import delta, grouped, qmatmul, tpu
+from . import cpu, delta, grouped, qmatmul, tpu
 from .attention import paged_attention
 from .backend import family, mode
 from .cpu import (
@@ -112,7 +112,10 @@ def product(w, rows: int) -> Callable | None:
 
 def delta_rule(state: tuple[int, ...], whole: bool) -> tuple[Callable, Callable] | None:
     """The Gated DeltaNet's (recurrent_step, chunked) kernels for states of `state`'s shape
-    [..., DK, DV] (whole on one device or not), or None. DK and DV must be tiles."""
+    [..., DK, DV] (whole on one device or not), or None: the CPU's (any DK, DV), Pallas's
+    (DK and DV tiles)."""
+    if family() == "cpu" and whole and available():
+        return cpu.delta_step, cpu.delta_chunk
     pallas = _pallas()
     if pallas is None or not whole or not all(_tile(n) for n in state[-2:]):
         return None

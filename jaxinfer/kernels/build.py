@@ -19,7 +19,8 @@ import tempfile
 from pathlib import Path
 
 SOURCES = Path(__file__).with_name("src")
-UNITS = ("q_legacy.cc", "q_kquants.cc", "q_float.cc", "attend.cc")  # one library, all variants
+# one library, all variants
+UNITS = ("q_legacy.cc", "q_kquants.cc", "q_float.cc", "attend.cc", "delta.cc")
 LIBRARIES = Path(__file__).with_name("lib")
 COMPILER = os.environ.get("CXX", "g++")
 # -ffp-contract=off: gcc must not fuse a weight's `scale * q - low` into one rounding (the

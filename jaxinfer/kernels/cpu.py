@@ -26,6 +26,7 @@ import numpy as np
 
 from ..errors import SetupError
 from ..ops.quant import FORMATS, INT8_ACTIVATIONS
+from ..ops.vma import agreed
 from . import backend, build
 
 log = logging.getLogger("jaxinfer")
@@ -178,6 +179,10 @@ def _load(variant: build.Variant) -> str | None:
             capsule = jax.ffi.pycapsule(getattr(lib, f"attend_{suffix}"))
             jax.ffi.register_ffi_target(_attend_target(dtype, variant.name), capsule,
                                         platform="cpu")  # fmt: skip
+        for kind in ("delta_step", "delta_chunk"):
+            capsule = jax.ffi.pycapsule(getattr(lib, kind))
+            jax.ffi.register_ffi_target(f"jaxinfer_{kind}_{variant.name}", capsule,
+                                        platform="cpu")  # fmt: skip
     except (OSError, AttributeError, build.BuildError, RuntimeError) as e:
         _failed[variant.name] = f"failed to load: {str(e).splitlines()[0][:200]}"
         return _failed[variant.name]
@@ -322,6 +327,34 @@ def attend(q, k, v, pools, table, start, length, window: int | None):
     out, pool_k, pool_v = call(q, k, v, pool_k, pool_v, table, start, length,
                                window=np.int64(window or 0))  # fmt: skip
     return out, (pool_k, pool_v)
+
+
+def delta_step(q, k, v, g, beta, S):
+    """The delta rule for one token per row (src/delta.cc): q, k [B, H, DK], v [B, H, DV],
+    g, beta [B, H], S [B, H, DK, DV] (float32) -> o [B, H, DV], S (updated in place)."""
+    return _delta("delta_step", q, k, v, g, beta, S)
+
+
+def delta_chunk(q, k, v, g, beta, S):
+    """The delta rule over a prompt chunk, token by token (src/delta.cc): q, k
+    [B, T, H, DK], v [B, T, H, DV], g, beta [B, T, H], S [B, H, DK, DV] -> o [B, T, H, DV],
+    the final S (in place)."""
+    return _delta("delta_chunk", q, k, v, g, beta, S)
+
+
+def _delta(kind: str, q, k, v, g, beta, S):
+    like = jax.ShapeDtypeStruct
+    call = jax.ffi.ffi_call(
+        f"jaxinfer_{kind}_{_in_use()}",
+        (like(v.shape, jnp.float32), like(S.shape, jnp.float32)),
+        input_output_aliases={5: 1},
+        vmap_method="sequential",
+    )
+    args = [a.astype(jnp.float32) for a in (q, k, v, g, beta, S)]
+    # inside shard_map (a pipeline stage) the state varies over the stage axis, and so do the
+    # outputs (ffi_call types them as unvarying): cast to what the operands vary over
+    cast, _ = agreed(*call(*args), *args)
+    return cast[0], cast[1]
 
 
 def _target(fmt: str, variant: str, kind: str = "qmatmul") -> str:
