@@ -24,6 +24,7 @@ from .formats import open_checkpoint
 from .formats.tokenizer import Tokenizer
 from .ops.quant import HostQuant, quantize_int8, with_activations
 from .options import EngineOptions
+from .parallel.depth import place_depth
 from .parallel.pipeline import place_pipeline
 from .parallel.placement import Placement, Reader, place_dense, random_reader
 from .parallel.sharding import effective_rules, load_layout, make_mesh, select_devices
@@ -74,14 +75,22 @@ def quantizing(read: Reader, how: str, compute) -> Reader:
     return reader
 
 
-def place(read: Reader, cfg: ModelConfig, dtype, kv_dtype, activations: str, layout, devices
-          ) -> Placement:  # fmt: skip
-    """The model on a layout's mesh: pipeline stages when the layout splits the layers; the
-    GGUF block weights multiply `activations` ("int8": quantized to 8 bits, or "float")."""
+def place(read: Reader, cfg: ModelConfig, dtype, kv_dtype, activations: str, shared: bool,
+          probe: bool, layout, devices) -> Placement:  # fmt: skip
+    """The model on a layout's mesh: pipeline stages when the layout splits the layers; with
+    `shared`, on one CPU device with the kernels at float32, depth-shared layers (`probe`: the
+    checkpoint's weights may differ in format between layers); the GGUF block weights
+    multiply `activations` ("int8": quantized to 8 bits, or "float")."""
     plan = load_layout(layout)
     mesh = make_mesh(plan, select_devices(devices, plan))
     rules = effective_rules(plan, mesh, cfg)
-    how = place_pipeline if "layers" in rules else place_dense
+    one_cpu = mesh.devices.size == 1 and kernels.family() == "cpu" and kernels.available()
+    if "layers" in rules:
+        how = place_pipeline
+    elif shared and one_cpu and np.dtype(dtype) == np.float32:
+        how = partial(place_depth, probe=probe)
+    else:
+        how = place_dense
     placement = how(read, cfg, dtype, plan.name, mesh, rules, kv_dtype=kv_dtype)
     return dataclasses.replace(placement, params=with_activations(placement.params, activations))
 
@@ -129,7 +138,8 @@ def load(
         source = ckpt.format
         name = "stories260K (built in)" if model == BUILTIN_MODEL else str(model)
     read = quantizing(read, o.quantize, compute)
-    dtypes = (compute, kv_dtype(o), o.activations)
+    probe = source.startswith("GGUF")  # its layers' weights may differ in format (Q4_K_M)
+    dtypes = (compute, kv_dtype(o), o.activations, o.shared_layers, probe)
     spec, place_draft = _speculative(o.speculative, o.draft_tokens, cfg, tokenizer, dtypes, name)
     if cfg.mtp_layers and (spec is None or spec.method != "mtp"):
         cfg = dataclasses.replace(cfg, mtp_layers=0)  # the MTP head is built only to draft
@@ -184,12 +194,14 @@ def _speculative(how, k, cfg: ModelConfig, tokenizer: Tokenizer, dtypes, model: 
             )
         return SpecConfig("mtp", k), None
     spec = SpecConfig("draft", k)
+    draft_probe = False  # a GGUF's layers may hold weights of different formats
     if isinstance(how, ModelConfig):
         draft_cfg, draft_read = how, random_reader(how, BUILTIN_SEED + 1)
         draft_tok = tokenizer
     elif isinstance(how, str | Path):
         ckpt = open_checkpoint(how)
         draft_cfg, draft_tok, draft_read = ckpt.config, ckpt.tokenizer, ckpt.tensor
+        draft_probe = ckpt.format.startswith("GGUF")
     else:
         raise JaxinferError(
             f"speculative = {how!r} is invalid; use 'ngram', 'mtp' or a draft model's path"
@@ -204,7 +216,7 @@ def _speculative(how, k, cfg: ModelConfig, tokenizer: Tokenizer, dtypes, model: 
             f"({tokenizer.vocab_size}); a draft must share the model's tokenizer"
         )
     return dataclasses.replace(spec, vocab=cfg.vocab_size), partial(
-        place, draft_read, draft_cfg, *dtypes
+        place, draft_read, draft_cfg, *dtypes[:4], draft_probe
     )
 
 

@@ -229,6 +229,10 @@ class EngineOptions:
     executable_store_mib: int = 2048
     strict: bool = field(default_factory=_strict_from_env)  # compiles after warmup() raise
     graph_reuse: bool = True  # False rebuilds every program on every call (benchmarks)
+    # layers of one run (a repeated unit of layer kinds and weight formats) share one traced
+    # body, so compile time does not grow with depth (parallel/depth.py: one CPU device,
+    # float32 compute, the CPU kernels); False: every layer traced on its own
+    shared_layers: bool = True
     # speculative decoding: "ngram", "mtp", or a draft model (a path or a ModelConfig)
     speculative: Any = None
     draft_tokens: int = 4  # K drafts per step, 1..MAX_DRAFT_TOKENS
@@ -287,7 +291,7 @@ class EngineOptions:
                 f"page_size = {self.page_size!r} is invalid; use one of "
                 f"{', '.join(map(str, PAGE_SIZES))}"
             )
-        for name in ("strict", "graph_reuse", "prefix_cache"):
+        for name in ("strict", "graph_reuse", "prefix_cache", "shared_layers"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "True or False")
         spec = self.speculative

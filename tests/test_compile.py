@@ -191,6 +191,7 @@ def test_strict_mode_raises_after_warmup_and_non_strict_goes_on(strict):
     assert relaxed.generate([1, 2, 3], max_new_tokens=4, temperature=0).token_ids
 
 
+@pytest.mark.slow
 def test_strict_from_environment(monkeypatch):
     monkeypatch.setenv("JAXINFER_STRICT", "1")
     engine = load()

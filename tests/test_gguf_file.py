@@ -57,10 +57,11 @@ def test_block_types_not_kept_compressed_are_refused_in_one_line(tmp_path):
     assert "\n" not in message and "'blk.0.ffn_down.weight'" in message and "Q3_K" in message
 
 
-def test_memory_adds_up(engines):
+def test_memory_adds_up():
     """Engine.memory(): weights as weight_bytes(), the KV pool as kv_stats(), temporaries
     from the compiled programs (none before a warmup of a fresh engine), a total of the rest."""
-    engine = jaxinfer.load(model_path(STORIES), max_seq_len=128, compile_cache_dir=None)
+    engine = jaxinfer.load(model_path(STORIES), max_seq_len=128, compile_cache_dir=None,
+                           batch_buckets=(1,), prefill_buckets=(16,))  # fmt: skip
     before = engine.memory()
     assert before["temporaries"] is None and before["programs"] == 0
     engine.warmup(progress=False)

@@ -116,7 +116,7 @@ def test_padding_leaves_the_state_and_conv_untouched():
 # ---- the fixtures: transformers and llama.cpp ---------------------------------------------
 
 
-@pytest.mark.parametrize("gguf", [False, True])
+@pytest.mark.parametrize("gguf", [pytest.param(False, marks=pytest.mark.slow), True])
 @pytest.mark.parametrize(
     "kind",
     ["qwen3_5", *(pytest.param(k, marks=pytest.mark.slow) for k in ("qwen3_next", "qwen3_5_moe"))],

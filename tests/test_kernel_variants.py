@@ -67,12 +67,18 @@ OTHERS = (
     "qwen3_5_moe_l3f1_e8k2_mtp",
     "mixtral_e8k2",
 )
-# by default each mode on two fixtures (interpret: the quantized product, and attention, the
-# delta rule and the expert block of the hybrid MoE); slow: every other fixture in each, and
-# under interpret two quantized ones (experts in the tile loop of quantized products)
-CASES = [("xla", (STORIES, STORIES_Q8)), ("interpret", (STORIES_Q8, HYBRID))] + [
+# by default xla on stories Q8_0 (quantized products, attention); slow: interpret on the hybrid
+# MoE (attention, the delta rule, the expert block), every other fixture in each, and
+# under interpret the quantized product (stories Q8_0) and two quantized fixtures (experts in
+# the tile loop of quantized products)
+CASES = [("xla", (STORIES_Q8,)), pytest.param("interpret", (HYBRID,), marks=pytest.mark.slow)] + [
     pytest.param(mode, (model,), marks=pytest.mark.slow)
-    for mode, model in [("xla", HYBRID), ("interpret", STORIES)]
+    for mode, model in [
+        ("xla", STORIES),
+        ("xla", HYBRID),
+        ("interpret", STORIES),
+        ("interpret", STORIES_Q8),
+    ]
     + [(mode, f"tiny-random/{name}") for name in OTHERS for mode in ("xla", "interpret")]
     + [("interpret", f"tiny-random/{name}/model-q8_0.gguf") for name in OTHERS[:2]]
 ]
@@ -148,10 +154,20 @@ def test_every_variant_has_its_crossovers():
             assert kernels.serves(1, "f32", 1 << 30) == (c.one_row_values is not None), name
 
 
-def test_stories_q8_0_greedy_is_the_same_under_every_variant():
+def variant_pairs():
+    """The best variant against each other one: by default the scalar one, the rest slow."""
+    runnable = kernels.runnable()
+    return [
+        pytest.param(runnable[0], v, marks=[pytest.mark.slow] * (v != "scalar"))
+        for v in runnable[1:]
+    ]
+
+
+@pytest.mark.parametrize("best, other", variant_pairs())
+def test_stories_q8_0_greedy_is_the_same_under_every_variant(best, other):
     """Q8_0 products and float32 attention in each variant's kernels: the same tokens."""
     got = {}
-    for variant in kernels.runnable():
+    for variant in (best, other):
         with kernels.using(variant):
             got[variant] = greedy(model_path(STORIES_Q8), 24)
     assert len(set(map(tuple, got.values()))) == 1, got

@@ -131,6 +131,7 @@ def test_hits_in_four_slots_with_a_cancel_and_eviction(hybrid, engines):
     assert (stats["pages_in_use"], stats["pages_reserved"], stats["snapshots_in_use"]) == (0, 0, 0)
 
 
+@pytest.mark.slow
 def test_cache_salt_keeps_tenants_apart(hybrid):
     root, base = hybrid
     engine = jaxinfer.load(root, **OPTS)

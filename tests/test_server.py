@@ -20,6 +20,7 @@ from support.models import live_server, with_chat_template
 
 import jaxinfer
 from jaxinfer.cli import main
+from jaxinfer.formats import gguf_file
 from jaxinfer.formats.tokenizer import Tokenizer
 from jaxinfer.serve.chat import ChatTemplate, check_messages
 
@@ -186,12 +187,11 @@ def test_chat_completion(client, chat_model, stories_hf):
 
 
 def test_gguf_chat_template_is_read(tmp_path):
-    import gguf
     from support.checkpoints import TINY, random_weights, write_gguf
 
     config = TINY["llama"]
     path = write_gguf(tmp_path / "t.gguf", config, random_weights(config), chat_template=TEMPLATE)
-    assert Tokenizer.from_gguf(gguf.GGUFReader(path)).chat_template == TEMPLATE
+    assert Tokenizer.from_gguf(gguf_file.read(path).fields, path).chat_template == TEMPLATE
 
 
 def test_check_messages_refuses_bad_messages():

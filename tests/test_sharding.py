@@ -105,7 +105,7 @@ def weight(w):
 
 def test_pipeline_is_one_program_and_devices_hold_their_stage(engines):
     path = model_path(STORIES)
-    dense = engines(path, **OPTS)
+    dense = engines(path, shared_layers=False, **OPTS)  # one array per layer and weight
     engine = engines(path, layout="layer", devices=3, **OPTS)
     engine.generate([1], max_new_tokens=20, temperature=0)
     (decode,) = engine.compile_cache.executables("decode")  # one serves every decode call
@@ -125,6 +125,7 @@ def test_pipeline_is_one_program_and_devices_hold_their_stage(engines):
             np.testing.assert_array_equal(np.asarray(shard.data[0]), np.asarray(want))
 
 
+@pytest.mark.slow
 def test_reshard_keeps_tokens_and_reports_sharding_changes():
     # its own (it is resharded), without an executable store: its recompiles are watched
     engine = jaxinfer.load(model_path(STORIES), **OPTS, compile_cache_dir=None)

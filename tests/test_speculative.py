@@ -167,6 +167,7 @@ def test_ngram_greedy_equals_the_published_ids(stories_ngram):
     assert stats.recompiles_same == stats.recompiles_diff == 0
 
 
+@pytest.mark.slow
 def test_ngram_on_a_copy_accepts_most_drafts(engines):
     engine = jaxinfer.load(model_path(STORIES), speculative="ngram", **SMALL)  # its own stats
     plain = engines(model_path(STORIES), **SMALL)

@@ -286,7 +286,7 @@ def test_no_compile_cache_means_no_store(tmp_path):
             marks=pytest.mark.slow,
             id="hybrid MoE with MTP",
         ),
-        pytest.param(STORIES, dict(speculative=STORIES), id="draft model"),
+        pytest.param(STORIES, dict(speculative=STORIES), marks=pytest.mark.slow, id="draft model"),
     ],
 )
 def test_speculative_programs_are_stored_and_loaded(tmp_path, model, options):

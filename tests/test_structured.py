@@ -94,6 +94,7 @@ def test_constrained_and_free_requests_share_slots_without_compiles(compiles):
     assert stats["pages_in_use"] == 0
 
 
+@pytest.mark.slow
 def test_constrained_rows_do_not_draft_and_match_a_plain_engine(engines):
     """Under n-gram speculation a constrained request makes the same greedy tokens as
     without it (its row never drafts: each token passes the matcher), while a free request

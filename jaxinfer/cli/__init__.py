@@ -599,11 +599,12 @@ def _expert_placement(engine) -> str:
     """Which experts each device holds, read from the placed weights' shardings."""
     import jax
 
-    layers = engine.params.get("layers") or engine.params["slots"]  # dense / pipeline
+    params = engine.params  # per layer, per pipeline slot, or per depth-shared unit position
+    layers = params.get("layers") or params.get("slots") or [u for r in params["runs"] for u in r]
     layers = layers.values() if isinstance(layers, dict) else layers
     # a plain weight, or a quantized one's first part: both lead with [..., E, F]
     leaf = jax.tree.leaves(next(layer["moe"]["w_gate"] for layer in layers if "moe" in layer))[0]
-    axis = leaf.ndim - 3  # [..., E, F, D] (pipeline slots lead with [pp])
+    axis = leaf.ndim - 3  # [..., E, F, D] (pipeline slots lead with [pp], shared units [L])
     held: dict[tuple[int, int], list[int]] = {}
     for device, index in leaf.sharding.devices_indices_map(leaf.shape).items():
         span = index[axis].indices(leaf.shape[axis])[:2]

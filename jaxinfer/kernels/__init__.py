@@ -81,7 +81,7 @@ def attention(pools, whole: bool) -> Attention | None:
     not), or None. Pallas's wants H and the page to be tiles (`_tile`)."""
     pool = pools[0]
     if family() == "cpu" and whole and str(pool.dtype) in ATTEND_POOLS and available():
-        return Attention(attend, True)
+        return Attention(attend, True)  # stacked pools too (depth-shared layers: `layer=`)
     pallas = _pallas()
     if pallas is not None and whole and all(_tile(n) for n in pool.shape[2:]):
         return Attention(functools.partial(paged_attention, **pallas), False)
@@ -107,15 +107,19 @@ def product(w, rows: int) -> Callable | None:
     pallas = _pallas()
     if pallas is None or not w.kernel or rows > PRODUCT_ROWS or not qmatmul.serves(w):
         return None
-    return functools.partial(qmatmul.qmatmul, w=w, **pallas)
+    return functools.partial(qmatmul.qmatmul, w=w.unstacked(), **pallas)
 
 
-def delta_rule(state: tuple[int, ...], whole: bool) -> tuple[Callable, Callable] | None:
+def delta_rule(state: tuple[int, ...], whole: bool, stacked: bool = False
+               ) -> tuple[Callable, Callable] | None:  # fmt: skip
     """The Gated DeltaNet's (recurrent_step, chunked) kernels for states of `state`'s shape
     [..., DK, DV] (whole on one device or not), or None: the CPU's (any DK, DV), Pallas's
-    (DK and DV tiles)."""
+    (DK and DV tiles). `stacked`: kernels that update a stack of depth-shared layers' states
+    [L, B, ...] in place at `layer=` (the CPU's only)."""
     if family() == "cpu" and whole and available():
         return cpu.delta_step, cpu.delta_chunk
+    if stacked:
+        return None
     pallas = _pallas()
     if pallas is None or not whole or not all(_tile(n) for n in state[-2:]):
         return None
@@ -154,7 +158,8 @@ def _grouped_products(xs, ws, counts) -> list:
         groups.setdefault((w.fmt, w.acts), []).append(i)
     for (fmt, acts), picked in groups.items():
         ys = grouped_matmuls(xs.astype("float32"), counts, fmt, [ws[i].parts for i in picked],
-                             [ws[i].shape[-2] for i in picked], int8=acts == "int8")  # fmt: skip
+                             [ws[i].shape[-2] for i in picked], int8=acts == "int8",
+                             layer=ws[picked[0]].layer)  # fmt: skip
         for i, y in zip(picked, ys, strict=True):
             outs[i] = y
     return outs

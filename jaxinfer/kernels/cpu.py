@@ -236,17 +236,19 @@ MAX_ROWS = max(c.max_rows for c in CROSSOVERS.values())
 BLOCK_FORMATS = frozenset(INT8_ACTIVATIONS)
 
 
-def serves(rows: int, fmt: str = "q8_0", values: int = 0) -> bool:
+def serves(rows: int, fmt: str = "q8_0", values: int = 0, stacked: bool = False) -> bool:
     """Whether a product of `rows` activation rows with a `fmt` weight of `values` values
-    goes to the kernel: always for BLOCK_FORMATS, else the variant in use's CROSSOVERS."""
+    goes to the kernel: always for BLOCK_FORMATS, else the variant in use's CROSSOVERS; a
+    `stacked` float weight (depth-shared layers: XLA would copy its entry out of the stack
+    before its dot) from one row on."""
     if not available():
         return False
     if fmt in BLOCK_FORMATS:
         return True
     c = CROSSOVERS[_in_use()]
     if fmt == "f32":
-        one = rows == 1 and c.one_row_values is not None and values >= c.one_row_values
-        return 2 <= rows <= c.float_rows or one
+        large = c.one_row_values is not None and values >= c.one_row_values
+        return 2 <= rows <= c.float_rows or (rows == 1 and (stacked or large))
     return rows <= c.max_rows
 
 
@@ -255,13 +257,19 @@ def matmul(x: jax.Array, fmt: str, parts: dict[str, jax.Array], out_features: in
     return matmuls(x, fmt, [parts], [out_features])[0]
 
 
-def matmuls(x: jax.Array, fmt: str, weights, out_features, norm=None, int8: bool = False
-             ) -> list[jax.Array]:  # fmt: skip
+def _layer(layer) -> jax.Array:
+    """The layer operand of a kernel: a stack's entry (int32 []), 0 for unstacked operands."""
+    return jnp.zeros((), jnp.int32) if layer is None else jnp.asarray(layer, jnp.int32)
+
+
+def matmuls(x: jax.Array, fmt: str, weights, out_features, norm=None, int8: bool = False,
+            layer=None) -> list[jax.Array]:  # fmt: skip
     """x f32 [M, I] times each of up to MAX_WEIGHTS `fmt` weights [O_w, I] (their parts) in one
     call -> [f32 [M, O_w]]: the weights share one split over the threads. With `norm` (weight
     f32 [I], eps > 0), x's rows are first RMS-normalized and scaled (`norm.rms_norm`) in the
     kernel, once per call. `int8`: x's rows quantized to 8 bits as llama.cpp does for `fmt`
-    (quant.INT8_ACTIVATIONS) and multiplied as integers (GGUF block formats only)."""
+    (quant.INT8_ACTIVATIONS) and multiplied as integers (GGUF block formats only). With
+    `layer` (int32 []), the parts are stacks [L, O_w, ...] read in place at that layer."""
     variant = _in_use()
     extra = () if norm is None else (norm[0].astype(jnp.float32),)
     eps = np.float32(0.0 if norm is None else norm[1])
@@ -274,16 +282,16 @@ def matmuls(x: jax.Array, fmt: str, weights, out_features, norm=None, int8: bool
             vmap_method="sequential",  # the kernel takes one [M, I] x
         )
         parts = (parts[p.name] for parts in group for p in FORMATS[fmt].parts)
-        outs += call(x, *parts, *extra, eps=eps, int8=np.int32(int8))
+        outs += call(x, _layer(layer), *parts, *extra, eps=eps, int8=np.int32(int8))
     return outs
 
 
 def grouped_matmuls(x: jax.Array, counts: jax.Array, fmt: str, weights, out_features,
-                    int8: bool = False) -> list[jax.Array]:  # fmt: skip
+                    int8: bool = False, layer=None) -> list[jax.Array]:  # fmt: skip
     """The expert block's products: x f32 [A, I] (rows sorted by expert, counts int32 [E] rows
     per expert) times each of up to MAX_WEIGHTS stacked `fmt` weights [E, O_w, I] (their parts)
     -> [f32 [A, O_w]]: expert e's rows times its weight, read in place; experts without rows
-    are not read; rows from sum(counts) on are 0. `int8` as in matmuls."""
+    are not read; rows from sum(counts) on are 0. `int8` and `layer` as in matmuls."""
     variant = _in_use()
     outs = []
     for at in range(0, len(weights), MAX_WEIGHTS):
@@ -294,7 +302,7 @@ def grouped_matmuls(x: jax.Array, counts: jax.Array, fmt: str, weights, out_feat
             vmap_method="sequential",
         )
         parts = (parts[p.name] for parts in group for p in FORMATS[fmt].parts)
-        outs += call(x, counts.astype(jnp.int32), *parts, int8=np.int32(int8))
+        outs += call(x, counts.astype(jnp.int32), _layer(layer), *parts, int8=np.int32(int8))
     return outs
 
 
@@ -308,13 +316,14 @@ def _attend_target(dtype: str, variant: str) -> str:
     return f"jaxinfer_attend_{ATTEND_POOLS[dtype]}_{variant}"
 
 
-def attend(q, k, v, pools, table, start, length, window: int | None):
+def attend(q, k, v, pools, table, start, length, window: int | None, layer=None):
     """T tokens per row (kernels/src/attend.cc): writes the real ones (t < length [B]) of k, v
     [B, T, K, H] at positions start [B] + t into the pools [P, K, H, S] (ATTEND_POOLS'
     dtypes; in place: they are aliased to the outputs), then attends q [B, T, K, G, H]
     float32 (scaled, rotated): token t over the row's positions [max(0, n - window), n),
     n = min(start + t + 1, start + max(length, 1)), read through table [B, NB] -> (out
-    [B, T, K, G, H] float32, pools)."""
+    [B, T, K, G, H] float32, pools). With `layer`, the pools are stacks [L, P, K, H, S]
+    used in place at that layer."""
     variant = _in_use()
     pool_k, pool_v = pools
     like = jax.ShapeDtypeStruct
@@ -324,25 +333,26 @@ def attend(q, k, v, pools, table, start, length, window: int | None):
         input_output_aliases={3: 1, 4: 2},
         vmap_method="sequential",
     )
-    out, pool_k, pool_v = call(q, k, v, pool_k, pool_v, table, start, length,
+    out, pool_k, pool_v = call(q, k, v, pool_k, pool_v, table, start, length, _layer(layer),
                                window=np.int64(window or 0))  # fmt: skip
     return out, (pool_k, pool_v)
 
 
-def delta_step(q, k, v, g, beta, S):
+def delta_step(q, k, v, g, beta, S, layer=None):
     """The delta rule for one token per row (src/delta.cc): q, k [B, H, DK], v [B, H, DV],
-    g, beta [B, H], S [B, H, DK, DV] (float32) -> o [B, H, DV], S (updated in place)."""
-    return _delta("delta_step", q, k, v, g, beta, S)
+    g, beta [B, H], S [B, H, DK, DV] (float32; with `layer`, a stack [L, B, H, DK, DV]
+    updated at that layer) -> o [B, H, DV], S (updated in place)."""
+    return _delta("delta_step", q, k, v, g, beta, S, layer)
 
 
-def delta_chunk(q, k, v, g, beta, S):
+def delta_chunk(q, k, v, g, beta, S, layer=None):
     """The delta rule over a prompt chunk, token by token (src/delta.cc): q, k
-    [B, T, H, DK], v [B, T, H, DV], g, beta [B, T, H], S [B, H, DK, DV] -> o [B, T, H, DV],
-    the final S (in place)."""
-    return _delta("delta_chunk", q, k, v, g, beta, S)
+    [B, T, H, DK], v [B, T, H, DV], g, beta [B, T, H], S [B, H, DK, DV] (or stacked, as in
+    delta_step) -> o [B, T, H, DV], the final S (in place)."""
+    return _delta("delta_chunk", q, k, v, g, beta, S, layer)
 
 
-def _delta(kind: str, q, k, v, g, beta, S):
+def _delta(kind: str, q, k, v, g, beta, S, layer):
     like = jax.ShapeDtypeStruct
     call = jax.ffi.ffi_call(
         f"jaxinfer_{kind}_{_in_use()}",
@@ -350,10 +360,10 @@ def _delta(kind: str, q, k, v, g, beta, S):
         input_output_aliases={5: 1},
         vmap_method="sequential",
     )
-    args = [a.astype(jnp.float32) for a in (q, k, v, g, beta, S)]
+    args = [a.astype(jnp.float32) for a in (q, k, v, g, beta, S)] + [_layer(layer)]
     # inside shard_map (a pipeline stage) the state varies over the stage axis, and so do the
     # outputs (ffi_call types them as unvarying): cast to what the operands vary over
-    cast, _ = agreed(*call(*args), *args)
+    cast, _ = agreed(*call(*args), *args[:6])
     return cast[0], cast[1]
 
 

@@ -64,40 +64,58 @@ class RecurrentState:
         return 4 * sum(math.prod(s) for s in self.shapes(1))
 
 
-def take(pools, slot: jax.Array, axis: int = 0):
-    """Each row's state [B, ...] from its slot (slots on `axis` of the pools)."""
-    index = (slice(None),) * axis + (slot,)
+def take(pools, slot: jax.Array, axis: int = 0, layer: jax.Array | None = None):
+    """Each row's state [B, ...] from its slot (slots on `axis` of the pools; with `layer`,
+    of entry `layer` of stacked pools [L, ...])."""
+    index = (() if layer is None else (layer,)) + (slice(None),) * axis + (slot,)
     return tuple(p.at[index].get(mode="promise_in_bounds") for p in pools)
 
 
-def put(pools, states, slot: jax.Array, axis: int = 0, skip: bool = False):
+def put(pools, states, slot: jax.Array, axis: int = 0, skip: bool = False, layer=None):
     """Store each row's state in its slot (padding rows all write the null slot). `slot` may
     have more dims ([B, M] with states [B, M, ...]); with `skip`, out-of-range slots (a
-    snapshot not wanted, `skipped`) write nothing."""
+    snapshot not wanted, `skipped`) write nothing. `layer` as in `take`."""
     mode = "drop" if skip else "promise_in_bounds"
 
     def one(pool, state):
-        index = (slice(None),) * axis + (slot,)
+        index = (() if layer is None else (layer,)) + (slice(None),) * axis + (slot,)
         return pool.at[index].set(state.astype(pool.dtype), mode=mode)
 
     return tuple(one(p, s) for p, s in zip(pools, states, strict=True))
 
 
-def skipped(pools, axis: int = 0) -> int:
+def skipped(pools, axis: int = 0, layer: jax.Array | None = None) -> int:
     """The slot index that `put(..., skip=True)` drops: one past the pools' last slot."""
-    return pools[0].shape[axis]
+    return pools[0].shape[axis + (layer is not None)]
 
 
-def read(pools, slot: jax.Array | None, fresh: jax.Array, pick: jax.Array | None = None):
+def at_layer(pools, layer: jax.Array):
+    """Entry `layer` of stacked arrays [L, ...] (a copy)."""
+    return tuple(lax.dynamic_index_in_dim(p, layer, keepdims=False) for p in pools)
+
+
+def set_layer(pools, entries, layer: jax.Array):
+    """Stacked arrays with entry `layer` replaced."""
+    return tuple(
+        lax.dynamic_update_index_in_dim(p, e.astype(p.dtype), layer, 0)
+        for p, e in zip(pools, entries, strict=True)
+    )
+
+
+def read(pools, slot: jax.Array | None, fresh: jax.Array, pick: jax.Array | None = None,
+         layer: jax.Array | None = None):  # fmt: skip
     """A call's states [B, ...]: from the rows' slots (or the prefix snapshots a chunk starts
     from), zeros where a row starts a request; or, with no slots (a decode loop, which took
     them out once), the rows' states themselves; or, keeping every token's state
-    ([B, N, ...], speculative decoding), the one at `pick` [B]."""
+    ([B, N, ...], speculative decoding), the one at `pick` [B]. With `layer`, the pools are
+    stacks [L, ...] of depth-shared layers' caches, read at that layer."""
     if slot is None:
+        pools = pools if layer is None else at_layer(pools, layer)
         return pools if pick is None else tuple(select(p, pick) for p in pools)
     keep = ~fresh
     return tuple(
-        jnp.where(keep.reshape(-1, *([1] * (s.ndim - 1))), s, 0.0) for s in take(pools, slot)
+        jnp.where(keep.reshape(-1, *([1] * (s.ndim - 1))), s, 0.0)
+        for s in take(pools, slot, layer=layer)
     )
 
 
@@ -121,18 +139,21 @@ def boundaries(start: jax.Array, T: int, page: int) -> jax.Array:
     return t.reshape(start.shape[0], N * P)
 
 
-def write(pools, states, slot: jax.Array | None, keep_at: jax.Array | None = None):
+def write(pools, states, slot: jax.Array | None, keep_at: jax.Array | None = None,
+          layer: jax.Array | None = None):  # fmt: skip
     """The cache after a call: the pools with each row's new state in its slot; or, with no
     slots, the new states themselves; or, keeping every token's state, the call's T states
-    [B, T, ...] stored at kept indices keep_at .. keep_at + T - 1."""
+    [B, T, ...] stored at kept indices keep_at .. keep_at + T - 1. With `layer`, into entry
+    `layer` of stacked pools."""
     if slot is not None:
-        return put(pools, states, slot)
-    if keep_at is None:
-        return states
-    return tuple(
-        lax.dynamic_update_slice_in_dim(p, s.astype(p.dtype), keep_at, axis=1)
-        for p, s in zip(pools, states, strict=True)
-    )
+        return put(pools, states, slot, layer=layer)
+    if keep_at is not None:
+        own = pools if layer is None else at_layer(pools, layer)
+        states = tuple(
+            lax.dynamic_update_slice_in_dim(p, s.astype(p.dtype), keep_at, axis=1)
+            for p, s in zip(own, states, strict=True)
+        )
+    return states if layer is None else set_layer(pools, states, layer)
 
 
 def select(kept, index: jax.Array, axis: int = 0):

@@ -113,6 +113,10 @@ class KVView:
     # None: no snapshots.
     source: jax.Array | None = None
     snaps: jax.Array | None = None
+    # Depth-shared layers (parallel/depth.py): int32 [], the layer a call of the shared body
+    # runs, whose caches are entry `layer` of stacks [L, ...] (the kernels use it in place).
+    # None: each layer has caches of its own.
+    layer: jax.Array | None = None
     # The pools are whole on one device (placement.kernel_fits): attention may run in a
     # kernel (kernels.attention).
     kernel: bool = struct.field(pytree_node=False, default=False)
@@ -173,7 +177,15 @@ def update(q, k, v, pools, view: KVView, window: int | None = None, gate=None):
     if op is not None and op.writes:
         q, k, v = (a.astype(jnp.float32) for a in (q, k, v))
         # a kernel's results vary over no manual mesh axis (a pipeline stage's shard_map)
-        out, pools = varying_like(op.run(q, k, v, pools, *rows), pools[0])
+        out, pools = varying_like(op.run(q, k, v, pools, *rows, layer=view.layer), pools[0])
+    elif view.layer is not None:  # a stack's entry: taken out (a copy) and put back
+        layer = view.layer
+        own = tuple(lax.dynamic_index_in_dim(p, layer, keepdims=False) for p in pools)
+        out, own = update(q, k, v, own, view.replace(layer=None), window, gate)
+        pools = tuple(
+            lax.dynamic_update_index_in_dim(p, o, layer, 0) for p, o in zip(pools, own, strict=True)
+        )
+        return out, pools
     else:
         pools = write(pools, k, v, view)
         if op is not None:

@@ -31,18 +31,19 @@ def linears(x: jax.Array, ws, out_dtype=None, norm=None) -> list[jax.Array]:
     out_dtype = out_dtype or x.dtype
     rows = int(np.prod(x.shape[:-1]))
     outs: list = [None] * len(ws)
-    groups: dict[tuple[str, str], list[int]] = {}
+    groups: dict[tuple[str, str, int], list[int]] = {}
     for i, w in enumerate(ws):
-        if isinstance(w, QArray) and w.kernel:
-            groups.setdefault((w.fmt, w.acts), []).append(i)
+        if isinstance(w, QArray) and w.kernel:  # a stack's entries share a call by layer
+            groups.setdefault((w.fmt, w.acts, id(w.layer)), []).append(i)
     if groups:
         flat = x.reshape(rows, x.shape[-1]).astype(jnp.float32)  # [M, I]
-    for (fmt, acts), picked in groups.items():
+    for (fmt, acts, _), picked in groups.items():
         values = sum(int(np.prod(ws[i].shape[-2:])) for i in picked)
-        if kernels.serves(rows, fmt, values):
+        layer = ws[picked[0]].layer
+        if kernels.serves(rows, fmt, values, stacked=layer is not None):
             ys = kernels.matmuls(flat, fmt, [ws[i].parts for i in picked],
                                  [ws[i].shape[-2] for i in picked], norm,
-                                 int8=acts == "int8")  # fmt: skip
+                                 int8=acts == "int8", layer=layer)  # fmt: skip
             for i, y in zip(picked, ys, strict=True):  # y [M, O]
                 outs[i] = y.reshape(*x.shape[:-1], y.shape[-1]).astype(out_dtype)
     wide = None if out_dtype == x.dtype else out_dtype
@@ -56,7 +57,7 @@ def linears(x: jax.Array, ws, out_dtype=None, norm=None) -> list[jax.Array]:
         elif outs[i] is None and isinstance(w, QArray) and w.acts == "int8":
             outs[i] = product_int8(x, w, out_dtype)
         elif outs[i] is None:
-            w = dequantize(w, x.dtype) if isinstance(w, QArray) else w
+            w = dequantize(w, x.dtype) if isinstance(w, QArray) else w  # (a stack's: a copy)
             outs[i] = jnp.einsum("...I,OI->...O", x, w, preferred_element_type=wide)
     return outs
 

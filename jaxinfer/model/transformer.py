@@ -204,7 +204,16 @@ class GatedDeltaNet(nnx.Module):
         )
         keep = view.pick is not None  # speculative: every token's state is kept
         source = view.slot if view.source is None else view.source
-        conv_q, conv_k, conv_v, S = gdn.read(state, source, view.start == 0, view.pick)
+        layer = view.layer  # depth-shared layers: the state pools are stacks [L, ...]
+        # A decode step of a shared layer updates its delta-rule states in the stack, in place
+        # (a kernel's); taken out and put back, they would cross memory three times.
+        ops = kernels.delta_rule(state[3].shape, view.kernel, stacked=layer is not None)
+        in_place = layer is not None and view.slot is None and not keep and T == 1 and ops
+        if in_place:
+            conv_q, conv_k, conv_v = gdn.at_layer(state[:3], layer)
+            S = state[3]
+        else:
+            conv_q, conv_k, conv_v, S = gdn.read(state, source, view.start == 0, view.pick, layer)
         # A prompt chunk with prefix snapshots also keeps the states at the page ends it holds.
         marks = None
         if view.snaps is not None and view.slot is not None:
@@ -226,6 +235,9 @@ class GatedDeltaNet(nnx.Module):
         step, chunk = kernels.delta_rule(S.shape, view.kernel) or (gdn.recurrent_step, gdn.chunked)
         if keep:
             o, S = gdn.recurrent(q, k, v, g, beta, S)  # S [B, T, HV, DK, DV]
+        elif in_place:
+            o, S = ops[0](q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], S, layer=layer)
+            o = o[:, None]  # [B, 1, HV, DV]; S the whole stack
         elif T == 1:
             o, S = step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], S)
             o, at_marks = o[:, None], S[:, None]  # [B, 1, HV, DV], the state after token 0
@@ -238,11 +250,14 @@ class GatedDeltaNet(nnx.Module):
         if cfg.linear_out_tiled:  # wo's columns: head r * HK + k for our k * R + r
             o = o.reshape(B, T, HK, HV // HK, DV).swapaxes(2, 3)
         out = linear(o.reshape(B, T, HV * DV).astype(x.dtype), self.wo[...])  # [B, T, D]
-        state = gdn.write(state, (conv_q, conv_k, conv_v, S), view.slot, view.keep_at)
+        if in_place:
+            state = (*gdn.set_layer(state[:3], (conv_q, conv_k, conv_v), layer), S)
+        else:
+            state = gdn.write(state, (conv_q, conv_k, conv_v, S), view.slot, view.keep_at, layer)
         if marks is not None:
             snaps = (*(c[2] for c in convs), at_marks)  # [B, M, ...] each
-            ids = view.snapshot_ids(marks, gdn.skipped(state))
-            state = gdn.put(state, snaps, ids, skip=True)
+            ids = view.snapshot_ids(marks, gdn.skipped(state, layer=layer))
+            state = gdn.put(state, snaps, ids, skip=True, layer=layer)
         return out, state
 
 

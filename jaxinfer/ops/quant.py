@@ -96,17 +96,31 @@ class QArray:
     `kernel`: a kernel may multiply it (kernels/: the CPU's, Pallas's; set at placement, where
     the weight's sharding is known: kernels run on whole, unsharded weights). `acts`: "int8"
     multiplies activations quantized to 8 bits as llama.cpp does (`product_int8`; GGUF block
-    formats only), "float" the float32 activations."""
+    formats only), "float" the float32 activations.
+
+    `layer` (int32 []): the parts are a stack of depth-shared layers' weights [L, ...] and this
+    is entry `layer` of it, which the CPU kernels read in place; `unstacked()` takes it out
+    (a copy) for everything else."""
 
     parts: dict[str, jax.Array]
     fmt: str = field(metadata=dict(static=True))
     width: int = field(metadata=dict(static=True))
     kernel: bool = field(default=False, metadata=dict(static=True))
     acts: str = field(default="float", metadata=dict(static=True))
+    layer: jax.Array | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return (*next(iter(self.parts.values())).shape[:-1], self.width)
+        lead = 0 if self.layer is None else 1
+        return (*next(iter(self.parts.values())).shape[lead:-1], self.width)
+
+    def unstacked(self) -> QArray:
+        """The weight itself: the stack's entry at `layer` (a copy), or self when unstacked."""
+        if self.layer is None:
+            return self
+        pick = lambda a: jax.lax.dynamic_index_in_dim(a, self.layer, keepdims=False)  # noqa: E731
+        parts = {k: pick(v) for k, v in self.parts.items()}
+        return dataclasses.replace(self, parts=parts, layer=None)
 
     def __getitem__(self, key):  # nnx reads a parameter as `param[...]`
         if key is not Ellipsis:
@@ -124,7 +138,8 @@ class QArray:
     def rows(self, fn) -> QArray:
         """The same weight with `fn` applied to every part's leading (row) axes, e.g.
         `w.rows(lambda a: a[e])` for expert e; fn must keep the last axis."""
-        return dataclasses.replace(self, parts={k: fn(v) for k, v in self.parts.items()})
+        w = self.unstacked()
+        return dataclasses.replace(w, parts={k: fn(v) for k, v in w.parts.items()})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -184,6 +199,7 @@ def values(w: QArray) -> jax.Array:
 def dequantize(w: QArray, dtype=jnp.float32) -> jax.Array:
     """w as a dense [..., O, I] array of `dtype`: each value in float32 exactly as gguf-py
     computes it (scale products first), then cast."""
+    w = w.unstacked()
     p, f = w.parts, w.fmt
     q = values(w)
     if f in ("f16", "bf16", "f32"):
@@ -270,6 +286,7 @@ def product_int8(x: jax.Array, w: QArray, out_dtype) -> jax.Array:
     INT8_ACTIVATIONS type) -> [..., O] float32 accumulated, in `out_dtype`: the CPU kernel's
     integer products within float32 rounding. Q4_1 / Q5_1 add their mins times s, as
     llama.cpp does."""
+    w = w.unstacked()
     kind = INT8_ACTIVATIONS[w.fmt]
     xq, s = quantize_activations(x, kind)
     if kind != "q8_1":

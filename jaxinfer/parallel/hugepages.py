@@ -51,6 +51,15 @@ class Arena:
         return jax.device_put(view.reshape(host.shape if shape is None else shape), sharding,
                               may_alias=True)  # fmt: skip
 
+    def usable(self) -> bool:
+        """Whether arrays placed on one CPU device can live here (THP available)."""
+        return hasattr(mmap, "MADV_HUGEPAGE") and _thp_enabled()
+
+    def empty(self, nbytes: int, dtype, shape) -> np.ndarray:
+        """An uninitialized array in the arena, to fill in place and place with
+        `jax.device_put(..., may_alias=True)`."""
+        return self._take(nbytes).view(dtype).reshape(shape)
+
     def _take(self, nbytes: int) -> np.ndarray:
         with self._lock:
             start = -(-self._used // ALIGN) * ALIGN

@@ -51,6 +51,8 @@ class Runner:
     mtp: Callable | None = None
     mtp_caches: tuple = ()
     mtp_kv_shardings: Callable[[], list] = lambda: []
+    # layers each entry of init_kv's list stacks (depth-shared layers); () : `stages` each
+    copies: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

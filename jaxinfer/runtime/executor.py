@@ -75,13 +75,18 @@ class Executor:
         total = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(shapes))
         self._check_memory(total)
         # Linear layers' state per slot (a pipeline slot holds one per stage); the rest is pages.
-        caches = self.runner.caches + (draft_runner.caches if draft else ())
-        linear = [c for c in caches if isinstance(c, RecurrentState)]
+        runners = (self.runner, draft_runner) if draft else (self.runner,)
+        # each cache entry's layers: a pipeline slot holds one per stage, a depth-shared unit
+        # position one per repetition
+        copies = [n for r in runners for n in (r.copies or (r.stages,) * len(r.caches))]
+        caches = [c for r in runners for c in r.caches]
         attention = [c for c in caches if isinstance(c, AttentionKV)]
         self.kv_dtype = np.dtype(attention[0].dtype).name if attention else None
-        self.state_slot_bytes = sum(c.slot_bytes() for c in linear) * self.runner.stages + sum(
-            c.slot_bytes() for c in self.runner.mtp_caches if isinstance(c, HiddenState)
-        )
+        self.state_slot_bytes = sum(
+            c.slot_bytes() * n
+            for c, n in zip(caches, copies, strict=True)
+            if isinstance(c, RecurrentState)
+        ) + sum(c.slot_bytes() for c in self.runner.mtp_caches if isinstance(c, HiddenState))
         state_bytes = self.state_slot_bytes * self.kv_config.state_slots
         kv = self.kv_config
         snapshots = Snapshots(kv.first_snapshot, kv.snapshots) if kv.snapshots else None

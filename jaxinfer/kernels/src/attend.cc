@@ -256,29 +256,36 @@ using S32 = ffi::Buffer<ffi::S32>;
 // separate output buffer, the pool is copied into it first).
 template <class Pool, ffi::DataType D>
 ffi::Error attend(ffi::ThreadPool pool, F32 q, F32 k_new, F32 v_new, ffi::Buffer<D> pool_k,
-                  ffi::Buffer<D> pool_v, S32 table, S32 start, S32 length, int64_t window,
-                  ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<D> pool_k_out,
+                  ffi::Buffer<D> pool_v, S32 table, S32 start, S32 length, S32 layer,
+                  int64_t window, ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<D> pool_k_out,
                   ffi::ResultBuffer<D> pool_v_out) {
   using E = typename Pool::T;
   auto qd = q.dimensions(), pd = pool_k.dimensions(), td = table.dimensions();
   auto same = [](auto a, auto b) { return std::equal(a.begin(), a.end(), b.begin(), b.end()); };
   const size_t B = qd.size() == 5 ? size_t(qd[0]) : 0, T = qd.size() == 5 ? size_t(qd[1]) : 0;
-  if (qd.size() != 5 || pd.size() != 4 || td.size() != 2 || !same(pool_v.dimensions(), pd) ||
-      !same(pool_k_out->dimensions(), pd) || !same(pool_v_out->dimensions(), pd) ||
-      start.element_count() != B || length.element_count() != B || td[0] != qd[0] ||
-      pd[1] != qd[2] || pd[2] != qd[4] || !same(out->dimensions(), qd) ||
-      k_new.element_count() != B * T * pd[1] * pd[2] ||
-      v_new.element_count() != k_new.element_count())
+  // stacked pools (depth-shared layers): [copies, P, K, H, S], read at `layer`
+  const size_t lead = pd.size() == 5 ? 1 : 0;
+  const int64_t copies = lead ? pd[0] : 1, at = layer.typed_data()[0];
+  if (qd.size() != 5 || pd.size() != 4 + lead || td.size() != 2 ||
+      !same(pool_v.dimensions(), pd) || !same(pool_k_out->dimensions(), pd) ||
+      !same(pool_v_out->dimensions(), pd) || start.element_count() != B ||
+      length.element_count() != B || td[0] != qd[0] || pd[lead + 1] != qd[2] ||
+      pd[lead + 2] != qd[4] || !same(out->dimensions(), qd) ||
+      k_new.element_count() != B * T * pd[lead + 1] * pd[lead + 2] ||
+      v_new.element_count() != k_new.element_count() || at < 0 || at >= copies)
     return ffi::Error::InvalidArgument(
-        "attend: q [B, T, K, G, H], k_new and v_new [B, T, K, H], pools [P, K, H, S], table "
-        "[B, NB], start and length [B], out like q");
-  const Shape d{qd[0], qd[1], qd[2], qd[3], qd[4], pd[0], pd[3], td[1], window};
+        "attend: q [B, T, K, G, H], k_new and v_new [B, T, K, H], pools [P, K, H, S] (or "
+        "stacked [L, P, K, H, S] with a layer in range), table [B, NB], start and length [B], "
+        "out like q");
+  const Shape d{qd[0], qd[1], qd[2], qd[3], qd[4], pd[lead], pd[lead + 3], td[1], window};
   if (d.G > kMaxQueries || d.S % 16 || d.H % 4)
     return ffi::Error::InvalidArgument("attend: needs G <= 64 queries per kv head, head dims "
                                        "a multiple of 4 and pages of a multiple of 16");
   E *kp = pool_k_out->typed_data(), *vp = pool_v_out->typed_data();
   if (kp != pool_k.typed_data()) std::copy_n(pool_k.typed_data(), pool_k.element_count(), kp);
   if (vp != pool_v.typed_data()) std::copy_n(pool_v.typed_data(), pool_v.element_count(), vp);
+  const int64_t layer_size = d.P * d.K * d.H * d.S;  // the layer's pool within the stack
+  kp += at * layer_size, vp += at * layer_size;
   const float *qp = q.typed_data(), *kn = k_new.typed_data(), *vn = v_new.typed_data();
   const int32_t *tp = table.typed_data(), *sp = start.typed_data(), *lp = length.typed_data();
   float* op = out->typed_data();
@@ -350,6 +357,7 @@ auto bind() {
       .template Arg<S32>()             // table
       .template Arg<S32>()             // start
       .template Arg<S32>()             // length
+      .template Arg<S32>()             // layer (int32 []: 0 unless the pools are stacked)
       .template Attr<int64_t>("window")
       .template Ret<F32>()              // out
       .template Ret<ffi::Buffer<D>>()   // pool_k

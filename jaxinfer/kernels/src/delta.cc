@@ -76,18 +76,25 @@ void token(float* s, int64_t DK, int64_t DV, const float* q, const float* k, con
 
 using F32 = ffi::Buffer<ffi::F32>;
 
-// T tokens (T = 1: a step) of B rows and H heads; `in_place`: s is the state buffer itself.
+// T tokens (T = 1: a step) of B rows and H heads. S [B, H, DK, DV], or stacked (depth-shared
+// layers: [L, B, H, DK, DV], updated at `layer`).
 ffi::Error run(ffi::ThreadPool pool, F32 q, F32 k, F32 v, F32 g, F32 beta, F32 state,
-               ffi::Result<F32> out, ffi::Result<F32> state_out, int64_t T) {
+               ffi::Buffer<ffi::S32> layer, ffi::Result<F32> out, ffi::Result<F32> state_out,
+               int64_t T) {
   auto sd = state.dimensions();
-  if (sd.size() != 4) return ffi::Error::InvalidArgument("delta: S must be [B, H, DK, DV]");
-  const int64_t B = sd[0], H = sd[1], DK = sd[2], DV = sd[3];
+  const size_t lead = sd.size() == 5 ? 1 : 0;
+  if (sd.size() != 4 + lead)
+    return ffi::Error::InvalidArgument("delta: S must be [B, H, DK, DV] or [L, B, H, DK, DV]");
+  const int64_t B = sd[lead], H = sd[lead + 1], DK = sd[lead + 2], DV = sd[lead + 3];
+  const int64_t copies = lead ? sd[0] : 1, at = layer.typed_data()[0];
+  if (at < 0 || at >= copies) return ffi::Error::InvalidArgument("delta: layer out of range");
   if (int64_t(q.element_count()) != B * T * H * DK || int64_t(k.element_count()) != B * T * H * DK ||
       int64_t(v.element_count()) != B * T * H * DV || int64_t(g.element_count()) != B * T * H ||
       int64_t(beta.element_count()) != B * T * H || int64_t(out->element_count()) != B * T * H * DV)
     return ffi::Error::InvalidArgument("delta: q, k, v, g, beta or o do not match S");
   float* s = state_out->typed_data();
   if (s != state.typed_data()) std::copy_n(state.typed_data(), state.element_count(), s);
+  s += at * B * H * DK * DV;  // the layer's states within the stack
   const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data();
   const float *gp = g.typed_data(), *bp = beta.typed_data();
   float* op = out->typed_data();
@@ -107,15 +114,15 @@ ffi::Error run(ffi::ThreadPool pool, F32 q, F32 k, F32 v, F32 g, F32 beta, F32 s
 }
 
 ffi::Error step(ffi::ThreadPool pool, F32 q, F32 k, F32 v, F32 g, F32 beta, F32 state,
-                ffi::Result<F32> out, ffi::Result<F32> state_out) {
-  return run(pool, q, k, v, g, beta, state, out, state_out, 1);
+                ffi::Buffer<ffi::S32> layer, ffi::Result<F32> out, ffi::Result<F32> state_out) {
+  return run(pool, q, k, v, g, beta, state, layer, out, state_out, 1);
 }
 
 ffi::Error chunk(ffi::ThreadPool pool, F32 q, F32 k, F32 v, F32 g, F32 beta, F32 state,
-                 ffi::Result<F32> out, ffi::Result<F32> state_out) {
+                 ffi::Buffer<ffi::S32> layer, ffi::Result<F32> out, ffi::Result<F32> state_out) {
   auto gd = g.dimensions();
   if (gd.size() != 3) return ffi::Error::InvalidArgument("delta_chunk: g must be [B, T, H]");
-  return run(pool, q, k, v, g, beta, state, out, state_out, gd[1]);
+  return run(pool, q, k, v, g, beta, state, layer, out, state_out, gd[1]);
 }
 
 auto bind() {
@@ -127,6 +134,7 @@ auto bind() {
       .Arg<F32>()  // g
       .Arg<F32>()  // beta
       .Arg<F32>()  // S
+      .Arg<ffi::Buffer<ffi::S32>>()  // layer (int32 []: 0 unless S is stacked)
       .Ret<F32>()  // o
       .Ret<F32>();  // S
 }

@@ -398,6 +398,29 @@ void rms_norm(const float* x, const float* w, int64_t M, int64_t I, float eps, f
   }
 }
 
+// The format over the parts' rows from row0 on (parts at `base`, each [rows, I / per]).
+template <class Fmt>
+Fmt from_row(const void* const* base, int64_t I, int64_t row0) {
+  using S = Spec<Fmt>;
+  const void* p[std::size(S::kTypes)];
+  for (size_t k = 0; k < std::size(S::kTypes); ++k)
+    p[k] = static_cast<const char*>(base[k]) +
+           row0 * (S::kPer[k] ? I / S::kPer[k] : 1) * int64_t(ffi::ByteWidth(S::kTypes[k]));
+  return S::make(p, I);
+}
+
+// A stacked weight (depth-shared layers: parts [copies, rows, ...]) is read at one layer's
+// rows: its first row for `entries` entries per part (copies * rows * entries in all), or an
+// error when the part does not hold whole layers or `layer` lies outside them.
+inline bool stacked_row(int64_t count, int64_t entries, int64_t rows, int32_t layer,
+                        int64_t& row0) {
+  if (entries <= 0 || count % entries) return false;
+  const int64_t copies = count / entries;
+  if (layer < 0 || layer >= copies) return false;
+  row0 = int64_t(layer) * rows;
+  return true;
+}
+
 // Most weights one call multiplies x by (QKV and gate/up share their input).
 constexpr size_t kMaxWeights = 8;
 
@@ -406,8 +429,8 @@ constexpr size_t kMaxWeights = 8;
 // input cost one call and one join: 86M decode's product chain ran 1.08x faster with QKV and
 // gate/up each one call.
 template <class Fmt>
-ffi::Error run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs parts,
-               ffi::RemainingRets ys, float eps, int32_t int8) {
+ffi::Error run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
+               ffi::RemainingArgs parts, ffi::RemainingRets ys, float eps, int32_t int8) {
   using S = Spec<Fmt>;
   constexpr size_t P = std::size(S::kTypes);
   auto xd = x.dimensions();
@@ -435,16 +458,18 @@ ffi::Error run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs
       return ffi::Error::InvalidArgument("qmatmul: each y must be float32 [M, O]");
     const int64_t O = yd[1];
     const void* p[P];
+    int64_t row0 = 0;
     for (size_t k = 0; k < P; ++k) {
       auto a = parts.get<ffi::AnyBuffer>(w * P + k);
       if (!a.has_value()) return a.error();
       const int64_t per = S::kPer[k];
       if (a.value().element_type() != S::kTypes[k] ||
-          int64_t(a.value().element_count()) != (per ? O * (I / per) : O))
+          !stacked_row(a.value().element_count(), per ? O * (I / per) : O, O,
+                       layer.typed_data()[0], row0))
         return ffi::Error::InvalidArgument("qmatmul: a part's dtype or size does not match");
       p[k] = a.value().untyped_data();
     }
-    outs[w] = Out{S::make(p, I), y.value()->typed_data<float>(), O, total};
+    outs[w] = Out{from_row<Fmt>(p, I, row0), y.value()->typed_data<float>(), O, total};
     total += O;
   }
   if (M == 0 || total == 0) return ffi::Error::Success();
@@ -514,22 +539,13 @@ ffi::Error run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs
   return ffi::Error::Success();
 }
 
-// Bindings: the thread pool, x, the weights' parts (then the norm weight); the results; eps,
-// and int8 (nonzero: x quantized to 8 bits as llama.cpp does, integer products).
+// Bindings: the thread pool, x, the layer (int32 [], 0 unless the parts are stacked), the
+// weights' parts (then the norm weight); the results; eps, and int8 (nonzero: x quantized to 8
+// bits as llama.cpp does, integer products).
 auto with() {
-  return ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>().RemainingArgs()
-      .RemainingRets().Attr<float>("eps").Attr<int32_t>("int8");
-}
-
-// The format over the parts' rows from row0 on (parts at `base`, each [rows, I / per]).
-template <class Fmt>
-Fmt from_row(const void* const* base, int64_t I, int64_t row0) {
-  using S = Spec<Fmt>;
-  const void* p[std::size(S::kTypes)];
-  for (size_t k = 0; k < std::size(S::kTypes); ++k)
-    p[k] = static_cast<const char*>(base[k]) +
-           row0 * (S::kPer[k] ? I / S::kPer[k] : 1) * int64_t(ffi::ByteWidth(S::kTypes[k]));
-  return S::make(p, I);
+  return ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::S32>>().RemainingArgs().RemainingRets().Attr<float>("eps")
+      .Attr<int32_t>("int8");
 }
 
 // The expert block's products: x [A, I] (rows sorted by expert; counts [E] rows per expert)
@@ -541,8 +557,8 @@ Fmt from_row(const void* const* base, int64_t I, int64_t row0) {
 // The work split over the threads: the output rows of every (weight, expert with rows).
 template <class Fmt>
 ffi::Error run_grouped(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                       ffi::Buffer<ffi::S32> counts, ffi::RemainingArgs parts,
-                       ffi::RemainingRets ys, int32_t int8) {
+                       ffi::Buffer<ffi::S32> counts, ffi::Buffer<ffi::S32> layer,
+                       ffi::RemainingArgs parts, ffi::RemainingRets ys, int32_t int8) {
   using S = Spec<Fmt>;
   constexpr size_t P = std::size(S::kTypes);
   auto xd = x.dimensions();
@@ -556,7 +572,7 @@ ffi::Error run_grouped(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   struct Weight {
     const void* p[P];
     float* y;
-    int64_t O;
+    int64_t O, row0;  // row0: the layer's first row of a stacked weight
   };
   Weight ws[kMaxWeights];
   for (size_t w = 0; w < W; ++w) {
@@ -571,7 +587,8 @@ ffi::Error run_grouped(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
       if (!a.has_value()) return a.error();
       const int64_t per = S::kPer[k], rows = E * ws[w].O;
       if (a.value().element_type() != S::kTypes[k] ||
-          int64_t(a.value().element_count()) != (per ? rows * (I / per) : rows))
+          !stacked_row(a.value().element_count(), per ? rows * (I / per) : rows, rows,
+                       layer.typed_data()[0], ws[w].row0))
         return ffi::Error::InvalidArgument("qmatmul_grouped: a part's dtype or size differs");
       ws[w].p[k] = a.value().untyped_data();
     }
@@ -643,7 +660,7 @@ ffi::Error run_grouped(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
         const int64_t O = ws[w].O, a = std::max(lo, at) - at, b = std::min(hi, at + O) - at;
         at += O;
         if (a >= b) continue;
-        const Fmt f = from_row<Fmt>(ws[w].p, I, e * O);
+        const Fmt f = from_row<Fmt>(ws[w].p, I, ws[w].row0 + e * O);
         float* y = ws[w].y + first[e] * O;
         if constexpr (HasIdot<Fmt>::value)
           if (int8) {
@@ -663,10 +680,11 @@ ffi::Error run_grouped(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   return ffi::Error::Success();
 }
 
-// Bindings: the thread pool, x, counts, the weights' parts; the results; int8.
+// Bindings: the thread pool, x, counts, the layer, the weights' parts; the results; int8.
 auto with_grouped() {
   return ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>()
-      .Arg<ffi::Buffer<ffi::S32>>().RemainingArgs().RemainingRets().Attr<int32_t>("int8");
+      .Arg<ffi::Buffer<ffi::S32>>().Arg<ffi::Buffer<ffi::S32>>().RemainingArgs()
+      .RemainingRets().Attr<int32_t>("int8");
 }
 
 }  // namespace

@@ -1,0 +1,294 @@
+"""Depth-shared layers: a model on one CPU device whose layers of one run (runs.py: a unit of
+layer kinds and weight formats, repeated) share one traced body, a loop over the unit's
+repetitions. A program's size, and so its compile time, follows the number of distinct units,
+not the depth.
+
+Each unit position's weights are stacked [count, ...] (one array per weight and position), and
+so are its caches (KV pools [count, P, K, H, page], linear states [count, S, ...]). The loop
+body runs layer `i` of the stack: the CPU kernels take the stacks and the index and read (and
+write) the layer's entry in place (`QArray.layer`, `KVView.layer`): a slice taken out of a
+stack by XLA would be a copy of the layer's weights every step (DESIGN §1 measured a scan over
+stacked layers 2.1-2.5x slower for that reason). Float32 weights are held as "f32" QArrays
+for the same reason; norms, biases and other small parameters are sliced (copies of a few KiB).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from ..config import ModelConfig
+from ..model.kvcache import KVConfig, KVView
+from ..model.linear import embed
+from ..model.transformer import (
+    block,
+    head_logits,
+    layer_cache,
+    mtp_forward,
+    param_dtype,
+    quantizable,
+    rms_norm,
+    rope_inv_freq,
+    rope_table,
+)
+from ..ops.quant import HostQuant, QArray
+from .hugepages import Arena
+from .pipeline import block_axes, mtp_module, slot_block
+from .placement import (
+    Placement,
+    Reader,
+    Runner,
+    cache_shardings,
+    for_kernel,
+    mtp_caches,
+    put_quant,
+    to_device,
+)
+from .runs import Run, Segment, layer_runs
+from .sharding import named, spec
+
+
+def layer_signatures(read: Reader, cfg: ModelConfig, probe: bool) -> list[tuple]:
+    """Per layer: its kind and, with `probe` (a checkpoint whose weights may differ in format
+    from layer to layer: GGUF), the format each weight is held in. Probing reads the layer's
+    tensors as placement will (for GGUF, views of the mapped file)."""
+    sigs = []
+    for i in range(cfg.n_layers):
+        kind = cfg.kind(i)
+        formats = ()
+        if probe:
+            shapes = {p: v.get_value().shape for p, v in _flat(slot_block(cfg, kind))}
+            formats = tuple(
+                (path, _format(read(("layers", i, *path), shape, blocks=True)))
+                for path, shape in shapes.items()
+                if quantizable(path)
+            )
+        sigs.append((kind, formats))
+    return sigs
+
+
+def _format(host) -> str:
+    return host.fmt if isinstance(host, HostQuant) else str(host.dtype)
+
+
+def _flat(module) -> list:
+    return nnx.to_flat_state(nnx.state(module))
+
+
+def place_depth(
+    read: Reader, cfg: ModelConfig, dtype, name: str, mesh: Mesh, rules, *, kv_dtype,
+    probe: bool = True,
+) -> Placement:  # fmt: skip
+    """The model on one CPU device with depth-shared layers: {embed, norm, [lm_head], [mtp],
+    runs: [per run, per unit position, the layer parameters stacked [count, ...]]}."""
+    runs = layer_runs(layer_signatures(read, cfg, probe))
+    arena = Arena()
+    reading = threading.Lock()  # a checkpoint reads one tensor at a time
+
+    def get(path, shape, blocks):
+        with reading:
+            return read(path, shape, blocks=blocks)
+
+    def single(path, shape, axes):  # a parameter outside the layers
+        host = get(path, shape, quantizable(path))
+        sharding = named(mesh, spec(axes, rules))
+        if isinstance(host, HostQuant):
+            return put_quant(path, host.pieces(), host, sharding, True, arena=arena)
+        host = host.astype(param_dtype(path, dtype), copy=False)
+        return for_kernel(path, to_device(host, sharding, arena), True)
+
+    def stacked(run: Run, seg: Segment, path, shape, axes):  # a segment's layers, stacked
+        layers = run.stacked(seg)
+        sharding = named(mesh, P(None, *spec(axes, rules)))
+        first = get(("layers", layers[0], *path), shape, quantizable(path))
+        if isinstance(first, HostQuant):
+            pieces = first.pieces().items()
+            stacks = {k: _Stack(arena, len(layers), a.dtype, s) for k, (a, s) in pieces}
+            for i, n in enumerate(layers):
+                host = first if i == 0 else get(("layers", n, *path), shape, True)
+                if not isinstance(host, HostQuant) or host.fmt != first.fmt:
+                    raise RuntimeError(f"layer {n}'s {'.'.join(map(str, path))} is not held as "
+                                       f"layer {layers[0]}'s ({first.fmt})")  # fmt: skip
+                for k, (a, _) in host.pieces().items():
+                    stacks[k].fill(i, a)
+            parts = {k: st.place(sharding) for k, st in stacks.items()}
+            return QArray(parts, first.fmt, first.width, True)
+        dt = param_dtype(path, dtype)
+        st = _Stack(arena, len(layers), dt, first.shape)
+        for i, n in enumerate(layers):
+            host = first if i == 0 else get(("layers", n, *path), shape, False)
+            st.fill(i, host.astype(dt, copy=False))
+        return _float_stack(path, st.place(sharding))
+
+    outer = [("embed", (cfg.vocab_size, cfg.d_model), ("vocab", "embed")),
+             ("norm", (cfg.d_model,), ("embed",))]  # fmt: skip
+    if not cfg.tie_embeddings:
+        outer.append(("lm_head", (cfg.vocab_size, cfg.d_model), ("vocab", "embed")))
+    jobs = {("outer", n): (single, ((n,), shape, axes)) for n, shape, axes in outer}
+    if cfg.mtp_layers:  # the MTP head runs after the layers, unstacked
+        for path, v in _flat(mtp_module(cfg)):
+            jobs["mtp", path] = (single, (("mtp", *path), v.get_value().shape,
+                                          v.get_metadata()["axes"]))  # fmt: skip
+    for r, run in enumerate(runs):
+        for j, seg in enumerate(run.segments):
+            kind = seg.signature[0]
+            axes = block_axes(cfg, kind)
+            for path, v in _flat(slot_block(cfg, kind)):
+                jobs["runs", r, j, path] = (stacked, (run, seg, path, v.get_value().shape,
+                                                      axes[path]))  # fmt: skip
+    # the arrays copy into place on the CPU's threads at once (numpy copies without the GIL)
+    with ThreadPoolExecutor(min(4, os.cpu_count() or 1)) as pool:
+        done = dict(zip(jobs, pool.map(lambda job: job[0](*job[1]), jobs.values()), strict=True))
+    params: dict = {n: done["outer", n] for n, _, _ in outer}
+    if cfg.mtp_layers:
+        flat = {path: done[key] for key in done if key[0] == "mtp" for path in [key[1]]}
+        params["mtp"] = nnx.to_pure_dict(nnx.from_flat_state(flat))
+    params["runs"] = []
+    for r, run in enumerate(runs):
+        units = []
+        for j in range(len(run.segments)):
+            tree: dict = {}
+            for key, value in done.items():
+                if key[0] == "runs" and key[1:3] == (r, j):
+                    node = tree
+                    for k in key[3][:-1]:
+                        node = node.setdefault(k, {})
+                    node[key[3][-1]] = value
+            units.append(tree)
+        params["runs"].append(units)
+    return Placement(name, mesh, rules, depth_runner(cfg, runs, kv_dtype, mesh, rules), params)
+
+
+class _Stack:
+    """A stacked array [count, *shape] filled layer by layer, each entry copied once: in the
+    arena's huge pages where it serves the device (hugepages.py), else in host memory."""
+
+    def __init__(self, arena: Arena, count: int, dtype, shape):
+        self.shape, self.arena = (count, *shape), arena
+        nbytes = int(np.prod(self.shape)) * np.dtype(dtype).itemsize
+        self.array = arena.empty(nbytes, dtype, self.shape) if arena.usable() else np.empty(
+            self.shape, dtype)  # fmt: skip
+
+    def fill(self, i: int, host: np.ndarray) -> None:
+        self.array[i].reshape(host.shape)[...] = host  # a view of the file: one strided copy
+
+    def place(self, sharding) -> jax.Array:
+        return jax.device_put(self.array, sharding, may_alias=True)
+
+
+def _float_stack(path: tuple, array: jax.Array):
+    """A stacked float32 weight the CPU kernel reads in place ("f32" QArray): the layer
+    matrices and the experts; smaller parameters stay arrays (sliced where used)."""
+    if array.dtype == np.float32 and quantizable(path) and array.ndim >= 3:
+        return QArray({"w": array}, "f32", array.shape[-1], True)
+    return array
+
+
+def layer_params(tree, i: jax.Array):
+    """A stack's layer i as the layer's own parameters: QArrays marked (read in place),
+    other arrays sliced."""
+
+    def one(leaf):
+        if isinstance(leaf, QArray):
+            return QArray(leaf.parts, leaf.fmt, leaf.width, leaf.kernel, leaf.acts, i)
+        return lax.dynamic_index_in_dim(leaf, i, keepdims=False)
+
+    return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, QArray))
+
+
+def depth_runner(cfg: ModelConfig, runs: tuple[Run, ...], kv_dtype, mesh: Mesh, rules) -> Runner:
+    """The runner of depth-shared layers: per run, a loop over its unit's repetitions, and in
+    it per segment of the unit its body (a loop of its own where it repeats)."""
+    entries = [(run, seg) for run in runs for seg in run.segments]  # one per cache entry
+    caches = [layer_cache(cfg, seg.signature[0], kv_dtype) for _, seg in entries]
+    graphdefs = [nnx.graphdef(slot_block(cfg, seg.signature[0])) for _, seg in entries]
+    mtp = mtp_caches(cfg, kv_dtype)
+
+    def init_kv(kv: KVConfig):
+        """Per segment, its layers' caches stacked: [count * repeat, ...] leaves."""
+        return [
+            tuple(jnp.zeros((run.count * seg.repeat, *a.shape), a.dtype) for a in cache.init(kv))
+            for (run, seg), cache in zip(entries, caches, strict=True)
+        ]
+
+    def forward(params, tokens, view: KVView, kv):
+        view = view.replace(kernel=True)
+        x = embed(params["embed"], tokens, params["norm"].dtype)  # [B, T, D]
+        rope_tab = rope_table(view.positions(tokens.shape[1]), rope_inv_freq(cfg))
+        out, at = [], 0
+        for r, run in enumerate(runs):
+            segs = run.segments
+            stacks, own = params["runs"][r], tuple(kv[at : at + len(segs)])
+            defs = graphdefs[at : at + len(segs)]
+
+            def unit(i, carry, segs=segs, stacks=stacks, defs=defs, r=r):
+                x, own = carry
+                own = list(own)
+                for j, (seg, graphdef, stack) in enumerate(zip(segs, defs, stacks, strict=True)):
+
+                    def layer(k, carry, seg=seg, graphdef=graphdef, stack=stack, j=j):
+                        x, cache = carry
+                        n = i * seg.repeat + k  # the layer's entry in the segment's stacks
+                        with jax.named_scope(f"run_{r}/segment_{j}"):
+                            return block(graphdef, layer_params(stack, n), x, rope_tab, cache,
+                                         view.replace(layer=n))  # fmt: skip
+
+                    x, own[j] = repeat(layer, seg.repeat, (x, own[j]))
+                return x, tuple(own)
+
+            x, own = repeat(unit, run.count, (x, own))
+            out += own
+            at += len(segs)
+        return rms_norm(x, params["norm"], cfg.norm_eps), out
+
+    def head(params, h):
+        return head_logits(h, params["embed"] if cfg.tie_embeddings else params["lm_head"])
+
+    mtp_def = nnx.graphdef(mtp_module(cfg)) if cfg.mtp_layers else None
+
+    def draft(params, tokens, hidden, view, kv):
+        head_ = nnx.merge(mtp_def, params["mtp"])
+        return mtp_forward(head_, params["embed"], cfg, tokens, hidden, view.replace(kernel=True),
+                           kv)  # fmt: skip
+
+    return Runner(
+        forward=forward,
+        head=head,
+        init_kv=init_kv,
+        kv_shardings=lambda: [cache_shardings(c, mesh, rules, (None,)) for c in caches],
+        caches=tuple(caches),
+        state_axis=1,  # [count, slots, ...]
+        description=describe(runs),
+        mtp=draft if mtp else None,
+        mtp_caches=mtp,
+        mtp_kv_shardings=lambda: [cache_shardings(c, mesh, rules) for c in mtp],
+        copies=tuple(run.count * seg.repeat for run, seg in entries),
+    )
+
+
+def repeat(body, n: int, carry):
+    """body(i, carry) for i in range(n): a loop (one traced body), or one call when n = 1."""
+    if n == 1:
+        return body(jnp.int32(0), carry)
+    return lax.fori_loop(0, n, body, carry)
+
+
+def describe(runs: tuple[Run, ...]) -> str:
+    """Which layers share a traced body, for `jaxinfer info`."""
+    parts = []
+    for run in runs:
+        last = run.first + run.width * run.count - 1
+        span = f"layers {run.first}-{last}" if last > run.first else f"layer {run.first}"
+        unit = " + ".join(f"{s.repeat}" for s in run.segments)
+        parts.append(f"{span}: ({unit}) x {run.count}")
+    bodies = sum(len(r.segments) for r in runs)
+    return f"{bodies} traced layer bodies ({'; '.join(parts)})"
