@@ -27,8 +27,13 @@ Per file:
   load + context creation and a bare jax import; a cold `warmup()` (an empty compile folder) in
   a fresh process (workers/startup_probe.py).
 
+`--narrow` runs the narrow models instead (NARROW: F32, d 256, 40-48 layers of dense, hybrid
+and MoE kinds): cold warmups at 4 and at 40-48 layers, with depth-shared layers (the default)
+and with every layer traced on its own (`shared_layers=False`), then the deep file's speeds
+beside llama.cpp; it writes benchmarks/results/realshape_depth.md.
+
 Usage: python benchmarks/realshape.py [--shapes llama3-8b,...] [--formats Q4_K_M,...] [-r 3]
-    [--depth 4096] [--layers N] [--variant avx2] [--work DIR] [--threads 2]
+    [--depth 4096] [--layers N] [--variant avx2] [--work DIR] [--threads 2] [--narrow]
 Writes benchmarks/results/realshape.md (or --out).
 """
 
@@ -73,6 +78,20 @@ SHAPES = {
         n_experts=256, n_experts_used=8, d_ff_expert=512, d_ff_shared=512,
         linear_heads=(16, 32), linear_dim=128, conv_kernel=4, attention_every=4)),
 }  # fmt: skip
+# Narrow models at depth (F32): what compile time does with the number of layers. Cold warmups
+# at NARROW_DEPTHS layers, and the speeds at the deepest, beside llama.cpp.
+NARROW = {
+    "narrow-dense": Shape("qwen3 d256 (dense)", 48, 48, dict(
+        arch="qwen3", d_model=256, n_heads=4, n_kv_heads=2, head_dim=64, d_ff=768)),
+    "narrow-hybrid": Shape("qwen35 d256 (3 GDN : 1 attention)", 40, 40, dict(
+        arch="qwen35", d_model=256, n_heads=4, n_kv_heads=2, head_dim=64, d_ff=768,
+        linear_heads=(2, 4), linear_dim=64, attention_every=4)),
+    "narrow-moe": Shape("qwen3moe d256 (128 experts, top-8)", 48, 48, dict(
+        arch="qwen3moe", d_model=256, n_heads=4, n_kv_heads=2, head_dim=64, d_ff=768,
+        n_experts=128, n_experts_used=8, d_ff_expert=128)),
+}  # fmt: skip
+NARROW_DEPTHS = (4, 48)  # the hybrid's 48 is 40 (a multiple of its unit of 4 that fits 48)
+
 FORMATS = {
     "Q4_K_M": "LLAMA_FTYPE_MOSTLY_Q4_K_M",
     "Q5_K_M": "LLAMA_FTYPE_MOSTLY_Q5_K_M",
@@ -101,6 +120,16 @@ def files(work: Path, name: str, shape: Shape, layers: int, formats) -> dict[str
             part.rename(path)
             print(f"quantized {path.name}", flush=True)
     return out
+
+
+def narrow_file(work: Path, name: str, shape: Shape, layers: int) -> Path:
+    """A narrow F32 model's file, written where missing."""
+    path = work / f"{name}-L{layers}-F32.gguf"
+    if not path.exists():
+        harness.write_random_gguf(path.with_suffix(".part"), n_layers=layers, vocab=VOCAB,
+                                  name=f"{shape.title} (random)", **shape.gguf)  # fmt: skip
+        path.with_suffix(".part").rename(path)
+    return path
 
 
 def step_bytes(path: Path, shape: Shape, depth: float, kv_bytes: int) -> float:
@@ -171,6 +200,7 @@ def main():
     ap.add_argument("--depth", type=int, default=4096, help="tg128's depth run (0: none)")
     ap.add_argument("--variant", help="JAXINFER_CPU_KERNELS for jaxinfer (default: the best)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/jaxinfer-realshape"))
+    ap.add_argument("--narrow", action="store_true", help="the narrow models at depth instead")
     args = ap.parse_args()
     harness.require_llama_cpp()
     args.work.mkdir(parents=True, exist_ok=True)
@@ -181,6 +211,9 @@ def main():
     if args.depth:
         tests[f"tg128@d{args.depth}"] = dict(test="tg", n=128, depth=args.depth)
     t_start = time.perf_counter()
+    if args.narrow:
+        harness.write_result("realshape_depth", narrow(args, tests, env), args.out)
+        return
     bandwidth = probe("bandwidth", Path("-"), 1024, env=env)["bytes_per_s"]
     print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s", flush=True)
     results = {}
@@ -191,6 +224,44 @@ def main():
             results[name, fmt] = (path, measure_file(args, shape, path, tests, env))
     minutes = (time.perf_counter() - t_start) / 60
     harness.write_result("realshape", report(args, tests, bandwidth, results, minutes), args.out)
+
+
+def narrow(args, tests, env) -> str:
+    """Cold warmups of the narrow models at NARROW_DEPTHS (and with every layer traced on its
+    own, shared_layers=False), then each one's deepest file beside llama.cpp."""
+    t0 = time.perf_counter()
+    own = json.dumps({"prefix_cache": False, "shared_layers": False})
+    lines = [
+        f"# Narrow models at depth ({time.strftime('%Y-%m-%d')}): cold warmup and speed",
+        "",
+        "Random F32 models, 32000 vocabulary, -c 4352; a cold warmup is `warmup()` of the "
+        "default plan in a fresh process with an empty compile folder. Shared: layers of one "
+        "kind share one traced body (the default); own: every layer traced on its own.",
+        "",
+        "| model | " + " | ".join(f"warmup {n} layers s (shared / own)" for n in NARROW_DEPTHS)
+        + " | deep / shallow (shared) | " + " | ".join(f"{t} ours / llama.cpp" for t in tests)
+        + " |",
+        "|---|" + "---:|" * (len(NARROW_DEPTHS) + 1 + len(tests)),
+    ]  # fmt: skip
+    for name, shape in NARROW.items():
+        unit = shape.gguf.get("attention_every", 1) if "linear_heads" in shape.gguf else 1
+        depths = [n // unit * unit for n in NARROW_DEPTHS]
+        files = {n: narrow_file(args.work, name, shape, n) for n in depths}
+        opts = json.dumps({"prefix_cache": False})
+        warm = {n: (probe("ours", files[n], N_CTX, "cold", opts, env=env)["warmup_s"],
+                    probe("ours", files[n], N_CTX, "cold", own, env=env)["warmup_s"])
+                for n in depths}  # fmt: skip
+        print(f"{name}: warmups {warm}", flush=True)
+        info = measure_file(args, shape, files[depths[-1]], tests, env)
+        sp = info["speed"]
+        cells = [f"{warm[n][0]:.0f} / {warm[n][1]:.0f}" for n in depths]
+        cells.append(f"**{warm[depths[-1]][0] / warm[depths[0]][0]:.2f}x**")
+        for t in tests:
+            o, p = sp["ours", t].median, sp["peer", t].median
+            cells.append(f"{o:.1f} / {p:.1f} = {o / p:.2f}x")
+        lines.append(f"| {shape.title}, {depths[-1]} layers | " + " | ".join(cells) + " |")
+    lines += ["", f"{(time.perf_counter() - t0) / 60:.0f} min in all."]
+    return "\n".join(lines)
 
 
 def report(args, tests, bandwidth, results, minutes) -> str:

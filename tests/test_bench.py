@@ -21,15 +21,18 @@ def bench(capsys, *extra):
 
 
 def test_bench_markdown_table(capsys):
-    out = bench(capsys, "--mem-bw", "10")
+    """The table, with llama-bench's depth (-d): the tests again after 128 tokens in the
+    context (pp's depth from the prefix cache: the bench refuses a run that computed it)."""
+    out = bench(capsys, "--mem-bw", "10", "-d", "0,128")
     lines = out.strip().splitlines()
     assert lines[0].startswith("cpu kernels: ") and not lines[1]  # the variant in use
     assert lines[2] == "| model | size | params | backend | devices | layout | test | t/s | MBU |"
     rows = [line for line in lines[4:] if line.startswith("|")]
-    assert [r.split(" | ")[6] for r in rows] == ["pp32", "tg16"]
+    assert [r.split(" | ")[6] for r in rows] == ["pp32", "tg16", "pp32 @ d128", "tg16 @ d128"]
     for row in rows:
         assert re.search(r"\| [\d.]+ ± [\d.]+ \|", row)
     assert re.search(r"\| [\d.]+% \|$", rows[1])  # decode rows carry MBU
+    assert re.search(r"\| [\d.]+% \|$", rows[3])
 
 
 @pytest.mark.slow

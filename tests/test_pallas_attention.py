@@ -130,6 +130,7 @@ def test_chunks_read_their_own_keys_through_the_pages(T):
           starts=starts, lengths=lengths)  # fmt: skip
 
 
+@pytest.mark.slow
 def test_a_sliding_window_skips_old_keys():
     check(np.random.default_rng(5), window=24, B=3, T=40, K=1, G=2, H=32, page=16,
           starts=[0, 50, 3], lengths=[40, 33, 1])  # fmt: skip

@@ -211,7 +211,7 @@ def test_a_file_owned_by_another_user_is_ignored(stored, tmp_path):
     [
         pytest.param(dict(dtype="bfloat16"), id="dtype", marks=pytest.mark.slow),
         pytest.param(dict(layout="tensor", devices=2), id="layout"),
-        pytest.param(dict(kv_cache_dtype="float16"), id="kv dtype"),
+        pytest.param(dict(kv_cache_dtype="float16"), id="kv dtype", marks=pytest.mark.slow),
         pytest.param(dict(model="tiny-random/qwen3_moe_e8k2_bpe/model-f32.gguf"), id="model"),
     ],
 )

@@ -196,6 +196,8 @@ def _parser() -> argparse.ArgumentParser:
     _common(b)
     b.add_argument("-p", "--n-prompt", type=_int_list0, default=(512,), help="prompt lengths")
     b.add_argument("-n", "--n-gen", type=_int_list0, default=(128,), help="generated lengths")
+    b.add_argument("-d", "--n-depth", type=_int_list0, default=(0,),
+                   help="tokens already in the context before each test")  # fmt: skip
     b.add_argument("-r", "--repetitions", type=int, default=5)
     b.add_argument("--parallel", type=_int_list, default=(1,), help="rows decoded together")
     b.add_argument("--graph-reuse", default="on", help="on, off or on,off")
@@ -332,7 +334,8 @@ def _bench(args) -> None:
     with profile(args.profile):
         rows = run_bench(
             make_engine, prompts=list(args.n_prompt), gens=list(args.n_gen),
-            repeats=args.repetitions, layouts=args.layout.split(","), devices=list(devices),
+            depths=list(args.n_depth), repeats=args.repetitions, layouts=args.layout.split(","),
+            devices=list(devices),
             slots=list(args.parallel), graph_reuse=reuse[args.graph_reuse],
             mem_bw=args.mem_bw * 1e9 if args.mem_bw else None, progress=progress,
         )  # fmt: skip

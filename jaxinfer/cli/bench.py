@@ -1,10 +1,12 @@
 """`jaxinfer bench`: llama-bench style prompt (ppP) and decode (tgN) throughput.
 
 Each combination of the comma lists is one row: one warm-up, then r timed repeats (wall
-clock, mean ± std). Graph reuse OFF rebuilds every program on every call (re-trace, re-lower,
-compile; XLA may still serve the executable from the persistent cache). Decode rows carry
-MBU: (weight bytes + KV bytes read per step) x steps/s over the memory bandwidth; an MoE step
-reads the experts its tokens route to, not all of them.
+clock, mean ± std). At depth d (`-d`, llama-bench's) a test runs after d tokens in the context,
+whose own prefill is not timed: pp's depth is served by the prefix cache, tg's prefill time is
+taken out by the engine's own clock. Graph reuse OFF rebuilds every program on every call
+(re-trace, re-lower, compile; XLA may still serve the executable from the persistent cache).
+Decode rows carry MBU: (weight bytes + KV bytes read per step) x steps/s over the memory
+bandwidth; an MoE step reads the experts its tokens route to, not all of them.
 """
 
 from __future__ import annotations
@@ -15,12 +17,14 @@ import itertools
 import json
 import statistics
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
 
 import jax
 import jax.numpy as jnp
 
 from ..engine import Engine
+from ..errors import JaxinferError
 
 
 @dataclass
@@ -44,6 +48,10 @@ class BenchRow:
     @property
     def ts(self) -> str:
         return f"{self.avg_ts:.2f} ± {self.stddev_ts:.2f}"
+
+
+# the perf counters a row sums over its repeats
+COUNTED = ("compile_seconds", "recompiles_same", "recompiles_diff")
 
 
 def measure_bandwidth(n_bytes: int = 256 * 2**20, calls: int = 1) -> float:
@@ -87,19 +95,37 @@ def weight_bytes_read(engine: Engine, rows: int) -> float:
     return total - experts * unread
 
 
-def _timed(engine: Engine, test: str, n: int, slots: int) -> tuple[float, int]:
-    """(seconds, tokens) of one run of the test."""
+def _ids(n: int, r: int) -> list[int]:
+    """Row r's n prompt ids: BOS, then ids that differ from row to row."""
+    return [1] + [3 + (7 * i + r) % 250 for i in range(n - 1)]
+
+
+def _timed(engine: Engine, test: str, n: int, slots: int, depth: int = 0) -> tuple[float, int]:
+    """(seconds, tokens) of one run of the test, after `depth` tokens in the context (as
+    llama-bench's -d: the depth's own prefill is not timed)."""
     kw = dict(temperature=0, ignore_eos=True)
+    one = slots == 1
     if test == "pp":
-        prompts = [[1] + [3 + (7 * i + r) % 250 for i in range(n - 1)] for r in range(slots)]
+        prompts = [_ids(depth + n, r) for r in range(slots)]
         engine.reset_prefix_cache()  # every run computes the whole prompt, as llama-bench's
+        if depth:  # the depth's pages in the prefix cache: the timed call computes n tokens
+            engine.generate([p[:depth] for p in prompts] if not one else prompts[0][:depth],
+                            max_new_tokens=1, **kw)  # fmt: skip
         t0 = time.perf_counter()
-        engine.generate(prompts if slots > 1 else prompts[0], max_new_tokens=1, **kw)
-        return time.perf_counter() - t0, n * slots
-    prompts = [[1, 3 + r] for r in range(slots)]
+        out = engine.generate(prompts if not one else prompts[0], max_new_tokens=1, **kw)
+        seconds = time.perf_counter() - t0
+        cached = sum(r.cached_tokens for r in (out if not one else [out]))
+        if cached != depth * slots:
+            raise JaxinferError(f"pp{n} at depth {depth}: {cached} of the {depth * slots} depth "
+                                "tokens were cached; the depth must be a multiple of the page "
+                                "size, with the prefix cache on")  # fmt: skip
+        return seconds, n * slots
+    prompts = [_ids(depth + 2, r) for r in range(slots)]
+    engine.reset_perf()
     t0 = time.perf_counter()
-    engine.generate(prompts if slots > 1 else prompts[0], max_new_tokens=n, **kw)
-    return time.perf_counter() - t0, n * slots
+    engine.generate(prompts if not one else prompts[0], max_new_tokens=n + 1, **kw)
+    # the prompt's prefill made the first token: it and its time are out of the figure
+    return time.perf_counter() - t0 - engine.perf_stats().prompt_ms / 1e3, n * slots
 
 
 def run_bench(
@@ -108,6 +134,7 @@ def run_bench(
     prompts: list[int],
     gens: list[int],
     repeats: int,
+    depths: list[int] = (0,),
     layouts: list[str],
     devices: list[int | None],
     slots: list[int],
@@ -117,28 +144,30 @@ def run_bench(
 ) -> list[BenchRow]:
     """`make_engine(layout, devices, slots, graph_reuse, max_seq_len)` builds each engine."""
     bandwidth = mem_bw or measure_bandwidth()
-    tests = [("pp", p) for p in prompts if p > 0] + [("tg", n) for n in gens if n > 0]
-    need = max([p + 1 for p in prompts] + [n + 2 for n in gens])
+    each = [("pp", p) for p in prompts if p > 0] + [("tg", n) for n in gens if n > 0]
+    tests = [(t, n, d) for d in depths for t, n in each]
+    need = max(d + max([p + 1 for p in prompts] + [n + 3 for n in gens]) for d in depths)
     rows = []
     for layout, dev, n_slots, reuse in itertools.product(layouts, devices, slots, graph_reuse):
         engine = make_engine(layout, dev, n_slots, reuse, need)
         wbytes = weight_bytes(engine)
-        for test, n in tests:
-            _timed(engine, test, n, n_slots)  # warm-up: compiles what the test uses
-            engine.reset_perf()
-            rates = []
+        for test, n, depth in tests:
+            _timed(engine, test, n, n_slots, depth)  # warm-up: compiles what the test uses
+            rates, counts = [], Counter()
             for _ in range(repeats):
-                seconds, tokens = _timed(engine, test, n, n_slots)
+                engine.reset_perf()  # per repeat: _timed reads the prompt's time
+                seconds, tokens = _timed(engine, test, n, n_slots, depth)
                 rates.append(tokens / seconds)
-            stats = engine.perf_stats()
+                stats = engine.perf_stats()
+                counts.update({k: getattr(stats, k) for k in COUNTED})
             mbu = None
             if test == "tg":
-                # KV read per step: the live positions, on average the prompt (2) + n / 2.
+                # KV read per step: the live positions, on average the prompt + n / 2.
                 kv_stats = engine.kv_stats()
                 per_token = kv_stats["bytes_allocated"] / (
                     (kv_stats["pages_total"] + 1) * kv_stats["page_size"]
                 )
-                kv = per_token * (2 + n / 2) * n_slots
+                kv = per_token * (depth + 2 + n / 2) * n_slots
                 steps = statistics.mean(rates) / n_slots
                 mbu = (weight_bytes_read(engine, n_slots) + kv) * steps / bandwidth
             rows.append(
@@ -149,15 +178,13 @@ def run_bench(
                     backend=jax.default_backend().upper(),
                     devices=engine.mesh.devices.size,
                     layout=engine.layout,
-                    test=f"{test}{n}",
+                    test=f"{test}{n}" + (f" @ d{depth}" if depth else ""),
                     graph_reuse=reuse,
                     slots=n_slots,
                     avg_ts=statistics.mean(rates),
                     stddev_ts=statistics.stdev(rates) if len(rates) > 1 else 0.0,
                     mbu=mbu,
-                    compile_seconds=stats.compile_seconds,
-                    recompiles_same=stats.recompiles_same,
-                    recompiles_diff=stats.recompiles_diff,
+                    **{k: counts[k] for k in COUNTED},
                 )
             )
             if progress:
