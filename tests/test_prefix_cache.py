@@ -30,9 +30,12 @@ FIXTURES = {
     "qwen3_5": "tiny-random/qwen3_5_l3f1_dense_mtp",
     "qwen3_5_moe": "tiny-random/qwen3_5_moe_l3f1_e8k2_mtp",
 }
-# Logits of a hit against a cold forward: measured up to 3.4e-5 (qwen3_next, logits up to 7;
-# the prompt computed in other chunks and the state restored from its snapshot); 6x margin.
-LOGITS_ATOL = 2e-4
+# Logits of a hit against a cold forward (the prompt computed in other chunks, the state
+# restored from its snapshot): measured up to 3.4e-5 on the graph path (qwen3_next, logits up
+# to 7) and 2.4e-4 with the CPU kernels (qwen3_5_moe, page-aligned repeat: its 16 computed rows
+# take the kernels' float32 products, the cold 128-row chunk XLA's dot); 4x margin. The greedy
+# ids are asserted equal besides.
+LOGITS_ATOL = 1e-3
 
 
 def _base(kind: str) -> list[int]:
