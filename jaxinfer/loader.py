@@ -76,10 +76,11 @@ def quantizing(read: Reader, how: str, compute) -> Reader:
 
 
 def place(read: Reader, cfg: ModelConfig, dtype, kv_dtype, activations: str, shared: bool,
-          probe: bool, layout, devices) -> Placement:  # fmt: skip
+          stored, layout, devices) -> Placement:  # fmt: skip
     """The model on a layout's mesh: pipeline stages when the layout splits the layers; with
-    `shared`, on one CPU device with the kernels at float32, depth-shared layers (`probe`: the
-    checkpoint's weights may differ in format between layers); the GGUF block weights
+    `shared`, on one CPU device with the kernels at float32, depth-shared layers (`stored`:
+    a parameter's type in the file, for a checkpoint whose layers may differ in types, GGUF's
+    Q4_K_M; else None); the GGUF block weights
     multiply `activations` ("int8": quantized to 8 bits, or "float")."""
     plan = load_layout(layout)
     mesh = make_mesh(plan, select_devices(devices, plan))
@@ -88,7 +89,7 @@ def place(read: Reader, cfg: ModelConfig, dtype, kv_dtype, activations: str, sha
     if "layers" in rules:
         how = place_pipeline
     elif shared and one_cpu and np.dtype(dtype) == np.float32:
-        how = partial(place_depth, probe=probe)
+        how = partial(place_depth, stored=stored)
     else:
         how = place_dense
     placement = how(read, cfg, dtype, plan.name, mesh, rules, kv_dtype=kv_dtype)
@@ -130,20 +131,27 @@ def load(
             raise JaxinferError(
                 f"a random model needs vocab_size >= {tokenizer.vocab_size} (byte tokenizer)"
             )
-        read = random_reader(cfg, BUILTIN_SEED)
+        read, release, stored = random_reader(cfg, BUILTIN_SEED), None, None
         source, name = "random init", cfg.name or BUILTIN_NAME
     else:
         ckpt = open_checkpoint(model)
-        cfg, tokenizer, read = ckpt.config, ckpt.tokenizer, ckpt.tensor
+        cfg, tokenizer, read, release = ckpt.config, ckpt.tokenizer, ckpt.tensor, ckpt.release
+        stored = ckpt.stored_type if ckpt.types else None
         source = ckpt.format
         name = "stories260K (built in)" if model == BUILTIN_MODEL else str(model)
     read = quantizing(read, o.quantize, compute)
-    probe = source.startswith("GGUF")  # its layers' weights may differ in format (Q4_K_M)
-    dtypes = (compute, kv_dtype(o), o.activations, o.shared_layers, probe)
+    dtypes = (compute, kv_dtype(o), o.activations, o.shared_layers)
     spec, place_draft = _speculative(o.speculative, o.draft_tokens, cfg, tokenizer, dtypes, name)
     if cfg.mtp_layers and (spec is None or spec.method != "mtp"):
         cfg = dataclasses.replace(cfg, mtp_layers=0)  # the MTP head is built only to draft
-    placer = partial(place, read, cfg, *dtypes)
+
+    def placer(layout, devices) -> Placement:
+        placement = place(read, cfg, *dtypes, stored, layout, devices)
+        if release:  # the weights are in place: the file's pages go (RSS near the file)
+            jax.block_until_ready(placement.params)
+            release()
+        return placement
+
     placement = placer(o.layout, o.devices)
     draft = place_draft(o.layout, o.devices) if place_draft else None
     jax.block_until_ready((placement.params, draft.params if draft else None))
@@ -179,8 +187,8 @@ def session(model, o: EngineOptions, fingerprint: str) -> str:
 
 def _speculative(how, k, cfg: ModelConfig, tokenizer: Tokenizer, dtypes, model: str):
     """The speculative config and, for a draft model, its placer (layout, devices) ->
-    Placement (`dtypes`: the compute and KV dtypes, the activations' type); a bad choice
-    raises here, before anything is placed."""
+    Placement (`dtypes`: the compute and KV dtypes, the activations' type, shared layers); a
+    bad choice raises here, before anything is placed."""
     if how is None:
         return None, None
     if how == "ngram":
@@ -194,14 +202,14 @@ def _speculative(how, k, cfg: ModelConfig, tokenizer: Tokenizer, dtypes, model: 
             )
         return SpecConfig("mtp", k), None
     spec = SpecConfig("draft", k)
-    draft_probe = False  # a GGUF's layers may hold weights of different formats
+    draft_stored = None  # a GGUF's layers may hold weights of different types
     if isinstance(how, ModelConfig):
         draft_cfg, draft_read = how, random_reader(how, BUILTIN_SEED + 1)
         draft_tok = tokenizer
     elif isinstance(how, str | Path):
         ckpt = open_checkpoint(how)
         draft_cfg, draft_tok, draft_read = ckpt.config, ckpt.tokenizer, ckpt.tensor
-        draft_probe = ckpt.format.startswith("GGUF")
+        draft_stored = ckpt.stored_type if ckpt.types else None
     else:
         raise JaxinferError(
             f"speculative = {how!r} is invalid; use 'ngram', 'mtp' or a draft model's path"
@@ -216,7 +224,7 @@ def _speculative(how, k, cfg: ModelConfig, tokenizer: Tokenizer, dtypes, model: 
             f"({tokenizer.vocab_size}); a draft must share the model's tokenizer"
         )
     return dataclasses.replace(spec, vocab=cfg.vocab_size), partial(
-        place, draft_read, draft_cfg, *dtypes[:4], draft_probe
+        place, draft_read, draft_cfg, *dtypes, draft_stored
     )
 
 

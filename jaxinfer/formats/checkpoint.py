@@ -42,6 +42,11 @@ class Checkpoint:
     name: Callable[[ParamPath], str]
     # the file's tensor name -> its block form (GGUF quantized types), or None
     blocks: Callable[[str], HostQuant | None] | None = None
+    # the file's mapped pages out of resident memory (once the weights are placed: tensors
+    # read as views of the file, copied on several threads, stay resident until then)
+    release: Callable[[], None] | None = None
+    # the file's tensor name -> the type it is stored in (GGUF's "Q4_K", "F32", ...), or None
+    types: Callable[[str], str] | None = None
     _keep: bool = field(default=False, repr=False)  # tensor(blocks=True) in progress
 
     def tensor(self, path: ParamPath, shape: tuple[int, ...], blocks: bool = False) -> Tensor:
@@ -63,6 +68,10 @@ class Checkpoint:
             path = ("layers", self.config.n_layers, *path[2:])
         convert = CONVERSIONS.get((self.config.arch, self.kind, param_key(path)), _as_stored)
         return _shaped(self.name(path), convert(self, path, shape), shape)
+
+    def stored_type(self, path: ParamPath) -> str:
+        """The type the file stores a parameter in (needs `types`)."""
+        return self.types(self.name(path))
 
     def stored(self, name: str) -> Tensor:
         """The file's tensor `name` as stored (a HostQuant while tensor(blocks=True) runs)."""

@@ -366,6 +366,12 @@ def open_gguf(file: Path) -> Checkpoint:
             gg.release(done)
         placed[:] = [t]
 
+    def release_all() -> None:
+        """Every tensor's pages out of resident memory: the weights have been placed (read on
+        several threads, a tensor's pages can be touched after the next one was read)."""
+        for t in gg.tensors:
+            gg.release(t)
+
     def read(name: str) -> np.ndarray:
         t = tensors[name]
         release(t)
@@ -399,4 +405,6 @@ def open_gguf(file: Path) -> Checkpoint:
         names=set(tensors),
         name=lambda path: tensor_name(path, config),
         blocks=blocks,
+        release=release_all,
+        types=lambda name: tensors[name].tensor_type.name,
     )

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import jax
@@ -56,22 +57,20 @@ from .placement import (
 from .runs import Run, Segment, layer_runs
 from .sharding import named, spec
 
+Stored = Callable[[tuple], str]  # a parameter path -> the type its checkpoint stores it in
 
-def layer_signatures(read: Reader, cfg: ModelConfig, probe: bool) -> list[tuple]:
-    """Per layer: its kind and, with `probe` (a checkpoint whose weights may differ in format
-    from layer to layer: GGUF), the format each weight is held in. Probing reads the layer's
-    tensors as placement will (for GGUF, views of the mapped file)."""
+
+def layer_signatures(cfg: ModelConfig, stored: Stored | None) -> list[tuple]:
+    """Per layer: its kind and, with `stored` (a checkpoint whose weights may differ in type
+    from layer to layer: GGUF; parameter path -> the type the file stores it in), the type of
+    each of its matrices."""
     sigs = []
     for i in range(cfg.n_layers):
         kind = cfg.kind(i)
         formats = ()
-        if probe:
-            shapes = {p: v.get_value().shape for p, v in _flat(slot_block(cfg, kind))}
-            formats = tuple(
-                (path, _format(read(("layers", i, *path), shape, blocks=True)))
-                for path, shape in shapes.items()
-                if quantizable(path)
-            )
+        if stored is not None:
+            paths = [p for p, _ in _flat(slot_block(cfg, kind)) if quantizable(p)]
+            formats = tuple((p, stored(("layers", i, *p))) for p in paths)
         sigs.append((kind, formats))
     return sigs
 
@@ -86,48 +85,49 @@ def _flat(module) -> list:
 
 def place_depth(
     read: Reader, cfg: ModelConfig, dtype, name: str, mesh: Mesh, rules, *, kv_dtype,
-    probe: bool = True,
+    stored: Stored | None = None,
 ) -> Placement:  # fmt: skip
     """The model on one CPU device with depth-shared layers: {embed, norm, [lm_head], [mtp],
     runs: [per run, per unit position, the layer parameters stacked [count, ...]]}."""
-    runs = layer_runs(layer_signatures(read, cfg, probe))
+    runs = layer_runs(layer_signatures(cfg, stored))
     arena = Arena()
-    reading = threading.Lock()  # a checkpoint reads one tensor at a time
-
-    def get(path, shape, blocks):
-        with reading:
-            return read(path, shape, blocks=blocks)
+    # A checkpoint reads one tensor at a time; a block tensor is a view of the mapped file,
+    # copied out before the next read (which drops the file pages of the one before it).
+    reading = threading.Lock()
 
     def single(path, shape, axes):  # a parameter outside the layers
-        host = get(path, shape, quantizable(path))
         sharding = named(mesh, spec(axes, rules))
-        if isinstance(host, HostQuant):
-            return put_quant(path, host.pieces(), host, sharding, True, arena=arena)
+        with reading:
+            host = read(path, shape, blocks=quantizable(path))
+            if isinstance(host, HostQuant):
+                return put_quant(path, host.pieces(), host, sharding, True, arena=arena)
         host = host.astype(param_dtype(path, dtype), copy=False)
         return for_kernel(path, to_device(host, sharding, arena), True)
 
     def stacked(run: Run, seg: Segment, path, shape, axes):  # a segment's layers, stacked
         layers = run.stacked(seg)
         sharding = named(mesh, P(None, *spec(axes, rules)))
-        first = get(("layers", layers[0], *path), shape, quantizable(path))
-        if isinstance(first, HostQuant):
-            pieces = first.pieces().items()
-            stacks = {k: _Stack(arena, len(layers), a.dtype, s) for k, (a, s) in pieces}
-            for i, n in enumerate(layers):
-                host = first if i == 0 else get(("layers", n, *path), shape, True)
-                if not isinstance(host, HostQuant) or host.fmt != first.fmt:
-                    raise RuntimeError(f"layer {n}'s {'.'.join(map(str, path))} is not held as "
-                                       f"layer {layers[0]}'s ({first.fmt})")  # fmt: skip
-                for k, (a, _) in host.pieces().items():
+        dt, stacks, first = param_dtype(path, dtype), {}, None
+        for i, n in enumerate(layers):
+            with reading:
+                host = read(("layers", n, *path), shape, blocks=quantizable(path))
+                first = host if first is None else first
+                if (_format(host), getattr(host, "width", None)) != (
+                    _format(first), getattr(first, "width", None)):  # fmt: skip
+                    raise RuntimeError(f"layer {n}'s {'.'.join(map(str, path))} is not held "
+                                       f"as layer {layers[0]}'s ({_format(first)})")  # fmt: skip
+                if isinstance(host, HostQuant):
+                    parts = host.pieces()
+                else:  # a float tensor: the reader's own copy
+                    parts = {"w": (host.astype(dt, copy=False), host.shape)}
+                for k, (a, s) in parts.items():
+                    if k not in stacks:
+                        stacks[k] = _Stack(arena, len(layers), a.dtype, s)
                     stacks[k].fill(i, a)
+        if isinstance(first, HostQuant):
             parts = {k: st.place(sharding) for k, st in stacks.items()}
             return QArray(parts, first.fmt, first.width, True)
-        dt = param_dtype(path, dtype)
-        st = _Stack(arena, len(layers), dt, first.shape)
-        for i, n in enumerate(layers):
-            host = first if i == 0 else get(("layers", n, *path), shape, False)
-            st.fill(i, host.astype(dt, copy=False))
-        return _float_stack(path, st.place(sharding))
+        return _float_stack(path, stacks["w"].place(sharding))
 
     outer = [("embed", (cfg.vocab_size, cfg.d_model), ("vocab", "embed")),
              ("norm", (cfg.d_model,), ("embed",))]  # fmt: skip

@@ -75,14 +75,16 @@ def place_dense(
     shardings = param_shardings(cfg, mesh, rules)
     kernel = kernel_fits(mesh)
     arena = Arena()
-    reading = threading.Lock()  # a checkpoint reads one tensor at a time
+    # A checkpoint reads one tensor at a time; a block tensor is a view of the mapped file,
+    # copied out before the next read (which drops the file pages of the one before it).
+    reading = threading.Lock()
 
     def put(path, leaf):
         key = tuple(k.key for k in path)
         with reading:
             host = read(key, leaf.shape, blocks=quantizable(key))
-        if isinstance(host, HostQuant):
-            return put_quant(key, host.pieces(), host, shardings[key], kernel, arena=arena)
+            if isinstance(host, HostQuant):
+                return put_quant(key, host.pieces(), host, shardings[key], kernel, arena=arena)
         host = host.astype(param_dtype(key, dtype), copy=False)  # the reader copied it
         return for_kernel(key, to_device(host, shardings[key], arena), kernel)
 
