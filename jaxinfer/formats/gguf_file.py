@@ -18,6 +18,11 @@ from typing import Any
 
 import numpy as np
 
+try:
+    from numpy.lib.array_utils import byte_bounds
+except ImportError:  # numpy < 2
+    from numpy import byte_bounds
+
 from ..errors import CheckpointError, UnsupportedModelError
 
 # GGUF metadata value types: numpy dtypes of the scalars; 8 is a string, 9 an array.
@@ -62,6 +67,24 @@ class GGUFFile:
         if mm is not None and hasattr(mm, "madvise"):
             start = t.data_offset // mmap.PAGESIZE * mmap.PAGESIZE
             mm.madvise(mmap.MADV_DONTNEED, start, t.data_offset + t.n_bytes - start)
+
+
+def release_views(views) -> None:
+    """Drop the resident pages of a mapped file under these arrays (views of an np.memmap
+    whose contents have been copied out; a page is read again from the page cache if
+    touched); arrays that are not views of a mapped file are left alone."""
+    for view in views:
+        root = view  # the array whose base is the mapping (through views and as_strided's)
+        while root is not None and not isinstance(getattr(root, "base", None), mmap.mmap):
+            root = getattr(root, "base", None)
+        if root is None or view.size == 0:
+            continue
+        start = root.ctypes.data - getattr(root, "offset", 0) % mmap.ALLOCATIONGRANULARITY
+        lo, hi = byte_bounds(view)
+        first = -(-(lo - start) // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages inside
+        last = (hi - start) // mmap.PAGESIZE * mmap.PAGESIZE
+        if last > first and hasattr(root.base, "madvise"):
+            root.base.madvise(mmap.MADV_DONTNEED, first, last - first)
 
 
 def text(value: Any) -> Any:

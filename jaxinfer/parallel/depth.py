@@ -28,6 +28,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from ..config import ModelConfig
+from ..formats.gguf_file import release_views
 from ..model.kvcache import KVConfig, KVView
 from ..model.linear import embed
 from ..model.transformer import (
@@ -91,16 +92,14 @@ def place_depth(
     runs: [per run, per unit position, the layer parameters stacked [count, ...]]}."""
     runs = layer_runs(layer_signatures(cfg, stored))
     arena = Arena()
-    # A checkpoint reads one tensor at a time; a block tensor is a view of the mapped file,
-    # copied out before the next read (which drops the file pages of the one before it).
-    reading = threading.Lock()
+    reading = threading.Lock()  # a checkpoint reads one tensor at a time
 
     def single(path, shape, axes):  # a parameter outside the layers
         sharding = named(mesh, spec(axes, rules))
         with reading:
             host = read(path, shape, blocks=quantizable(path))
-            if isinstance(host, HostQuant):
-                return put_quant(path, host.pieces(), host, sharding, True, arena=arena)
+        if isinstance(host, HostQuant):
+            return put_quant(path, host.pieces(), host, sharding, True, arena=arena)
         host = host.astype(param_dtype(path, dtype), copy=False)
         return for_kernel(path, to_device(host, sharding, arena), True)
 
@@ -111,19 +110,20 @@ def place_depth(
         for i, n in enumerate(layers):
             with reading:
                 host = read(("layers", n, *path), shape, blocks=quantizable(path))
-                first = host if first is None else first
-                if (_format(host), getattr(host, "width", None)) != (
-                    _format(first), getattr(first, "width", None)):  # fmt: skip
-                    raise RuntimeError(f"layer {n}'s {'.'.join(map(str, path))} is not held "
-                                       f"as layer {layers[0]}'s ({_format(first)})")  # fmt: skip
-                if isinstance(host, HostQuant):
-                    parts = host.pieces()
-                else:  # a float tensor: the reader's own copy
-                    parts = {"w": (host.astype(dt, copy=False), host.shape)}
-                for k, (a, s) in parts.items():
-                    if k not in stacks:
-                        stacks[k] = _Stack(arena, len(layers), a.dtype, s)
-                    stacks[k].fill(i, a)
+            first = host if first is None else first
+            if (_format(host), getattr(host, "width", None)) != (
+                _format(first), getattr(first, "width", None)):  # fmt: skip
+                raise RuntimeError(f"layer {n}'s {'.'.join(map(str, path))} is not held "
+                                   f"as layer {layers[0]}'s ({_format(first)})")  # fmt: skip
+            if isinstance(host, HostQuant):
+                parts = host.pieces()
+            else:  # a float tensor: the reader's own copy
+                parts = {"w": (host.astype(dt, copy=False), host.shape)}
+            for k, (a, s) in parts.items():
+                if k not in stacks:
+                    stacks[k] = _Stack(arena, len(layers), a.dtype, s)
+                stacks[k].fill(i, a)
+            release_views([a for a, _ in parts.values()])  # copied: the file's pages can go
         if isinstance(first, HostQuant):
             parts = {k: st.place(sharding) for k, st in stacks.items()}
             return QArray(parts, first.fmt, first.width, True)

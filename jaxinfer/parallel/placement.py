@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 from .. import kernels
 from ..config import ModelConfig
 from ..errors import LayoutError
+from ..formats.gguf_file import release_views
 from ..model.kvcache import AttentionKV, HiddenState, KVConfig, KVView
 from ..model.moe import ExpertSplit
 from ..model.transformer import Transformer, abstract_model, cache_layers, param_dtype, quantizable
@@ -75,16 +76,14 @@ def place_dense(
     shardings = param_shardings(cfg, mesh, rules)
     kernel = kernel_fits(mesh)
     arena = Arena()
-    # A checkpoint reads one tensor at a time; a block tensor is a view of the mapped file,
-    # copied out before the next read (which drops the file pages of the one before it).
-    reading = threading.Lock()
+    reading = threading.Lock()  # a checkpoint reads one tensor at a time
 
     def put(path, leaf):
         key = tuple(k.key for k in path)
         with reading:
             host = read(key, leaf.shape, blocks=quantizable(key))
-            if isinstance(host, HostQuant):
-                return put_quant(key, host.pieces(), host, shardings[key], kernel, arena=arena)
+        if isinstance(host, HostQuant):
+            return put_quant(key, host.pieces(), host, shardings[key], kernel, arena=arena)
         host = host.astype(param_dtype(key, dtype), copy=False)  # the reader copied it
         return for_kernel(key, to_device(host, shardings[key], arena), kernel)
 
@@ -180,6 +179,8 @@ def put_quant(path: tuple, parts: dict, host: HostQuant, sharding: NamedSharding
         whole = shape[-1] == 1 and host.width > 1  # a per-row scale
         ps = P(*pspec[:-1], None if whole else axis)
         out[k] = to_device(part, NamedSharding(mesh, ps), arena, shape)
+    if arena is not None and hugepages.usable(sharding):  # copied: the file's pages can go
+        release_views([part for part, _ in parts.values()])
     return QArray(out, host.fmt, host.width, kernel)
 
 
