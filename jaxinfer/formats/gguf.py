@@ -361,7 +361,9 @@ def open_gguf(file: Path) -> Checkpoint:
 
     def release(t) -> None:
         """Blocks are read in place (views of the mapped file): the pages of the tensor read
-        before this one, which has been placed by now, leave the process's resident memory."""
+        before this one leave the process's resident memory (placed by now when reads and
+        copies alternate; placement on several threads drops each block tensor's pages
+        after its own copy, gguf_file.release_views, and load() the rest at the end)."""
         for done in placed:
             gg.release(done)
         placed[:] = [t]
@@ -406,5 +408,6 @@ def open_gguf(file: Path) -> Checkpoint:
         name=lambda path: tensor_name(path, config),
         blocks=blocks,
         release=release_all,
-        types=lambda name: tensors[name].tensor_type.name,
+        # (a missing tensor: placement's read names it)
+        types=lambda name: tensors[name].tensor_type.name if name in tensors else "missing",
     )
