@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from .kvcache import at_layer, set_layer
+
 CHUNK = 64  # tokens per sub-chunk of the parallel form (as the reference kernels use)
 _EXACT = lax.Precision.HIGHEST  # accelerators would round f32 matmuls of the state otherwise
 _L2_EPS = 1e-6
@@ -87,19 +89,6 @@ def put(pools, states, slot: jax.Array, axis: int = 0, skip: bool = False, layer
 def skipped(pools, axis: int = 0, layer: jax.Array | None = None) -> int:
     """The slot index that `put(..., skip=True)` drops: one past the pools' last slot."""
     return pools[0].shape[axis + (layer is not None)]
-
-
-def at_layer(pools, layer: jax.Array):
-    """Entry `layer` of stacked arrays [L, ...] (a copy)."""
-    return tuple(lax.dynamic_index_in_dim(p, layer, keepdims=False) for p in pools)
-
-
-def set_layer(pools, entries, layer: jax.Array):
-    """Stacked arrays with entry `layer` replaced."""
-    return tuple(
-        lax.dynamic_update_index_in_dim(p, e.astype(p.dtype), layer, 0)
-        for p, e in zip(pools, entries, strict=True)
-    )
 
 
 def read(pools, slot: jax.Array | None, fresh: jax.Array, pick: jax.Array | None = None,

@@ -165,6 +165,19 @@ def write(pools, k, v, view: KVView):
     return pool_k, pool_v
 
 
+def at_layer(pools, layer: jax.Array):
+    """Entry `layer` of stacked arrays [L, ...] (a copy)."""
+    return tuple(lax.dynamic_index_in_dim(p, layer, keepdims=False) for p in pools)
+
+
+def set_layer(pools, entries, layer: jax.Array):
+    """Stacked arrays with entry `layer` replaced."""
+    return tuple(
+        lax.dynamic_update_index_in_dim(p, e.astype(p.dtype), layer, 0)
+        for p, e in zip(pools, entries, strict=True)
+    )
+
+
 def update(q, k, v, pools, view: KVView, window: int | None = None, gate=None):
     """The chunk's k, v [B, T, K, H] written into the pools, then its queries q [B, T, K, G, H]
     attended (see `attend`), times sigmoid(gate [B, T, K, G, H]) when given -> (out
@@ -179,13 +192,9 @@ def update(q, k, v, pools, view: KVView, window: int | None = None, gate=None):
         # a kernel's results vary over no manual mesh axis (a pipeline stage's shard_map)
         out, pools = varying_like(op.run(q, k, v, pools, *rows, layer=view.layer), pools[0])
     elif view.layer is not None:  # a stack's entry: taken out (a copy) and put back
-        layer = view.layer
-        own = tuple(lax.dynamic_index_in_dim(p, layer, keepdims=False) for p in pools)
+        own = at_layer(pools, view.layer)
         out, own = update(q, k, v, own, view.replace(layer=None), window, gate)
-        pools = tuple(
-            lax.dynamic_update_index_in_dim(p, o, layer, 0) for p, o in zip(pools, own, strict=True)
-        )
-        return out, pools
+        return out, set_layer(pools, own, view.layer)
     else:
         pools = write(pools, k, v, view)
         if op is not None:

@@ -27,12 +27,7 @@ ALIGN = 4096  # each array starts on a page: jax aliases host memory aligned to 
 def usable(sharding: jax.sharding.Sharding) -> bool:
     """Whether weights under `sharding` can live in an arena: one CPU device, THP available."""
     devices = sharding.device_set
-    return (
-        len(devices) == 1
-        and next(iter(devices)).platform == "cpu"
-        and hasattr(mmap, "MADV_HUGEPAGE")
-        and _thp_enabled()
-    )
+    return len(devices) == 1 and next(iter(devices)).platform == "cpu" and Arena.usable()
 
 
 class Arena:
@@ -51,8 +46,9 @@ class Arena:
         return jax.device_put(view.reshape(host.shape if shape is None else shape), sharding,
                               may_alias=True)  # fmt: skip
 
-    def usable(self) -> bool:
-        """Whether arrays placed on one CPU device can live here (THP available)."""
+    @staticmethod
+    def usable() -> bool:
+        """Whether arrays placed on one CPU device can live in an arena (THP available)."""
         return hasattr(mmap, "MADV_HUGEPAGE") and _thp_enabled()
 
     def empty(self, nbytes: int, dtype, shape) -> np.ndarray:
