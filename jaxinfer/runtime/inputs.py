@@ -4,6 +4,7 @@ shapes) and serving (host arrays): a prompt chunk, and the decode loop's carry."
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
@@ -63,3 +64,15 @@ class DecodeState:
             abstract(B, history),
             abstract(B, 2),
         )
+
+
+def ring_put(ring: jax.Array, start: jax.Array, new: jax.Array, count: jax.Array) -> jax.Array:
+    """ring [B, W, ...] with new[b, j] at position (start[b] + j) mod W for j < count[b]
+    (new [B, t, ...]). Selects, not a scatter: XLA CPU turns a scatter into a loop of its own,
+    which costs a small model's decode step more than its forward."""
+    W, t = ring.shape[1], new.shape[1]
+    j = (jnp.arange(W)[None] - start[:, None]) % W  # [B, W] which of new lands at each entry
+    inside = j < count[:, None]
+    j = jnp.minimum(j, t - 1).reshape(j.shape + (1,) * (ring.ndim - 2))
+    src = jnp.take_along_axis(new, j, axis=1)
+    return jnp.where(inside.reshape(j.shape), src, ring)

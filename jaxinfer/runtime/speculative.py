@@ -34,7 +34,6 @@ import jax.numpy as jnp
 from ..model import gdn
 from ..model.kvcache import KVView
 from ..ops.sampling import (
-    PENALTY_WINDOW,
     Logprobs,
     SamplingRows,
     accept,
@@ -43,7 +42,7 @@ from ..ops.sampling import (
     logprobs,
     sample,
 )
-from .inputs import I32, DecodeState
+from .inputs import I32, DecodeState, ring_put
 from .steps import (
     Setup,
     linear_pools,
@@ -116,8 +115,7 @@ def backoff(state: jax.Array, count: jax.Array, n: jax.Array) -> jax.Array:
 def with_input(s: DecodeState) -> jax.Array:
     """The history [B, H] with each row's input token at its position (n-gram lookup)."""
     H = s.history.shape[1]
-    rows = jnp.arange(s.history.shape[0])
-    return s.history.at[rows, s.pos % H].set(s.tokens) if H else s.history
+    return ring_put(s.history, s.pos, s.tokens[:, None], jnp.ones_like(s.pos)) if H else s.history
 
 
 def advance(s: DecodeState, made, out, new, n, stops, window, history, lp: Logprobs):
@@ -134,11 +132,9 @@ def advance(s: DecodeState, made, out, new, n, stops, window, history, lp: Logpr
     hit = jnp.any(stop, axis=1)
     n = jnp.where(live, jnp.where(hit, jnp.minimum(n, jnp.argmax(stop, axis=1)), n), 0)
     made_now = jnp.where(live, n + 1, 0)
-    kept = (at <= n[:, None]) & live[:, None]
-    where = (rows[:, None], made[:, None] + at)
     ids, out_lp = out
-    ids = ids.at[where].set(jnp.where(kept, new, -1), mode="drop")
-    out_lp = jax.tree.map(lambda a, x: a.at[where].set(x, mode="drop"), out_lp, lp)
+    ids = ring_put(ids, made, new, made_now)  # made + n + 1 <= C + K: never wraps
+    out_lp = jax.tree.map(lambda a, x: ring_put(a, made, x, made_now), out_lp, lp)
     budget = s.budget - made_now
     s = s.replace(
         tokens=jnp.where(live, new[rows, n], s.tokens),
@@ -251,15 +247,13 @@ def score_drafts(loop: Loop, s: DecodeState, kv, window, drafts, count, pick):
     windows [B, T, W] each position saw, the candidates' Logprobs [B, T]."""
     setup, sampling = loop.setup, loop.sampling
     runner, K = setup.runner, setup.spec.k
-    rows = jnp.arange(s.tokens.shape[0])
     live = ~s.done
     tokens = jnp.concatenate([s.tokens[:, None], drafts], axis=1)  # [B, T]
     view = KVView(loop.table, s.pos, jnp.where(live, 1 + count, 0), None, pick, jnp.int32(0))
     h, kv = runner.forward(loop.params, tokens, view, kv)  # [B, T, D]
     windows = [window]  # the penalty window each position sees: the input token's, + drafts
     for t in range(K):
-        at_t = (s.pos + 1 + t) % PENALTY_WINDOW
-        windows.append(windows[-1].at[rows, at_t].set(drafts[:, t]))
+        windows.append(ring_put(windows[-1], s.pos + 1 + t, drafts[:, t, None], live.astype(I32)))
     windows = jnp.stack(windows, axis=1)  # [B, T, W]
     positions = s.pos[:, None] + 1 + jnp.arange(K + 1)[None]  # [B, T] of the tokens predicted
     logits = runner.head(loop.params, h)  # [B, T, V]
@@ -290,9 +284,9 @@ def step(loop: Loop, carry, speculating: bool):
     one-token forward), keep what is accepted, back off, propose the next drafts."""
     made, kv, draft_kv, pools, s, out, pick, counts, drafts, count = carry
     setup, sampling = loop.setup, loop.sampling
-    B, K = s.tokens.shape[0], setup.spec.k
+    B = s.tokens.shape[0]
     rows = jnp.arange(B)
-    window = s.window.at[rows, s.pos % PENALTY_WINDOW].set(s.tokens)
+    window = ring_put(s.window, s.pos, s.tokens[:, None], jnp.ones_like(s.pos))
     history = with_input(s)
     live = ~s.done
     if speculating:
@@ -300,10 +294,7 @@ def step(loop: Loop, carry, speculating: bool):
             new, n, h, kv, windows, lp = score_drafts(loop, s, kv, window, drafts, count, pick)
         H = history.shape[1]
         if H:  # accepted drafts join the history
-            at = jnp.arange(K)[None]
-            follow = (s.pos[:, None] + 1 + at) % H  # [B, K]
-            old = jnp.take_along_axis(history, follow, axis=1)
-            history = history.at[rows[:, None], follow].set(jnp.where(at < n[:, None], drafts, old))
+            history = ring_put(history, s.pos + 1, drafts, n)
         window = windows[rows, n]
     else:  # the plain decode step
         view = KVView(loop.table, s.pos, live.astype(I32), None, pick, jnp.int32(0))

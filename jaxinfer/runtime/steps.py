@@ -28,9 +28,9 @@ import jax.numpy as jnp
 from ..model import gdn
 from ..model.gdn import RecurrentState
 from ..model.kvcache import KVConfig, KVView
-from ..ops.sampling import PENALTY_WINDOW, Logprobs, SamplingRows, logprobs, sample
+from ..ops.sampling import Logprobs, SamplingRows, logprobs, sample
 from ..parallel.placement import Runner
-from .inputs import I32, Chunk, DecodeState
+from .inputs import I32, Chunk, DecodeState, ring_put
 
 
 @dataclass(frozen=True)
@@ -189,14 +189,13 @@ def decode(
     runner = setup.runner
     params, kv, _, draft_kv = setup.split(params, kv)
     B = state.tokens.shape[0]
-    rows = jnp.arange(B)
     pools = linear_pools(setup, kv) if snaps is not None else kv
     kv = take_states(setup, kv, state.slot)
 
     def step(carry):
         i, kv, pools, s, out, lp = carry
         # The input token joins the penalty context of the token it predicts.
-        window = s.window.at[rows, s.pos % PENALTY_WINDOW].set(s.tokens)
+        window = ring_put(s.window, s.pos, s.tokens[:, None], jnp.ones_like(s.pos))
         live = ~s.done
         # Done rows write the null page and leave their linear state as it is.
         view = KVView(table, s.pos, live.astype(I32), None)
