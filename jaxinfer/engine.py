@@ -23,13 +23,13 @@ from .config import ModelConfig
 from .errors import JaxinferError, RecompileError, RequestError
 from .formats.tokenizer import Tokenizer
 from .model.gdn import RecurrentState
-from .model.kvcache import KVConfig
 from .ops.sampling import SamplingRows
 from .options import MAX_LOGPROBS, EngineOptions, SamplingParams
 from .parallel.placement import Placement
 from .runtime.buckets import ShapePlan
 from .runtime.compile import CompileCache, CompileCounts, Handle, RecompileEvent, watching
 from .runtime.executor import Executor
+from .runtime.kv import KVManager
 from .runtime.perf import PerfStats
 from .runtime.profiler import profile
 from .runtime.request import Request, RequestState, StreamPiece, TokenLogprob
@@ -92,13 +92,11 @@ class Engine:
         )
         # A smaller pool is allowed: requests that could never fit are refused at submit.
         tokens = o.kv_cache_tokens or self.max_seq_len * max(o.slots or 1, 1)
-        pool = KVConfig.plan(tokens, self.max_seq_len, o.page_size, self.shapes.rows)
-        snapshots = 0  # prefix hits on hybrid models start from a state snapshot
-        if o.prefix_cache and carries_state(placement, draft):
-            snapshots = pool.usable_pages if o.prefix_snapshots is None else o.prefix_snapshots
-        self.kv_config = KVConfig.plan(
-            tokens, self.max_seq_len, o.page_size, self.shapes.rows, snapshots
-        )
+        self.kv_config = KVManager.plan(
+            tokens, self.max_seq_len, o.page_size, self.shapes.rows,
+            snapshots=o.prefix_snapshots if o.prefix_cache else 0,
+            carries_state=carries_state(placement, draft),
+        )  # fmt: skip
         # Chain hashes start from the model's identity (and each request's cache salt).
         self.model_id = repr((name, source, cfg, o.dtype, o.kv_cache_dtype, o.activations))
         plan = len(self.shapes.jobs())
@@ -126,11 +124,15 @@ class Engine:
         self.vocabulary = Vocabulary(tokenizer, cfg.vocab_size)
 
     def _new_scheduler(self) -> Scheduler:
+        """A scheduler over a new, empty KV pool (`self.kv`) for the executor's layout."""
+        self.kv = KVManager(
+            self.kv_config, self.executor.page_bytes, prefix_cache=self.options.prefix_cache,
+            model_id=self.model_id, mtp=self.executor.runner.mtp,
+        )  # fmt: skip
         return Scheduler(
-            self.executor, self.shapes, self._perf, self._clock,
+            self.executor, self.kv, self.shapes, self._perf, self._clock,
             decode_chunk=self.decode_chunk, stream_chunk=self.stream_chunk,
             always_interactive=self.slots is not None,
-            prefix_cache=self.options.prefix_cache, model_id=self.model_id,
         )  # fmt: skip
 
     # ---- what the executor holds --------------------------------------------------------
@@ -325,12 +327,7 @@ class Engine:
         context of max_seq_len tokens may be scored). With `prefix_cache`, the forward starts
         after the longest prefix the cache holds (under `cache_salt`), whose rows are NaN."""
         ids = self._ids(list(token_ids), self.max_seq_len)
-        pages, total = self.executor.pages.pages_for(len(ids)), self.kv_config.usable_pages
-        if pages > total:
-            raise RequestError(
-                f"scoring {len(ids)} tokens needs {pages} KV pages but the pool holds {total}; "
-                "load with a larger kv_cache_tokens"
-            )
+        self.kv.check(len(ids), f"scoring {len(ids)} tokens", "load with a larger kv_cache_tokens")
         while True:
             with self._watched():
                 out = self._scheduler.score(ids, prefix_cache, cache_salt)
@@ -389,8 +386,7 @@ class Engine:
         for hybrid models the linear layers' state snapshots at page ends: snapshots_total,
         snapshots_in_use (being written, or read by a request about to start from one),
         snapshots_cached and snapshot_bytes."""
-        stats = {"dtype": self.executor.kv_dtype, **self.executor.pages.stats()}
-        return {**stats, **self.executor.state_stats()}
+        return {"dtype": self.executor.kv_dtype, **self.kv.stats(), **self.executor.state_stats()}
 
     def slot_requests(self) -> list[dict]:
         """The running requests (llama-server's /slots): each one's slot (0-based), prompt
@@ -404,7 +400,7 @@ class Engine:
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (running requests keep their pages)."""
-        self.executor.pages.clear()
+        self.kv.clear()
 
     def weight_bytes(self) -> int:
         """Bytes the weights occupy on this process's devices together: a replicated weight

@@ -90,6 +90,25 @@ def test_nothing_imports_upward_or_sideways():
     assert not wrong, "\n".join(sorted(wrong))
 
 
+# Inside runtime/: the host-side modules (what runs between calls: scheduling, the KV pool,
+# requests, shapes, counters) never import the device programs; the executor is the one seam.
+HOST_SIDE = {"scheduler", "kv", "pages", "request", "buckets", "perf"}
+DEVICE_PROGRAMS = {"steps", "speculative", "programs"}
+
+
+def test_host_side_runtime_never_imports_the_device_programs():
+    wrong = [
+        f"{module} -> {target}"
+        for module, targets in graph().items()
+        for target in targets
+        if module.startswith("jaxinfer.runtime.")
+        and module.rsplit(".", 1)[1] in HOST_SIDE
+        and target.startswith("jaxinfer.runtime.")
+        and target.rsplit(".", 1)[1] in DEVICE_PROGRAMS
+    ]
+    assert not wrong, "\n".join(sorted(wrong))
+
+
 def test_no_import_circles():
     edges = graph()
     state: dict[str, int] = {}  # 1: on the current path, 2: done

@@ -19,7 +19,6 @@ from ..model.kvcache import AttentionKV, HiddenState, KVConfig
 from ..parallel.placement import Placement
 from ..parallel.sharding import named
 from .compile import CompileCache, Job, shapes_text
-from .pages import PagePool, Snapshots
 from .programs import Program, programs
 from .speculative import SpecConfig
 
@@ -88,9 +87,7 @@ class Executor:
             if isinstance(c, RecurrentState)
         ) + sum(c.slot_bytes() for c in self.runner.mtp_caches if isinstance(c, HiddenState))
         state_bytes = self.state_slot_bytes * self.kv_config.state_slots
-        kv = self.kv_config
-        snapshots = Snapshots(kv.first_snapshot, kv.snapshots) if kv.snapshots else None
-        self.pages = PagePool(kv, (total - state_bytes) // kv.n_pages, snapshots)
+        self.page_bytes = (total - state_bytes) // self.kv_config.n_pages  # every layer's
         # What the programs close over besides their arguments: a change here is a recompile.
         # The pools' types stand for the KV dtype and the draft's (or MTP head's) layers.
         pools = tuple((a.shape, a.dtype.name) for a in jax.tree.leaves(shapes))
@@ -113,22 +110,16 @@ class Executor:
         return self.params if self.draft is None else (self.params, self.draft.params)
 
     def state_stats(self) -> dict:
-        """The linear layers' per-request state: bytes per slot and allocated in all."""
+        """The linear layers' per-request state: bytes per slot and allocated in all, and the
+        bytes of its prefix-cache snapshots."""
         kv = self.kv_config
         slots = kv.first_snapshot
-        stats = {
+        return {
             "state_slots": slots - 1 if self.state_slot_bytes else 0,
             "state_bytes_per_slot": self.state_slot_bytes,
             "state_bytes_allocated": self.state_slot_bytes * slots,  # snapshots apart
+            "snapshot_bytes": self.state_slot_bytes * kv.snapshots,
         }
-        snapshots = self.pages.snapshots
-        if snapshots:
-            stats.update(snapshots.stats(), snapshot_bytes=self.state_slot_bytes * kv.snapshots)
-        else:
-            stats.update(
-                snapshots_total=0, snapshots_in_use=0, snapshots_cached=0, snapshot_bytes=0
-            )
-        return stats
 
     def _check_memory(self, pool_bytes: int) -> None:
         """Refuse page pools that cannot fit the devices' memory (on CPU devices, the host's)."""

@@ -9,12 +9,10 @@ its table row and slot number. A request reserves every page it can
 need when admitted and takes them as it grows, so it never fails mid-generation; finishing or
 cancelling gives them back at once.
 
-Prefix caching (pages.py): an admitted request maps the longest cached prefix of its prompt's
-full pages into its table and prefills after it (the prompt's last token is always computed,
-for its logits); hybrid models start that prefill from the snapshot of the linear layers'
-state at the prefix's end. Pages a request fills are registered by chain hash as they fill,
-prompt and generated tokens alike, with a snapshot of the state at their end where the model
-needs one (an MTP model's one position late, once the MTP head's row there is written too).
+The KV pool, its pages, the prefix cache and its snapshots belong to the KV manager (kv.py):
+a request holds a `Lease` on it, which admission takes (mapping in a cached prefix, which the
+prefill then starts after), each call grows, filled pages are registered under, and retiring
+gives back. The scheduler never sees a hash or a snapshot slot.
 
 Structured output: a row whose request follows a grammar gets its token mask filled before
 each call that samples for it, and such a call makes one token per row. Log-probabilities
@@ -26,18 +24,17 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import jax
 import numpy as np
 
-from ..errors import RequestError
-from ..model.kvcache import NULL_PAGE, NULL_SLOT, KVView
+from ..model.kvcache import NULL_SLOT
 from ..ops.sampling import PENALTY_WINDOW, SamplingRows, free_mask, recent_window
 from .buckets import ShapePlan
 from .executor import Executor
 from .inputs import Chunk, DecodeState
-from .pages import chain_hash, root_hash
+from .kv import KVManager, Lease
 from .perf import PerfStats
 from .request import RequestState, StreamPiece
 
@@ -46,31 +43,24 @@ Delivery = tuple[RequestState, StreamPiece]
 
 @dataclass(eq=False)
 class _Active:
-    """An admitted request: its pages, its prompt progress and a host copy of its decode row."""
+    """An admitted request: its KV lease, its prompt progress and a host copy of its decode
+    row."""
 
-    state: RequestState | None  # None: a scoring pass (Engine.logits)
-    reserved: int  # pages promised to it and not yet taken
+    state: RequestState
     slot: int  # its state slot in the linear layers (one per running request)
-    pages: list[int] = field(default_factory=list)  # held, in position order
+    kv: Lease
     offset: int = 0  # prompt tokens prefilled
     decoding: bool = False
     token: int = 0  # the next input token
     pos: int = 0  # its position
     left: int = 0  # tokens still allowed
-    # prefix caching: the chain hashes of its full pages so far (None: the request neither
-    # reads nor fills the cache), how many of its pages are registered or were hits, the
-    # snapshot its next prompt chunk starts from (-1: its own slot), and the snapshot slots
-    # taken for pages it has not filled yet (page index -> slot)
-    hashes: list[bytes] | None = None
-    registered: int = 0
-    source: int = -1
-    pending: dict[int, int] = field(default_factory=dict)
 
 
 class Scheduler:
     def __init__(
         self,
         executor: Executor,
+        kv: KVManager,
         shapes: ShapePlan,
         perf: PerfStats,
         clock: Callable[[], float],
@@ -78,10 +68,9 @@ class Scheduler:
         decode_chunk: int,
         stream_chunk: int,
         always_interactive: bool,
-        prefix_cache: bool = False,
-        model_id: str = "",
     ):
         self.executor = executor
+        self.kv = kv
         self.shapes = shapes
         self.perf = perf
         self.clock = clock  # seconds, compile time excluded
@@ -89,8 +78,6 @@ class Scheduler:
         self.stream_chunk = stream_chunk
         # Slots serve requests that arrive between steps: always wake every `stream_chunk`.
         self.always_interactive = always_interactive
-        self.prefix_cache = prefix_cache
-        self.model_id = model_id  # part of every chain hash's root
         self.queue: deque[RequestState] = deque()
         self.running: list[_Active] = []  # in admission order
         self._slots = list(range(shapes.rows, NULL_SLOT, -1))  # free state slots, lowest last
@@ -102,14 +89,8 @@ class Scheduler:
 
     def check(self, state: RequestState) -> None:
         """Refuse a request that could never get its pages, with the numbers."""
-        pages = self.executor.pages
-        need, total = pages.pages_for(state.need), pages.kv.usable_pages
-        if need > total:
-            raise RequestError(
-                f"the request needs {need} KV pages ({state.need} positions, "
-                f"{pages.page_size} per page) but the pool holds {total}; "
-                "lower max_new_tokens or load with a larger kv_cache_tokens"
-            )
+        fix = "lower max_new_tokens or load with a larger kv_cache_tokens"
+        self.kv.check(state.need, "the request", fix)
 
     def submit(self, state: RequestState) -> None:
         self.check(state)
@@ -145,109 +126,21 @@ class Scheduler:
                 deliver(out)
 
     def _admit(self) -> None:
-        pages = self.executor.pages
         while self.queue and len(self.running) < self.shapes.rows:
             state = self.queue[0]
-            need = pages.pages_for(state.need)
-            hashes, hits = None, []
-            if state.cache_prompt:
-                hashes, hits = self._lookup(state.prompt, state.cache_salt)
-            if self._filling(state, hashes, len(hits)):
-                return  # a running prompt fills the pages it shares (n choices): hit them
-            if not pages.admit(hits, need - len(hits)):
-                return  # it waits for pages; later requests wait behind it
+            salt = state.cache_salt
+            lease = self.kv.admit(state.prompt, state.need, cache=state.cache_prompt, salt=salt)
+            if lease is None:
+                return  # it waits for pages (or for a page a running prompt fills to hit it)
             self.queue.popleft()
             state.admitted_at = time.perf_counter()
-            active = _Active(state, need - len(hits), self._slots.pop(), list(hits))
-            active.offset = state.cached_tokens = len(hits) * pages.page_size
-            active.hashes, active.registered = hashes, len(hits)
-            if hits and pages.snapshots:
-                active.source = pages.snapshots.pin(hashes[len(hits) - 1])
-            if hashes is not None:
-                pages.queries += len(state.prompt)
-                pages.hits += active.offset
-            self.running.append(active)
-
-    def _lookup(self, prompt: list[int], salt: str | None) -> tuple[list[bytes] | None, list[int]]:
-        """The chain hashes of the prompt's full pages (None: no prefix cache) and the pages
-        of its longest cached prefix: one that leaves the prompt's last token to compute
-        and, where the model needs one, ends at a page with a kept snapshot."""
-        if not self.prefix_cache:
-            return None, []
-        pages, page = self.executor.pages, self.executor.pages.page_size
-        parent = root_hash(self.model_id, salt)
-        hashes = []
-        for j in range(len(prompt) // page):
-            parent = chain_hash(parent, prompt[j * page : (j + 1) * page])
-            hashes.append(parent)
-        hits = pages.lookup(hashes[: (len(prompt) - 1) // page])
-        snapshots = pages.snapshots
-        while snapshots and hits and snapshots.find(hashes[len(hits) - 1]) is None:
-            hits.pop()
-        return hashes, hits
-
-    def _filling(self, state: RequestState, hashes: list[bytes] | None, hits: int) -> bool:
-        """Whether the page after a prompt's cached prefix, one it could hit, is one a running
-        request is prefilling now (the same prompt's other choices, or another request
-        sharing it)."""
-        if hashes is None or hits >= (len(state.prompt) - 1) // self.executor.pages.page_size:
-            return False
-        return any(
-            a.hashes is not None and not a.decoding and hashes[hits] in a.hashes[a.registered :]
-            for a in self.running
-        )
+            state.cached_tokens = lease.cached_tokens
+            self.running.append(_Active(state, self._slots.pop(), lease, lease.cached_tokens))
 
     def _register(self, active: _Active, filled: int) -> None:
-        """Name the request's pages wholly below position `filled` (written, prompt or
-        generated), each with the snapshot taken for it."""
-        pages, page = self.executor.pages, self.executor.pages.page_size
-        if active.hashes is None:
-            return
-        if self.executor.runner.mtp:  # its row at position p waits for token p + 1
-            filled -= 1
-        tokens = None
-        while active.registered < filled // page:
-            j = active.registered
-            if j == len(active.hashes):  # a page of generated tokens: hashed once filled
-                if tokens is None:
-                    tokens = active.state.prompt + active.state.token_ids
-                parent = (
-                    active.hashes[-1] if j else root_hash(self.model_id, active.state.cache_salt)
-                )
-                active.hashes.append(chain_hash(parent, tokens[j * page : (j + 1) * page]))
-            pages.register(active.pages[j], active.hashes[j])
-            slot = active.pending.pop(j, None)
-            if slot is not None:
-                pages.snapshots.keep(active.hashes[j], slot)
-            active.registered += 1
-
-    def _snaps(self, rows: list[_Active], batch: int, upto) -> np.ndarray:
-        """The snapshot table [batch, NB]: per row, for each page it may fill in this call
-        (pages ending below position upto(active)), the snapshot slot taken for it (taken
-        now if need be); out of range (none) elsewhere."""
-        kv, snapshots = self.executor.kv_config, self.executor.pages.snapshots
-        table = np.full((batch, kv.table_width), kv.state_slots, np.int32)
-        for b, active in enumerate(rows):
-            if active.hashes is None:
-                continue
-            for j in range(active.registered, min(upto(active), active.state.need) // kv.page_size):
-                if j not in active.pending:
-                    known = j < len(active.hashes) and snapshots.find(active.hashes[j]) is not None
-                    slot = None if known else snapshots.take()
-                    if slot is None:
-                        continue
-                    active.pending[j] = slot
-                table[b, j] = active.pending[j]
-        return table
-
-    def _table(self, rows: list[_Active], batch: int) -> np.ndarray:
-        table = np.full((batch, self.executor.kv_config.table_width), NULL_PAGE, np.int32)
-        for b, active in enumerate(rows):
-            table[b, : len(active.pages)] = active.pages
-        return table
-
-    def _grow(self, active: _Active, tokens: int) -> None:
-        active.reserved = self.executor.pages.grow(active.pages, tokens, active.reserved)
+        """Name the request's pages wholly below position `filled`."""
+        state = active.state
+        self.kv.register(active.kv, filled, lambda: state.prompt + state.token_ids)
 
     def _prefill(self, out: list[Delivery]) -> None:
         """One chunk for the waiting prompts, oldest first: the chunk length that takes the
@@ -274,18 +167,11 @@ class Scheduler:
             seg = prompt[active.offset : active.offset + T]
             tokens[b, : len(seg)] = seg
             start[b], length[b], slot[b] = active.offset, len(seg), active.slot
-            self._grow(active, active.offset + len(seg))
+            self.kv.grow(active.kv, active.offset + len(seg))
             if active.offset + len(seg) == len(prompt):  # the chunk that samples a token
                 window[b] = recent_window(prompt)
-        view = KVView(self._table(rows, B), start, length, slot)
-        snapshots = self.executor.pages.snapshots
-        if snapshots:  # linear states start from a hit's snapshot; page ends keep theirs
-            source = slot.copy()
-            for b, active in enumerate(rows):
-                if active.source >= 0:
-                    source[b] = active.source
-            snaps = self._snaps(rows, B, lambda a: min(a.offset + T, len(a.state.prompt)))
-            view = view.replace(source=source, snaps=snaps)
+        upto = [min(a.offset + T, len(a.state.prompt)) for a in rows]
+        view = self.kv.view([a.kv for a in rows], B, start, length, slot, upto)
         sampling = self._sampling(rows, B, [active.offset + T >= len(active.state.prompt)
                                             for active in rows])  # fmt: skip
         t0 = self.clock()
@@ -295,9 +181,7 @@ class Scheduler:
         self.perf.prompt_tokens += int(length.sum())
         for b, active in enumerate(rows):
             active.offset += int(length[b])
-            if active.source >= 0:
-                snapshots.unpin(active.source)
-                active.source = -1
+            self.kv.started(active.kv)
             self._register(active, active.offset)
             state = active.state
             if active.offset < len(state.prompt):
@@ -318,9 +202,10 @@ class Scheduler:
         n = self._tokens_per_call(rows)
         spec = self.executor.spec
         ahead = spec.k if spec else 0  # a speculative step writes its drafts' positions too
-        for active in rows:  # pages for every position this call may write
-            self._grow(active, min(active.pos + n + ahead, active.state.need))
-        state, sampling, tables = self._inputs(rows, B, lambda a: a.pos + n + ahead)
+        upto = [min(a.pos + n + ahead, a.state.need) for a in rows]
+        for active, tokens in zip(rows, upto, strict=True):  # pages for every position it writes
+            self.kv.grow(active.kv, tokens)
+        state, sampling, tables = self._inputs(rows, B, upto)
         t0 = self.clock()
         table, *snaps = tables
         state, ids, lp, *counts = self.executor.run(
@@ -350,16 +235,14 @@ class Scheduler:
         self.perf.eval_tokens += generated
         self.perf.eval_ms += (self.clock() - t0) * 1e3
 
-    def _inputs(self, rows: tuple[_Active, ...], batch: int, upto):
+    def _inputs(self, rows: tuple[_Active, ...], batch: int, upto: list[int]):
         """The decode call's state, sampling rows and tables (the block table, and with
-        snapshots the snapshot table for positions below upto(active)), on the device. While
+        snapshots the snapshot table for positions below upto[row]), on the device. While
         the same rows decode call after call, the state is the one the last call returned and
         the rows and tables are the ones already sent (a table changes once a page): a steady
         call sends nothing to the devices (each transfer costs ~0.1 ms on the host here)."""
         last_rows, state, sampling, (host_tables, tables) = self._last
-        new_tables = (self._table(list(rows), batch),)
-        if self.executor.pages.snapshots:
-            new_tables += (self._snaps(list(rows), batch, upto),)
+        new_tables = self.kv.tables([a.kv for a in rows], batch, upto)
         if rows != last_rows:  # rows joined or left: the device state is rebuilt, in one put
             state = self._host_state(rows, batch)
             sampling = self._sampling(rows, batch)
@@ -428,14 +311,7 @@ class Scheduler:
         return DecodeState(tokens, pos, left, done, window, slot, history, backoff)
 
     def _retire(self, active: _Active) -> None:
-        pages = self.executor.pages
-        pages.release(active.pages, active.reserved)
-        active.reserved = 0
-        if active.source >= 0:  # cancelled before its first chunk: the snapshot is unread
-            pages.snapshots.unpin(active.source)
-        for slot in active.pending.values():  # taken for pages it never filled
-            pages.snapshots.give(slot)
-        active.pending.clear()
+        self.kv.release(active.kv)
         self.running.remove(active)
         self._slots.append(active.slot)  # the next request in it starts from zeros
 
@@ -445,43 +321,28 @@ class Scheduler:
         """Float32 logits [T, V] at every position of `ids`, or None while the pool lacks the
         pages (the caller steps the running requests until they free some). `cached`: start
         after the longest prefix the cache holds (under `salt`), whose rows are NaN."""
-        pages, kv = self.executor.pages, self.executor.kv_config
-        hashes, hits = self._lookup(ids, salt) if cached else (None, [])
-        # The scoring pass has a state slot of its own, past the requests' ones.
-        active = _Active(None, pages.pages_for(len(ids)) - len(hits), kv.first_snapshot - 1)
-        if not pages.admit(hits, active.reserved):
+        lease = self.kv.admit(ids, len(ids), cache=cached, salt=salt)
+        if lease is None:
             return None
-        active.pages, active.offset = list(hits), len(hits) * pages.page_size
-        if hits and pages.snapshots:
-            active.source = pages.snapshots.pin(hashes[len(hits) - 1])
-        hit, out = active.offset, []
+        # The scoring pass has a state slot of its own, past the requests' ones.
+        slot = np.array([self.kv.config.first_snapshot - 1], np.int32)
+        offset, out = lease.cached_tokens, []
         try:
-            while active.offset < len(ids):
-                T = self.shapes.score_chunk_for(len(ids) - active.offset)
-                seg = ids[active.offset : active.offset + T]
+            while offset < len(ids):
+                T = self.shapes.score_chunk_for(len(ids) - offset)
+                seg = ids[offset : offset + T]
                 tokens = np.zeros((1, T), np.int32)
                 tokens[0, : len(seg)] = seg
-                self._grow(active, active.offset + len(seg))
-                view = KVView(
-                    self._table([active], 1),
-                    np.array([active.offset], np.int32),
-                    np.array([len(seg)], np.int32),
-                    np.array([active.slot], np.int32),
-                )
-                if kv.snapshots:
-                    source = active.slot if active.source < 0 else active.source
-                    view = view.replace(source=np.array([source], np.int32))
+                self.kv.grow(lease, offset + len(seg))
+                at, length = np.array([offset], np.int32), np.array([len(seg)], np.int32)
+                view = self.kv.view([lease], 1, at, length, slot)
                 (logits,) = self.executor.run("score", Chunk(tokens, view))
                 out.append(np.asarray(logits)[0, : len(seg)])
-                active.offset += len(seg)
-                if active.source >= 0:
-                    pages.snapshots.unpin(active.source)
-                    active.source = -1
+                offset += len(seg)
+                self.kv.started(lease)
         finally:
-            pages.release(active.pages, active.reserved)
-            if active.source >= 0:
-                pages.snapshots.unpin(active.source)
-        skipped = np.full((hit, out[0].shape[1]), np.nan, np.float32)
+            self.kv.release(lease)
+        skipped = np.full((lease.cached_tokens, out[0].shape[1]), np.nan, np.float32)
         return np.concatenate([skipped, *out], axis=0)
 
 
