@@ -463,7 +463,7 @@ def test_serve_command_errors(capsys, tmp_path):
 
 def test_tools_on_a_template_without_a_call_format_and_a_bad_schema_are_clear_400s(client):
     """This server's template (Llama 2 style) writes no tool calls; structured output and
-    plain chat still work beside the refusals (tests/test_structured.py has the rest)."""
+    plain chat still work beside the refusals (tests/runtime/test_structured.py has the rest)."""
     ask = [{"role": "user", "content": "What is the weather in Paris?"}]
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}}}}}  # fmt: skip

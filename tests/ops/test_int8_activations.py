@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 from support.models import model_path
 
-FIXTURES = Path(__file__).parent / "fixtures" / "llama_cpp_int8"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "llama_cpp_int8"
 REFERENCE = json.loads((FIXTURES / "reference.json").read_text())
 NEAR_TIE = 0.3  # what a flip in an early token's keys moved later logits by: up to 0.2
 NOISE = 1e-4  # float32 noise between the two stacks' logits: measured at most 6.2e-6

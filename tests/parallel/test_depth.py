@@ -1,7 +1,7 @@
 """Depth-shared layers (parallel/runs.py, parallel/depth.py): the runs a layer sequence is cut
 into, written from the rule; a program whose size does not grow with depth; and the same
 tokens as every layer traced on its own (the float64 references and the fixtures' golden ids
-run through the shared path by default: tests/test_model.py, test_hybrid.py, test_moe.py)."""
+run through the shared path by default: tests/model/test_model.py, test_hybrid.py, test_moe.py)."""
 
 from pathlib import Path
 
@@ -12,7 +12,7 @@ from support.models import model_path
 import jaxinfer
 from jaxinfer.parallel.runs import Run, layer_runs
 
-Q4_K_M = Path(__file__).parent / "fixtures" / "llama_cpp_int8" / "model-Q4_K_M.gguf"
+Q4_K_M = Path(__file__).resolve().parents[1] / "fixtures" / "llama_cpp_int8" / "model-Q4_K_M.gguf"
 
 
 def q4_k_m_pattern(n: int) -> list[str]:

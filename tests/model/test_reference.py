@@ -13,7 +13,7 @@ from support import checkpoints as C
 from support import reference as R
 from support.models import GOLDEN
 
-MODELS = Path(__file__).resolve().parents[1].parent / "shared" / "models"
+MODELS = Path(__file__).resolve().parents[2].parent / "shared" / "models"
 STORIES_HF = MODELS / "stories260K-hf-derived"
 
 GOLDEN_IDS = GOLDEN  # published greedy ids (conftest)

@@ -213,7 +213,7 @@ def test_neon_equals_scalar_under_qemu(tmp_path):
         flags = next(v.flags for v in build.VARIANTS if v.name == variant)
         builds[variant] = subprocess.Popen(
             [CROSS, *build.FLAGS, *flags, "-O1", "-static", f"-I{jax.ffi.include_dir()}",
-             f"-I{build.SOURCES}", str(Path(__file__).parent / "kernels/variants.cc"),
+             f"-I{build.SOURCES}", str(Path(__file__).parent / "variants.cc"),
              "-o", str(tmp_path / variant)],
             stderr=subprocess.PIPE, text=True,
         )  # fmt: skip

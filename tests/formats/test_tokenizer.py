@@ -13,7 +13,7 @@ from jaxinfer.errors import CheckpointError, UnsupportedModelError
 from jaxinfer.formats import gguf_file
 from jaxinfer.formats.tokenizer import Tokenizer
 
-MODELS = Path(__file__).resolve().parents[1].parent / "shared" / "models"
+MODELS = Path(__file__).resolve().parents[2].parent / "shared" / "models"
 GGUF_PATH = MODELS / "stories260K-gguf" / "stories260K.gguf"
 HF_DIR = MODELS / "stories260K-hf-derived"
 

@@ -13,7 +13,7 @@ import jaxinfer
 from jaxinfer.errors import UnsupportedModelError
 from jaxinfer.formats import gguf_file
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 FILES = [
     STORIES,
     "tiny-random/qwen3_5_moe_l3f1_e8k2_mtp/model-q8_0.gguf",
