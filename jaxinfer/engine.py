@@ -127,7 +127,7 @@ class Engine:
         """A scheduler over a new, empty KV pool (`self.kv`) for the executor's layout."""
         self.kv = KVManager(
             self.kv_config, self.executor.page_bytes, prefix_cache=self.options.prefix_cache,
-            model_id=self.model_id, mtp=self.executor.runner.mtp,
+            model_id=self.model_id, mtp=self.executor.runner.mtp is not None,
         )  # fmt: skip
         return Scheduler(
             self.executor, self.kv, self.shapes, self._perf, self._clock,

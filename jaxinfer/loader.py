@@ -11,6 +11,7 @@ import hashlib
 import time
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -185,7 +186,9 @@ def session(model, o: EngineOptions, fingerprint: str) -> str:
     return hashlib.sha256(f"{ident}\n{options!r}\n{fingerprint}".encode()).hexdigest()[:32]
 
 
-def _speculative(how, k, cfg: ModelConfig, tokenizer: Tokenizer, dtypes, model: str):
+def _speculative(
+    how, k, cfg: ModelConfig, tokenizer: Tokenizer, dtypes: tuple[Any, Any, str, bool], model: str
+):
     """The speculative config and, for a draft model, its placer (layout, devices) ->
     Placement (`dtypes`: the compute and KV dtypes, the activations' type, shared layers); a
     bad choice raises here, before anything is placed."""

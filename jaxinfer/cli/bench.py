@@ -18,7 +18,9 @@ import json
 import statistics
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -103,7 +105,7 @@ def _ids(n: int, r: int) -> list[int]:
 def _timed(engine: Engine, test: str, n: int, slots: int, depth: int = 0) -> tuple[float, int]:
     """(seconds, tokens) of one run of the test, after `depth` tokens in the context (as
     llama-bench's -d: the depth's own prefill is not timed)."""
-    kw = dict(temperature=0, ignore_eos=True)
+    kw: dict[str, Any] = dict(temperature=0, ignore_eos=True)
     one = slots == 1
     if test == "pp":
         prompts = [_ids(depth + n, r) for r in range(slots)]
@@ -134,7 +136,7 @@ def run_bench(
     prompts: list[int],
     gens: list[int],
     repeats: int,
-    depths: list[int] = (0,),
+    depths: Sequence[int] = (0,),
     layouts: list[str],
     devices: list[int | None],
     slots: list[int],
@@ -153,6 +155,7 @@ def run_bench(
         wbytes = weight_bytes(engine)
         for test, n, depth in tests:
             _timed(engine, test, n, n_slots, depth)  # warm-up: compiles what the test uses
+            counts: Counter[str]
             rates, counts = [], Counter()
             for _ in range(repeats):
                 engine.reset_perf()  # per repeat: _timed reads the prompt's time

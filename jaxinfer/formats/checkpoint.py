@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import overload
 
 import numpy as np
 
@@ -71,6 +72,7 @@ class Checkpoint:
 
     def stored_type(self, path: ParamPath) -> str:
         """The type the file stores a parameter in (needs `types`)."""
+        assert self.types is not None  # the caller's checkpoint has types (GGUF)
         return self.types(self.name(path))
 
     def stored(self, name: str) -> Tensor:
@@ -81,6 +83,17 @@ class Checkpoint:
         return self.read(name) if kept is None else kept
 
 
+def _stored_array(ck: Checkpoint, name: str) -> np.ndarray:
+    """A tensor as stored by a format without block forms (HF): always an array."""
+    w = ck.stored(name)
+    assert isinstance(w, np.ndarray), name  # only GGUF checkpoints have `blocks`
+    return w
+
+
+@overload
+def _shaped(name: str, w: np.ndarray, shape: tuple[int, ...]) -> np.ndarray: ...
+@overload
+def _shaped(name: str, w: Tensor, shape: tuple[int, ...]) -> Tensor: ...
 def _shaped(name: str, w: Tensor, shape: tuple[int, ...]) -> Tensor:
     if w.size != math.prod(shape):  # exact: np.prod wraps around on a corrupt, huge shape
         raise CheckpointError(
@@ -132,7 +145,7 @@ def _query_or_gate(half: int):
 
 def _centred(ck: Checkpoint, path: ParamPath, shape: tuple[int, ...]) -> Tensor:
     """A zero-centred RMSNorm: HF stores w, GGUF (and jaxinfer) 1 + w."""
-    return ck.stored(ck.name(path)) + 1.0
+    return _stored_array(ck, ck.name(path)) + 1.0
 
 
 def _gguf_experts(ck: Checkpoint, path: ParamPath, shape: tuple[int, ...]) -> Tensor:
@@ -167,7 +180,7 @@ def _hf_experts(ck: Checkpoint, path: ParamPath, shape: tuple[int, ...]) -> Tens
     out = np.empty(shape, np.float32)
     for e in range(shape[0]):
         name = ck.name((*path, e))
-        out[e] = _shaped(name, ck.stored(name), shape[1:])
+        out[e] = _shaped(name, _stored_array(ck, name), shape[1:])
     return out
 
 
@@ -215,7 +228,7 @@ def _ba(ck: Checkpoint, path: ParamPath, shape: tuple[int, ...]) -> Tensor:
 def _minus_exp(ck: Checkpoint, path: ParamPath, shape: tuple[int, ...]) -> Tensor:
     """HF stores A_log; the decay is a = -exp(A_log), in float64 then rounded: float32 exp is an
     ulp off on some values."""
-    return (-np.exp(ck.stored(ck.name(path)).astype(np.float64))).astype(np.float32)
+    return (-np.exp(_stored_array(ck, ck.name(path)).astype(np.float64))).astype(np.float32)
 
 
 def _untiled(per_head: str | int, rows: Conversion = _as_stored):

@@ -392,6 +392,7 @@ def open_gguf(file: Path) -> Checkpoint:
         if fmt is None or len(t.shape) < 2 or int(t.shape[0]) % fmt.block:
             return None
         shape = tuple(int(n) for n in reversed(t.shape))  # GGUF ne [in, out, ...]
+        assert fmt.ggml is not None  # GGML_FORMATS holds only formats with a GGUF type
         try:
             kept = split_blocks(fmt.ggml, t.data, shape)  # views of the mapped file
         except ValueError as e:

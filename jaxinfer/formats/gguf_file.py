@@ -14,14 +14,14 @@ import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
 try:
     from numpy.lib.array_utils import byte_bounds
 except ImportError:  # numpy < 2
-    from numpy import byte_bounds
+    from numpy import byte_bounds  # type: ignore[attr-defined,no-redef]  # numpy 1.x only
 
 from ..errors import CheckpointError, UnsupportedModelError
 
@@ -111,11 +111,11 @@ def read(file: Path) -> GGUFFile:
     if size < 24:
         raise corrupt(f"{size} bytes is shorter than a GGUF header")
     mapped = np.memmap(file, np.uint8, mode="r")
-    data = memoryview(mapped)
+    data = memoryview(mapped)  # type: ignore[arg-type]  # numpy stubs: __buffer__ on 3.12+ only
     if bytes(data[:4]) != b"GGUF":
         raise CheckpointError(f"{where} does not start with 'GGUF'; is it a GGUF file?")
     # a version whose low half is zero: a big-endian file, which gguf-py reads too
-    order = "<" if int.from_bytes(data[4:8], "little") & 0xFFFF else ">"
+    order: Literal["<", ">"] = "<" if int.from_bytes(data[4:8], "little") & 0xFFFF else ">"
     (version,) = struct.unpack_from(order + "I", data, 4)
     if version not in (2, 3):
         raise corrupt(f"GGUF version {version} (jaxinfer reads versions 2 and 3)")

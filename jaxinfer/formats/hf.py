@@ -64,6 +64,7 @@ def moe_fields(cfg: dict[str, Any], n_layers: int) -> dict[str, Any]:
     n_experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
     if not n_experts:
         return {}
+    dense: tuple[int, ...]
     if cfg.get("model_type") == "mixtral":  # softmax then top-k then renormalize
         width, norm, shared, step, dense = int(cfg["intermediate_size"]), True, 0, 1, ()
     else:

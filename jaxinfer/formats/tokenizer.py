@@ -252,7 +252,8 @@ class Tokenizer:
         # BOS is added here rather than by the tokenizer.json post-processor, so that one rule
         # (add_bos) holds for every kind and templates that also append EOS are ignored.
         ids = self.backend.encode(text, add_special_tokens=False).ids
-        return [self.bos_id, *ids] if self.add_bos else ids
+        # add_bos implies a BOS id (__init__)
+        return [self.bos_id, *ids] if self.add_bos and self.bos_id is not None else ids
 
     def decode(self, ids) -> str:
         """Text of `ids` (any int sequence, e.g. a numpy row); special tokens are skipped."""
@@ -282,7 +283,7 @@ class StreamDecoder:
     def __init__(self, tokenizer: Tokenizer, context: Sequence[int] = ()) -> None:
         self._tokenizer = tokenizer
         self._reset()
-        self._ids = [int(i) for i in context]
+        self._ids: list[int] = [int(i) for i in context]
         self._read = len(self._ids)
         self._emitted = len(tokenizer.decode(self._ids))
 
@@ -292,7 +293,7 @@ class StreamDecoder:
         # tokens of the last returned chunk, whose text is cut off the window's text. Starting
         # the window one chunk back keeps context-dependent decoding (the leading-space strip,
         # byte runs) the same as in a full decode.
-        self._ids: list[int] = []
+        self._ids = []
         self._start = 0
         self._read = 0
         self._emitted = 0  # characters returned so far
@@ -332,7 +333,7 @@ def _build_spm(
     )
     # SentencePiece sees spaces as "▁" and, like llama.cpp, adds a dummy-prefix space so the
     # first word is tokenized like any other ("▁Once", not "Once").
-    steps = [normalizers.Replace(" ", _SPM_SPACE)]
+    steps: list[normalizers.Normalizer] = [normalizers.Replace(" ", _SPM_SPACE)]
     decode_steps = [decoders.Replace(_SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
     if add_prefix_space:
         steps.insert(0, normalizers.Prepend(_SPM_SPACE))

@@ -152,7 +152,7 @@ def expert_products(ws, whole: bool) -> Callable | None:
 
 
 def _grouped_products(xs, ws, counts) -> list:
-    outs = [None] * len(ws)
+    outs: list[jax.Array | None] = [None] * len(ws)
     groups: dict[tuple[str, str], list[int]] = {}
     for i, w in enumerate(ws):
         groups.setdefault((w.fmt, w.acts), []).append(i)

@@ -51,7 +51,7 @@ def _kernel(start_ref, length_ref, table_ref, q_ref, k_ref, v_ref, m_ref, l_ref,
     n_keys = start + jnp.maximum(length, 1)  # a row's keys, its chunk's included
     last = jnp.minimum(start + (first_q + BQ - 1) // G + 1, n_keys)  # this block's last + 1
     end = jnp.minimum(pl.cdiv(last, page), table_ref.shape[0])
-    begin = 0
+    begin: int | jax.Array = 0
     if window:
         begin = jnp.maximum(start + first_q // G - window + 1, 0) // page
     split = pl.program_id(3) * per_split  # this program's pages: [split, split + per_split)

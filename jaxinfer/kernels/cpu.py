@@ -136,7 +136,7 @@ def _choose() -> Status:
         if why:
             raise SetupError(f"{ENV}={forced}: {why}; unset it to use the best variant that runs")
         return Status(forced)
-    skipped = []
+    skipped: list[tuple[str, str]] = []
     for variant in build.VARIANTS:
         why = missing(variant) or _load(variant)
         if why is None:
@@ -273,7 +273,7 @@ def matmuls(x: jax.Array, fmt: str, weights, out_features, norm=None, int8: bool
     variant = _in_use()
     extra = () if norm is None else (norm[0].astype(jnp.float32),)
     eps = np.float32(0.0 if norm is None else norm[1])
-    outs = []
+    outs: list[jax.Array] = []
     for at in range(0, len(weights), MAX_WEIGHTS):
         group, sizes = weights[at : at + MAX_WEIGHTS], out_features[at : at + MAX_WEIGHTS]
         call = jax.ffi.ffi_call(
@@ -293,7 +293,7 @@ def grouped_matmuls(x: jax.Array, counts: jax.Array, fmt: str, weights, out_feat
     -> [f32 [A, O_w]]: expert e's rows times its weight, read in place; experts without rows
     are not read; rows from sum(counts) on are 0. `int8` and `layer` as in matmuls."""
     variant = _in_use()
-    outs = []
+    outs: list[jax.Array] = []
     for at in range(0, len(weights), MAX_WEIGHTS):
         group, sizes = weights[at : at + MAX_WEIGHTS], out_features[at : at + MAX_WEIGHTS]
         call = jax.ffi.ffi_call(

@@ -199,7 +199,8 @@ def recurrent(q, k, v, g, beta, S):
     [B, T, H], S [B, H, DK, DV] (float32) -> o [B, T, H, DV], states [B, T, H, DK, DV]."""
 
     def body(S, xs):
-        o, S = recurrent_step(*xs, S)
+        q_t, k_t, v_t, g_t, beta_t = xs  # one token's (named: mypy rejects *xs before S)
+        o, S = recurrent_step(q_t, k_t, v_t, g_t, beta_t, S)
         return S, (o, S)
 
     xs = tuple(jnp.swapaxes(a, 0, 1) for a in (q, k, v, g, beta))  # [T, B, ...]

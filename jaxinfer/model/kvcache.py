@@ -16,6 +16,7 @@ queries per kv head.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -122,6 +123,10 @@ class KVView:
     kernel: bool = struct.field(pytree_node=False, default=False)
     page: int = struct.field(pytree_node=False, default=0)  # positions per page (snapshots)
 
+    if TYPE_CHECKING:  # added by flax.struct.dataclass, which the type checker cannot see
+
+        def replace(self, **updates: Any) -> KVView: ...
+
     def positions(self, T: int) -> jax.Array:
         return self.start[:, None] + jnp.arange(T, dtype=jnp.int32)[None]  # [B, T]
 
@@ -133,6 +138,7 @@ class KVView:
         """The snapshot each of the call's tokens t [B, M] (chunk-relative, -1: none) writes
         its state after: snaps at the page it ends where it is real and ends a page, `skip`
         (an index `gdn.put(..., skip=True)` drops) elsewhere."""
+        assert self.snaps is not None  # called only on views with snapshots
         pos = self.start[:, None] + t  # [B, M]
         ends = (t >= 0) & (t < self.length[:, None]) & ((pos + 1) % self.page == 0)
         page = jnp.clip(pos // self.page, 0, self.snaps.shape[1] - 1)

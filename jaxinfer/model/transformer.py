@@ -2,7 +2,8 @@
 
 Weights are stored [out, in] (GGUF order, no transpose at load), one array per layer and weight,
 and the layer loop is written out in Python so XLA sees every layer separately: scanning stacked
-layers makes XLA CPU copy each layer's weights every token (DESIGN.md section 1).
+layers makes XLA CPU copy each layer's weights every token (docs/design.md, "Layers"); the
+depth-shared loop of parallel/depth.py reads stacked weights in place instead.
 Hybrid models (Qwen3-Next, Qwen3.5) replace attention in some layers with Gated DeltaNet
 (`GatedDeltaNet`, its math in gdn.py); their attention layers gate their output and rotate
 only part of each head. Dimension letters: B batch, T tokens, S cache positions, D model,
@@ -134,8 +135,8 @@ class Attention(nnx.Module):
         q, k = rope(q, rope_tab), rope(k, rope_tab)
         q = (q * (1.0 / np.sqrt(H))).reshape(B, T, K, G, H)  # [B, T, K, G, H]
 
-        gate = gate[0].reshape(B, T, K, G, H) if cfg.attn_gate else None
-        out, kv = kvcache.update(q, k, v, kv, view, cfg.sliding_window, gate)  # [B, T, K, G, H]
+        gated = gate[0].reshape(B, T, K, G, H) if cfg.attn_gate else None
+        out, kv = kvcache.update(q, k, v, kv, view, cfg.sliding_window, gated)  # [B, T, K, G, H]
         out = out.reshape(B, T, K * G * H).astype(x.dtype)  # [B, T, N*H]
         return linear(out, self.wo[...]), kv  # [B, T, D]
 
@@ -210,6 +211,7 @@ class GatedDeltaNet(nnx.Module):
         ops = kernels.delta_rule(state[3].shape, view.kernel, stacked=layer is not None)
         in_place = layer is not None and view.slot is None and not keep and T == 1 and ops
         if in_place:
+            assert layer is not None  # in_place implies a layer
             conv_q, conv_k, conv_v = gdn.at_layer(state[:3], layer)
             S = state[3]
         else:
@@ -236,6 +238,7 @@ class GatedDeltaNet(nnx.Module):
         if keep:
             o, S = gdn.recurrent(q, k, v, g, beta, S)  # S [B, T, HV, DK, DV]
         elif in_place:
+            assert ops is not None  # in_place implies kernels
             o, S = ops[0](q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], S, layer=layer)
             o = o[:, None]  # [B, 1, HV, DV]; S the whole stack
         elif T == 1:
@@ -251,6 +254,7 @@ class GatedDeltaNet(nnx.Module):
             o = o.reshape(B, T, HK, HV // HK, DV).swapaxes(2, 3)
         out = linear(o.reshape(B, T, HV * DV).astype(x.dtype), self.wo[...])  # [B, T, D]
         if in_place:
+            assert layer is not None  # in_place implies a layer
             state = (*gdn.set_layer(state[:3], (conv_q, conv_k, conv_v), layer), S)
         else:
             state = gdn.write(state, (conv_q, conv_k, conv_v, S), view.slot, view.keep_at, layer)

@@ -385,5 +385,5 @@ def quantize_int8(w: np.ndarray) -> HostQuant:
     s = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
     q = np.clip(np.rint(w / s), -127, 127).astype(np.int8)
     rows = int(np.prod(w.shape[:-1]))
-    parts = {"q": q.reshape(rows, -1), "s": s.reshape(rows, 1)}
+    parts: dict[str, np.ndarray] = {"q": q.reshape(rows, -1), "s": s.reshape(rows, 1)}
     return HostQuant("int8", parts, np.arange(rows).reshape(w.shape[:-1]), w.shape[-1])

@@ -14,6 +14,7 @@ the chosen token and its MAX_LOGPROBS best, computed only when some row asks).
 from __future__ import annotations
 
 from functools import partial
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -64,6 +65,10 @@ class SamplingRows:
     # None: no masks (the programs always pass one)
     mask: jax.Array | None = None
 
+    if TYPE_CHECKING:  # added by flax.struct.dataclass, which the type checker cannot see
+
+        def replace(self, **updates: Any) -> SamplingRows: ...
+
     @staticmethod
     def row(params: SamplingParams, seed: int, stop_ids: list[int]) -> tuple:
         """One request's packed row; checked here, so a bad request fails at submit."""
@@ -105,7 +110,7 @@ class SamplingRows:
         stops = np.full((batch, N_STOP_IDS), -1, np.int32)
         for b, (f, i, s) in enumerate(rows):
             floats[b], ints[b], stops[b] = f, i, s
-        return SamplingRows(floats, ints, stops)
+        return SamplingRows(floats, ints, stops)  # type: ignore[arg-type]  # host rows, put later
 
 
 def free_mask(batch: int, vocab: int) -> np.ndarray:

@@ -7,9 +7,10 @@ Each unit position's weights are stacked [count, ...] (one array per weight and 
 so are its caches (KV pools [count, P, K, H, page], linear states [count, S, ...]). The loop
 body runs layer `i` of the stack: the CPU kernels take the stacks and the index and read (and
 write) the layer's entry in place (`QArray.layer`, `KVView.layer`): a slice taken out of a
-stack by XLA would be a copy of the layer's weights every step (DESIGN §1 measured a scan over
-stacked layers 2.1-2.5x slower for that reason). Float32 weights are held as "f32" QArrays
-for the same reason; norms, biases and other small parameters are sliced (copies of a few KiB).
+stack by XLA would be a copy of the layer's weights every step (a scan over stacked layers
+decoded 2.1-2.5x slower for that reason: docs/design.md, "Layers"). Float32 weights are held as
+"f32" QArrays for the same reason; norms, biases and other small parameters are sliced (copies
+of a few KiB).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -44,7 +46,7 @@ from ..model.transformer import (
 )
 from ..ops.quant import HostQuant, QArray
 from .hugepages import Arena
-from .pipeline import block_axes, mtp_module, slot_block
+from .pipeline import Kind, block_axes, mtp_module, slot_block
 from .placement import (
     Placement,
     Reader,
@@ -61,14 +63,18 @@ from .sharding import named, spec
 Stored = Callable[[tuple], str]  # a parameter path -> the type its checkpoint stores it in
 
 
-def layer_signatures(cfg: ModelConfig, stored: Stored | None) -> list[tuple]:
+# A layer's signature (runs.py): its kind, and (path, stored type) of each of its matrices
+Signature = tuple[Kind, tuple[tuple[tuple, str], ...]]
+
+
+def layer_signatures(cfg: ModelConfig, stored: Stored | None) -> list[Signature]:
     """Per layer: its kind and, with `stored` (a checkpoint whose weights may differ in type
     from layer to layer: GGUF; parameter path -> the type the file stores it in), the type of
     each of its matrices."""
-    sigs = []
+    sigs: list[Signature] = []
     for i in range(cfg.n_layers):
         kind = cfg.kind(i)
-        formats = ()
+        formats: tuple[tuple[tuple, str], ...] = ()
         if stored is not None:
             paths = [p for p, _ in _flat(slot_block(cfg, kind)) if quantizable(p)]
             formats = tuple((p, stored(("layers", i, *p))) for p in paths)
@@ -80,7 +86,7 @@ def _format(host) -> str:
     return host.fmt if isinstance(host, HostQuant) else str(host.dtype)
 
 
-def _flat(module) -> list:
+def _flat(module) -> nnx.FlatState:
     return nnx.to_flat_state(nnx.state(module))
 
 
@@ -103,7 +109,8 @@ def place_depth(
         host = host.astype(param_dtype(path, dtype), copy=False)
         return for_kernel(path, to_device(host, sharding, arena), True)
 
-    def stacked(run: Run, seg: Segment, path, shape, axes):  # a segment's layers, stacked
+    # a segment's layers, stacked
+    def stacked(run: Run[Signature], seg: Segment[Signature], path, shape, axes):
         layers = run.stacked(seg)
         sharding = named(mesh, P(None, *spec(axes, rules)))
         dt, stacks, first = param_dtype(path, dtype), {}, None
@@ -125,15 +132,17 @@ def place_depth(
                 stacks[k].fill(i, a)
             release_views([a for a, _ in parts.values()])  # copied: the file's pages can go
         if isinstance(first, HostQuant):
-            parts = {k: st.place(sharding) for k, st in stacks.items()}
-            return QArray(parts, first.fmt, first.width, True)
+            placed = {k: st.place(sharding) for k, st in stacks.items()}
+            return QArray(placed, first.fmt, first.width, True)
         return _float_stack(path, stacks["w"].place(sharding))
 
     outer = [("embed", (cfg.vocab_size, cfg.d_model), ("vocab", "embed")),
              ("norm", (cfg.d_model,), ("embed",))]  # fmt: skip
     if not cfg.tie_embeddings:
         outer.append(("lm_head", (cfg.vocab_size, cfg.d_model), ("vocab", "embed")))
-    jobs = {("outer", n): (single, ((n,), shape, axes)) for n, shape, axes in outer}
+    jobs: dict[tuple, tuple[Callable, tuple]] = {
+        ("outer", n): (single, ((n,), shape, axes)) for n, shape, axes in outer
+    }
     if cfg.mtp_layers:  # the MTP head runs after the layers, unstacked
         for path, v in _flat(mtp_module(cfg)):
             jobs["mtp", path] = (single, (("mtp", *path), v.get_value().shape,
@@ -147,7 +156,9 @@ def place_depth(
                                                       axes[path]))  # fmt: skip
     # the arrays copy into place on the CPU's threads at once (numpy copies without the GIL)
     with ThreadPoolExecutor(min(4, os.cpu_count() or 1)) as pool:
-        done = dict(zip(jobs, pool.map(lambda job: job[0](*job[1]), jobs.values()), strict=True))
+        done: dict[tuple, Any] = dict(
+            zip(jobs, pool.map(lambda job: job[0](*job[1]), jobs.values()), strict=True)
+        )
     params: dict = {n: done["outer", n] for n, _, _ in outer}
     if cfg.mtp_layers:
         flat = {path: done[key] for key in done if key[0] == "mtp" for path in [key[1]]}
@@ -205,7 +216,9 @@ def layer_params(tree, i: jax.Array):
     return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, QArray))
 
 
-def depth_runner(cfg: ModelConfig, runs: tuple[Run, ...], kv_dtype, mesh: Mesh, rules) -> Runner:
+def depth_runner(
+    cfg: ModelConfig, runs: tuple[Run[Signature], ...], kv_dtype, mesh: Mesh, rules
+) -> Runner:
     """The runner of depth-shared layers: per run, a loop over its unit's repetitions, and in
     it per segment of the unit its body (a loop of its own where it repeats)."""
     entries = [(run, seg) for run in runs for seg in run.segments]  # one per cache entry
@@ -256,6 +269,7 @@ def depth_runner(cfg: ModelConfig, runs: tuple[Run, ...], kv_dtype, mesh: Mesh, 
     mtp_def = nnx.graphdef(mtp_module(cfg)) if cfg.mtp_layers else None
 
     def draft(params, tokens, hidden, view, kv):
+        assert mtp_def is not None  # drafts only with an MTP head
         head_ = nnx.merge(mtp_def, params["mtp"])
         return mtp_forward(head_, params["embed"], cfg, tokens, hidden, view.replace(kernel=True),
                            kv)  # fmt: skip

@@ -26,7 +26,7 @@ ALIGN = 4096  # each array starts on a page: jax aliases host memory aligned to 
 
 def usable(sharding: jax.sharding.Sharding) -> bool:
     """Whether weights under `sharding` can live in an arena: one CPU device, THP available."""
-    devices = sharding.device_set
+    devices: set[jax.Device] = sharding.device_set
     return len(devices) == 1 and next(iter(devices)).platform == "cpu" and Arena.usable()
 
 

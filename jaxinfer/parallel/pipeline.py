@@ -87,6 +87,7 @@ def stage_plan(cfg: ModelConfig, stages: int) -> StagePlan:
     counts = [base + (s < extra) for s in range(stages)]
     starts = np.cumsum([0, *counts[:-1]])
     runs = [[int(starts[s]) + j for j in range(counts[s])] for s in range(stages)]
+    layer_of: list[list[int]]
     kinds, layer_of = [], [[] for _ in range(stages)]
     at = [0] * stages
     while any(at[s] < counts[s] for s in range(stages)):
@@ -185,20 +186,24 @@ def stack_slot(read: Reader, plan: StagePlan, j: int, path, shape, sharding, dty
     real = [h for h in hosts if h is not None]
     fmts = {h.fmt if isinstance(h, HostQuant) else None for h in real}
     if len(fmts) == 1 and None not in fmts:
-        taken = [h.take() if h is not None else None for h in hosts]
+        # every real layer's is a HostQuant (one format, not float)
+        taken = [h.take() if isinstance(h, HostQuant) else None for h in hosts]
         ref = next(t for t in taken if t is not None)
-        parts = {  # [pp, ...]: the stages' parts, zeros (dequantizing to 0) where no layer
+        stacked = {  # [pp, ...]: the stages' parts, zeros (dequantizing to 0) where no layer
             k: np.stack([t[k] if t is not None else np.zeros_like(v) for t in taken])
             for k, v in ref.items()
         }
-        parts = {k: (v, v.shape) for k, v in parts.items()}
-        return put_quant(("layers", *path), parts, real[0], sharding, kernel, lead=1)
+        parts = {k: (v, v.shape) for k, v in stacked.items()}
+        first = real[0]
+        assert isinstance(first, HostQuant)  # as every real layer's
+        return put_quant(("layers", *path), parts, first, sharding, kernel, lead=1)
     if fmts != {None}:  # mixed formats: this slot is read in float
         hosts = [read(("layers", n, *path), shape) if n >= 0 else None for n in layers]
 
     def stage_slice(index):
         stage = index[0].start or 0  # one stage per device along pp
         host = hosts[stage]
+        assert not isinstance(host, HostQuant)  # a slot read in float
         host = np.zeros(shape, dt) if host is None else host.astype(dt, copy=False)
         return host[None][(slice(0, 1), *index[1:])]
 
@@ -304,6 +309,7 @@ def pipeline_runner(cfg: ModelConfig, mesh: Mesh, rules: dict, kv_dtype) -> Runn
     mtp = mtp_caches(cfg, kv_dtype)
 
     def draft(params, tokens, hidden, view, kv):
+        assert mtp_def is not None  # drafts only with an MTP head
         head = nnx.merge(mtp_def, params["mtp"])
         return mtp_forward(head, params["embed"], cfg, tokens, hidden, view, kv)
 

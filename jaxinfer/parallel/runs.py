@@ -14,27 +14,30 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 MAX_UNIT = 8  # the longest unit looked for (Qwen3.5's is 4, a Q4_K_M pattern over it 12)
 
+Sig = TypeVar("Sig", bound=Hashable)  # a layer's signature (depth.py: its kind and formats)
+
 
 @dataclass(frozen=True)
-class Segment:
+class Segment(Generic[Sig]):
     """Positions offset .. offset + repeat - 1 of a unit, all of one signature: one traced
     body, run `repeat` times in a row (Qwen3.5's unit: 3 linear layers, then attention)."""
 
-    signature: Hashable
+    signature: Sig
     offset: int
     repeat: int
 
 
 @dataclass(frozen=True)
-class Run:
+class Run(Generic[Sig]):
     """Layers first .. first + len(unit) * count - 1: `unit` (one signature per position)
     `count` times."""
 
     first: int
-    unit: tuple[Hashable, ...]
+    unit: tuple[Sig, ...]
     count: int
 
     @property
@@ -50,9 +53,9 @@ class Run:
         return range(self.first, self.first + self.width * self.count)
 
     @property
-    def segments(self) -> tuple[Segment, ...]:
+    def segments(self) -> tuple[Segment[Sig], ...]:
         """The unit's runs of one signature."""
-        out: list[Segment] = []
+        out: list[Segment[Sig]] = []
         for j, sig in enumerate(self.unit):
             if out and out[-1].signature == sig:
                 last = out[-1]
@@ -61,13 +64,13 @@ class Run:
                 out.append(Segment(sig, j, 1))
         return tuple(out)
 
-    def stacked(self, segment: Segment) -> list[int]:
+    def stacked(self, segment: Segment[Sig]) -> list[int]:
         """A segment's layers in stack order: entry i * repeat + k is repetition i's k-th."""
         return [self.layer(i, segment.offset + k) for i in range(self.count)
                 for k in range(segment.repeat)]  # fmt: skip
 
 
-def layer_runs(signatures: Sequence[Hashable], max_unit: int = MAX_UNIT) -> tuple[Run, ...]:
+def layer_runs(signatures: Sequence[Sig], max_unit: int = MAX_UNIT) -> tuple[Run[Sig], ...]:
     """The layers cut into runs, greedily from the first: at each layer the unit (up to
     `max_unit` layers) whose repetitions cover the most layers, the shorter unit on a tie; a
     layer that starts no repetition is a run of one."""

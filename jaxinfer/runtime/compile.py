@@ -6,7 +6,7 @@ over, the mesh, and the leaves of the leading arguments (parameters, KV pools), 
 per placement. A hit is a graph reuse. A miss compiles ahead of time
 (`jit(fn).lower(*args).compile()`). Compiles of the warmup plan are planned; any other compile
 after a program's first is a recompile, classified against what that program compiled before
-(DESIGN.md section 2) and reported to the listeners as a `RecompileEvent`.
+(docs/compiling.md) and reported to the listeners as a `RecompileEvent`.
 
 With an executable store (store.py), a key this cache has never held is looked up there before
 it compiles, and what compiles is saved there: a later process loads the executable instead of
@@ -276,6 +276,7 @@ class CompileCache:
 
     def _store_key(self, key: tuple, labelled: tuple, donate, out) -> str:
         """The store's key: the environment, then everything the compile depends on."""
+        assert self.store is not None  # only called with a store
         ctx = self._contexts[key[1]]
         return "\n".join([
             self.store.fingerprint, f"program {key[0]}", f"static {ctx.static!r}",
@@ -333,7 +334,11 @@ class CompileCache:
         return compiled
 
     def compile_planned(
-        self, jobs: list[Job], *, workers: int = 0, on_done: Callable[[Job, float], None] = None
+        self,
+        jobs: list[Job],
+        *,
+        workers: int = 0,
+        on_done: Callable[[Job, float], None] | None = None,
     ) -> dict[str, tuple[int, float]]:
         """Compile the warmup plan (what is not cached yet; what the store holds loads instead)
         in a thread pool: XLA compiles release the GIL. Planned compiles are not recompiles:
@@ -513,19 +518,19 @@ _LOCK = threading.Lock()
 _INSTALLED = False
 
 
-def _on_duration(name, _secs, **_kw):
+def _on_duration(event: str, duration_secs: float, **_kw: str | int) -> None:
     counts = _THREAD.counts
-    if counts is not None and name == _BACKEND_COMPILE and not TRACKING.inside:
+    if counts is not None and event == _BACKEND_COMPILE and not TRACKING.inside:
         with _LOCK:
             counts.untracked += 1
 
 
-def _on_event(name, **_kw):
+def _on_event(event: str, **_kw: str | int) -> None:
     counts = _THREAD.counts
-    if counts is None or name not in (_CACHE_HIT, _CACHE_MISS):
+    if counts is None or event not in (_CACHE_HIT, _CACHE_MISS):
         return
     with _LOCK:
-        if name == _CACHE_HIT:
+        if event == _CACHE_HIT:
             counts.persistent_hits += 1
         else:
             counts.persistent_misses += 1

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 import jax
 import numpy as np
@@ -53,17 +54,17 @@ class Executor:
         self.mesh = placement.mesh
         self.rules = dict(placement.rules)
         self.runner = placement.runner
-        self.params = placement.params
+        self.params: dict | None = placement.params  # None while a reshard moves the shards
         self.draft = draft
         draft_runner = draft.runner if draft else None
         self.programs: dict[str, Program] = programs(
             self.runner, self.kv_config, self.tokens_per_call, self.cfg.vocab_size, self.spec,
             draft_runner,
         )  # fmt: skip
-        self.kv = None  # the page pools, allocated on first use
+        self.kv: Any = None  # the page pools (a list of per-layer tuples), allocated on first use
         self._replicated = named(self.mesh)
         self._kv_shardings = self.runner.kv_shardings() + (
-            draft_runner.kv_shardings() if draft else self.runner.mtp_kv_shardings()
+            draft_runner.kv_shardings() if draft_runner else self.runner.mtp_kv_shardings()
         )
         shapes = jax.eval_shape(self.programs["cache"].fn)
         self._kv_abstract = jax.tree.map(
@@ -74,7 +75,7 @@ class Executor:
         total = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(shapes))
         self._check_memory(total)
         # Linear layers' state per slot (a pipeline slot holds one per stage); the rest is pages.
-        runners = (self.runner, draft_runner) if draft else (self.runner,)
+        runners = (self.runner, draft_runner) if draft_runner else (self.runner,)
         # each cache entry's layers: a pipeline slot holds one per stage, a depth-shared unit
         # position one per repetition
         copies = [n for r in runners for n in (r.copies or (r.stages,) * len(r.caches))]

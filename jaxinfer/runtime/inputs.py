@@ -3,6 +3,8 @@ shapes) and serving (host arrays): a prompt chunk, and the decode loop's carry."
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, cast
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,8 +16,9 @@ from ..ops.sampling import PENALTY_WINDOW
 I32 = np.int32
 
 
-def abstract(*shape, dtype=I32) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(shape, dtype)
+def abstract(*shape, dtype=I32) -> jax.Array:
+    """A shape and dtype standing in for an array (the lowering reads nothing else)."""
+    return cast(jax.Array, jax.ShapeDtypeStruct(shape, dtype))
 
 
 @struct.dataclass
@@ -51,6 +54,10 @@ class DecodeState:
     # [B, 2] int32 speculation back-off: verify steps in a row that kept no draft, and steps
     # left without drafting (each miss doubles the wait; speculative.backoff)
     backoff: jax.Array
+
+    if TYPE_CHECKING:  # added by flax.struct.dataclass, which the type checker cannot see
+
+        def replace(self, **updates: Any) -> DecodeState: ...
 
     @staticmethod
     def abstract(B: int, history: int = 0) -> DecodeState:

@@ -107,7 +107,8 @@ class KVManager:
         if not self.pool.admit(hits, need):
             return None
         lease = Lease(need, list(hits), len(hits) * self.page_size, salt, hashes, len(hits))
-        if hits and self.snapshots:
+        if hits and self.pool.snapshots:
+            assert hashes is not None  # hits come from a lookup
             lease.source = self.pool.snapshots.pin(hashes[len(hits) - 1])
         if hashes is not None:
             self.pool.queries += len(prompt)
@@ -145,6 +146,7 @@ class KVManager:
     def started(self, lease: Lease) -> None:
         """The lease's first prompt chunk ran: the snapshot it started from is read."""
         if lease.source >= 0:
+            assert self.pool.snapshots is not None  # a source is a pinned snapshot
             self.pool.snapshots.unpin(lease.source)
             lease.source = -1
 
@@ -166,6 +168,7 @@ class KVManager:
             self.pool.register(lease.pages[j], lease.hashes[j])
             slot = lease.pending.pop(j, None)
             if slot is not None:
+                assert self.pool.snapshots is not None  # pending slots are snapshot slots
                 self.pool.snapshots.keep(lease.hashes[j], slot)
             lease.registered += 1
 
@@ -176,6 +179,7 @@ class KVManager:
         lease.reserved = 0
         self.started(lease)  # cancelled before its first chunk: the snapshot is unread
         for slot in lease.pending.values():
+            assert self.pool.snapshots is not None  # pending slots are snapshot slots
             self.pool.snapshots.give(slot)
         lease.pending.clear()
         if lease in self._leases:
@@ -195,6 +199,7 @@ class KVManager:
         (pages ending below position upto[b]), the snapshot slot taken for it (taken now if
         need be); out of range (none) elsewhere."""
         kv, snapshots = self.config, self.pool.snapshots
+        assert snapshots is not None  # only models with snapshots have a snapshot table
         table = np.full((batch, kv.table_width), kv.state_slots, np.int32)
         for b, lease in enumerate(leases):
             if lease.hashes is None:
@@ -220,7 +225,8 @@ class KVManager:
         slots slot [B]; with snapshots, where each row's linear states start from (a prefix
         hit's snapshot, else its slot) and, given `upto`, the snapshot table of the pages the
         chunk fills."""
-        view = KVView(self.table(leases, batch), start, length, slot)
+        table = self.table(leases, batch)
+        view = KVView(table, start, length, slot)  # type: ignore[arg-type]  # host rows, put later
         if not self.snapshots:
             return view
         source = np.array(slot, np.int32)

@@ -77,11 +77,11 @@ def summarize(directory: str | Path, step: str = "decode", top: int = 8) -> dict
     ]  # fmt: skip
     step_us = sum(s["dur"] for s in steps)
     # Ops on different threads can overlap; count each thread's busy time at most once.
-    busy = collections.defaultdict(float)
+    busy: collections.defaultdict[tuple, float] = collections.defaultdict(float)
     for o in in_steps:
         busy[(o.get("pid"), o.get("tid"))] += o["dur"]
     device_us = min(step_us, max(busy.values(), default=0.0))
-    by_op = collections.Counter()
+    by_op: collections.Counter[str] = collections.Counter()
     for o in in_steps:
         by_op[o["name"]] += o["dur"]
     return {

@@ -175,7 +175,8 @@ class Scheduler:
         sampling = self._sampling(rows, B, [active.offset + T >= len(active.state.prompt)
                                             for active in rows])  # fmt: skip
         t0 = self.clock()
-        first, lp = self.executor.run("prefill", Chunk(tokens, view), window, sampling)
+        chunk = Chunk(tokens, view)  # type: ignore[arg-type]  # host rows, put later
+        first, lp = self.executor.run("prefill", chunk, window, sampling)
         first, lp = np.asarray(first), self._logprobs(rows, lp)
         self.perf.prompt_ms += (self.clock() - t0) * 1e3
         self.perf.prompt_tokens += int(length.sum())
@@ -308,7 +309,8 @@ class Scheduler:
             tokens[b], pos[b], left[b], done[b] = active.token, active.pos, active.left, False
             slot[b] = active.slot
         backoff = np.zeros((batch, 2), np.int32)
-        return DecodeState(tokens, pos, left, done, window, slot, history, backoff)
+        host = (tokens, pos, left, done, window, slot, history, backoff)
+        return DecodeState(*host)  # type: ignore[arg-type]  # host rows, put later
 
     def _retire(self, active: _Active) -> None:
         self.kv.release(active.kv)
@@ -336,7 +338,8 @@ class Scheduler:
                 self.kv.grow(lease, offset + len(seg))
                 at, length = np.array([offset], np.int32), np.array([len(seg)], np.int32)
                 view = self.kv.view([lease], 1, at, length, slot)
-                (logits,) = self.executor.run("score", Chunk(tokens, view))
+                chunk = Chunk(tokens, view)  # type: ignore[arg-type]  # host rows, put later
+                (logits,) = self.executor.run("score", chunk)
                 out.append(np.asarray(logits)[0, : len(seg)])
                 offset += len(seg)
                 self.kv.started(lease)

@@ -196,6 +196,7 @@ def model_drafts(loop: Loop, s: DecodeState, live, pick, draft_kv):
     before the pending input token."""
     setup = loop.setup
     draft, K, axis = setup.draft, setup.spec.k, setup.runner.state_axis
+    assert draft is not None  # called only with a draft model
     B, T = s.tokens.shape[0], K + 1
 
     def one(t, carry):  # the draft's greedy step t: input x_t at pos + t
@@ -251,10 +252,10 @@ def score_drafts(loop: Loop, s: DecodeState, kv, window, drafts, count, pick):
     tokens = jnp.concatenate([s.tokens[:, None], drafts], axis=1)  # [B, T]
     view = KVView(loop.table, s.pos, jnp.where(live, 1 + count, 0), None, pick, jnp.int32(0))
     h, kv = runner.forward(loop.params, tokens, view, kv)  # [B, T, D]
-    windows = [window]  # the penalty window each position sees: the input token's, + drafts
+    seen = [window]  # the penalty window each position sees: the input token's, + drafts
     for t in range(K):
-        windows.append(ring_put(windows[-1], s.pos + 1 + t, drafts[:, t, None], live.astype(I32)))
-    windows = jnp.stack(windows, axis=1)  # [B, T, W]
+        seen.append(ring_put(seen[-1], s.pos + 1 + t, drafts[:, t, None], live.astype(I32)))
+    windows = jnp.stack(seen, axis=1)  # [B, T, W]
     positions = s.pos[:, None] + 1 + jnp.arange(K + 1)[None]  # [B, T] of the tokens predicted
     logits = runner.head(loop.params, h)  # [B, T, V]
     new, n = accept(logits, windows, sampling, positions, drafts, count)
@@ -329,7 +330,7 @@ def verify(
     loop = Loop(setup, params, draft_params, table, sampling, snaps)
     B = state.tokens.shape[0]
     pools, draft_pools = kv, draft_kv
-    carried = ()  # with snapshots, the linear pools they are written into
+    carried: tuple = ()  # with snapshots, the linear pools they are written into
     if snaps is not None:
         carried = (linear_pools(setup, kv), linear_pools(setup, draft_kv, "draft"))
     # The draft keeps one more state: index T, its state before the pending input token.

@@ -83,6 +83,7 @@ def cache(setup: Setup):
 def mtp_rows(setup: Setup, params, mtp_kv, hidden, tokens, view: KVView):
     """The MTP head over rows view.start + t (hidden [B, T, D] the model's at those
     positions, tokens [B, T] the tokens after them) -> its outputs [B, T, D], its kv."""
+    assert setup.runner.mtp is not None  # called only with an MTP head
     g, pools = setup.runner.mtp(params, jnp.maximum(tokens, 0), hidden, view, mtp_kv[0])
     return g, [pools, *mtp_kv[1:]]
 
@@ -164,6 +165,7 @@ def mtp_prefill(setup: Setup, params, mtp_kv, h, tokens, view: KVView):
     (its last row, paired with the token after the page, was written before the page was
     cached: the scheduler registers an MTP model's pages one position late)."""
     B, T = tokens.shape
+    assert view.slot is not None  # a prompt chunk's rows have slots
     (waiting,) = gdn.take(mtp_kv[1], view.slot)  # [B, D]
     first = view.start == 0  # no row before: the prompt's first token, or a hit
     if view.source is not None:

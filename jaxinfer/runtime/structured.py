@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import llguidance
 import llguidance.gbnf_to_lark
@@ -23,7 +24,10 @@ from ..formats.tokenizer import Tokenizer
 from ..ops.sampling import mask_words
 from ..options import SamplingParams
 
-JSON_OPTIONS = {"whitespace_pattern": r"(?: |\n[ \t]{0,20})?"}
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # a TypedDict of the stubs only
+
+JSON_OPTIONS: JsonCompileOptions = {"whitespace_pattern": r"(?: |\n[ \t]{0,20})?"}
 LARK = "%llguidance"  # a grammar that starts so is llguidance's Lark, else GBNF (llama.cpp's rule)
 
 

@@ -263,7 +263,7 @@ def _call(call, *keys: str) -> tuple[str, dict] | None:
             return None
     if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
         return None
-    arguments = next((call[key] for key in keys if key in call), {})
+    arguments: object = next((call[key] for key in keys if key in call), {})
     return (call["name"], arguments) if isinstance(arguments, dict) else None
 
 
