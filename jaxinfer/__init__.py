@@ -21,7 +21,7 @@ if TYPE_CHECKING:
         UnsupportedModelError,
     )
     from .loader import generate, load
-    from .options import EngineOptions, SamplingParams
+    from .options import EngineOptions, SamplingParams, ServerOptions
     from .runtime.compile import RecompileEvent
     from .runtime.perf import PerfStats
     from .runtime.request import Request, Result, StreamPiece, TokenLogprob
@@ -41,6 +41,7 @@ _SOURCES = {  # public name -> the submodule that defines it
     "RequestError": "errors",
     "Result": "runtime.request",
     "SamplingParams": "options",
+    "ServerOptions": "options",
     "StreamPiece": "runtime.request",
     "TokenLogprob": "runtime.request",
     "UnsupportedModelError": "errors",
@@ -62,6 +63,7 @@ __all__ = [
     "RequestError",
     "Result",
     "SamplingParams",
+    "ServerOptions",
     "StreamPiece",
     "TokenLogprob",
     "UnsupportedModelError",

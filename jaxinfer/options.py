@@ -331,3 +331,47 @@ def _index(value) -> int:
     if isinstance(value, bool):
         raise TypeError("a bool is not a token id")
     return operator.index(value)
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """What `jaxinfer serve` (serve.server.Server) takes besides the model and the engine's
+    options: where it listens, who may call it and what it shows. Frozen; each value is
+    checked here, once (a one-line JaxinferError)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8080  # 0: any free port (Server.port tells which)
+    api_key: str | None = None  # every route but /health and /metrics asks "Bearer <key>"
+    alias: str | None = None  # the model's name in answers and /v1/models (default: its own)
+    chat_template: str | None = None  # Jinja source in place of the model's
+    slots_endpoint: bool = True  # GET /slots (it shows the prompts being served)
+    progress: bool = False  # warmup progress on stderr
+
+    def __post_init__(self):
+        if not isinstance(self.host, str) or not self.host:
+            raise JaxinferError(f"--host {self.host!r} is invalid; give a host name or address")
+        if not _is_int(self.port) or not 0 <= self.port <= 65535:
+            raise JaxinferError(
+                f"--port {self.port!r} is invalid; use 0..65535 (0 = any free port)"
+            )
+        for name in ("api_key", "alias", "chat_template"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise JaxinferError(f"{name} must be a non-empty string or None, not {value!r:.40}")
+        object.__setattr__(self, "slots_endpoint", bool(self.slots_endpoint))
+        object.__setattr__(self, "progress", bool(self.progress))
+
+    @staticmethod
+    def make(options: ServerOptions | None = None, **overrides) -> ServerOptions:
+        """`options`, or the defaults with `overrides` (keywords named like the fields); both
+        at once, or an unknown keyword, is a JaxinferError."""
+        if options is not None and overrides:
+            raise JaxinferError("pass options=ServerOptions(...) or its keywords, not both")
+        if options is not None:
+            if not isinstance(options, ServerOptions):
+                raise JaxinferError(f"options must be a ServerOptions, got {options!r:.60}")
+            return options
+        unknown = set(overrides) - {f.name for f in dataclasses.fields(ServerOptions)}
+        if unknown:
+            raise JaxinferError(f"unknown server option(s): {', '.join(sorted(unknown))}")
+        return ServerOptions(**overrides)

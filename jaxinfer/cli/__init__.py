@@ -297,7 +297,8 @@ def _read(path: str, flag: str) -> str:
     try:
         return Path(path).read_text()
     except (OSError, UnicodeDecodeError) as e:
-        raise JaxinferError(f"{flag} {path}: cannot read it ({e.strerror or e})") from None
+        why = getattr(e, "strerror", None) or e  # a UnicodeDecodeError has no strerror
+        raise JaxinferError(f"{flag} {path}: cannot read it ({why})") from None
 
 
 def _generate(args) -> None:
@@ -400,6 +401,7 @@ def _generate_run(args) -> None:
 
 
 def _serve(args) -> None:
+    from ..options import ServerOptions
     from ..serve.server import Server
 
     template = None
@@ -416,11 +418,11 @@ def _serve(args) -> None:
         print(f"jaxinfer serve: ready on {server.url}/v1: {e.name} [{e.source}], "
               f"{e.slots} slots, context {e.max_seq_len}", file=sys.stderr, flush=True)  # fmt: skip
 
-    server = Server(
-        lambda: _load(args), host=args.host, port=args.port, api_key=args.api_key,
-        alias=args.alias, chat_template=template, slots_endpoint=args.slots_endpoint,
-        progress=True, on_ready=ready,
+    options = ServerOptions(
+        host=args.host, port=args.port, api_key=args.api_key, alias=args.alias,
+        chat_template=template, slots_endpoint=args.slots_endpoint, progress=True,
     )  # fmt: skip
+    server = Server(lambda: _load(args), options, on_ready=ready)
     print(f"jaxinfer serve: listening on {server.url}; loading {args.model or 'stories260K'} "
           "(/health answers 503 until it is ready)", file=sys.stderr, flush=True)  # fmt: skip
     try:

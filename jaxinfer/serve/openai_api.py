@@ -1,6 +1,8 @@
 """The OpenAI API's completion requests and responses, as plain dicts.
 
-`completion_job` / `chat_job` check a request body and turn it into a `Job`: the prompts as
+This is the one module that checks a request body: `parse_body` reads the JSON (valid
+Unicode, bounded nesting), and `completion_job` / `chat_job` check its fields and turn it into
+a `Job`: the prompts as
 token ids, `n` choices each, and their `SamplingParams` (which check every value: one-line
 RequestErrors). The Job then shapes the answer:
 a whole response, or the chunks of a Server-Sent-Events stream, with OpenAI's logprobs
@@ -10,10 +12,13 @@ a whole response, or the chunks of a Server-Sent-Events stream, with OpenAI's lo
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
 import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..engine import token_ids as engine_token_ids
 from ..errors import RequestError
@@ -101,6 +106,7 @@ class Job:
         TokenLogprobs (None for the first token; the list None without logprobs)."""
         choices = []
         for i, r in enumerate(results):
+            choice: dict[str, Any]  # its message or text and logprobs are set below
             choice = {"index": i, "logprobs": None, "finish_reason": finish_reason(r)}
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": r.text}
@@ -132,7 +138,7 @@ class Job:
         None) or the tool calls it makes. A chat stream opens each choice with its role
         (`opening`)."""
         if self.chat:
-            delta = {} if text is None else {"content": text}
+            delta: dict[str, Any] = {} if text is None else {"content": text}
             if calls:
                 delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
@@ -236,12 +242,57 @@ def error_body(message: str, code: int, kind: str = "invalid_request_error", **e
 # ---- requests ----------------------------------------------------------------------------
 
 
+SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")  # a JSON escape of half a UTF-16 pair
+LONE = re.compile("[\ud800-\udfff]")  # such a half, once parsed
+
+
+def parse_body(raw: bytes) -> Any:
+    """A request's JSON body; its strings are valid Unicode (what the tokenizer takes)."""
+    try:
+        text = raw.decode()  # UTF-8, as RFC 8259 asks
+        body = json.loads(text)
+    except RecursionError:
+        raise RequestError("the request body is nested too deeply") from None
+    except ValueError as e:  # bad JSON or UTF-8, an integer of over 4,300 digits
+        raise RequestError(f"the request body is not valid JSON ({e})") from None
+    if SURROGATE.search(text) and (where := _lone_surrogate(body)) is not None:
+        raise RequestError(
+            f"{where:.80} holds a lone UTF-16 surrogate (a \\uD800-\\uDFFF escape without "
+            "its pair); send valid Unicode text"
+        )
+    return body
+
+
+def _lone_surrogate(body) -> str | None:
+    """Where a parsed JSON value holds a string (or key) with half a UTF-16 pair, which JSON
+    can escape but UTF-8 cannot encode (e.g. "messages[0].content"); None when nowhere."""
+    stack = [("", body)]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, str):
+            if LONE.search(value):
+                return where or "the request body"
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if LONE.search(key):
+                    return f"a key of {where or 'the request body'}"
+                if key.isidentifier():
+                    path = f"{where}.{key}" if where else key
+                else:  # its repr: one printable line
+                    path = f"{where}[{key!r}]"
+                stack.append((path, item))
+        elif isinstance(value, list):
+            stack.extend((f"{where or 'body'}[{i}]", item) for i, item in enumerate(value))
+    return None
+
+
 def completion_job(body, tokenizer: Tokenizer, n_ctx: int, model: str) -> Job:
     """POST /v1/completions: prompt is a string, a list of them, token ids or a list of those."""
     body = _object(body)
     if "prompt" not in body:
         raise RequestError("prompt is required: a string, a list of strings or token ids")
     prompt = body["prompt"]
+    texts: list[str | list]  # strings, or token ids
     if isinstance(prompt, str):
         texts = [prompt]
     elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
@@ -290,6 +341,7 @@ def chat_job(body, template: ChatTemplate | None, n_ctx: int, model: str) -> Job
     forced = grammar(tools, fmt)  # tool_choice required / a named function: a call is forced
     job = _job(body, [ids], n_ctx, model, chat=True, default_max=None, forced=forced)
     if fmt:
+        assert tools is not None  # a tool format is only looked for with tools
         job = job.replace(tool_format=fmt, parallel_tool_calls=tools.parallel)
     return job  # default_max None: the whole context
 
@@ -314,7 +366,7 @@ def _job(
         raise RequestError("stop must be a string or a list of strings")
     sampling = SamplingParams(
         max_new_tokens=max_tokens,
-        stop=stop or (),
+        stop=stop or (),  # type: ignore[arg-type]  # __post_init__ makes a str or list a tuple
         ignore_eos=_get(body, "ignore_eos", bool, False),
         cache_salt=_get(body, "cache_salt", str, None),
         cache_prompt=_get(body, "cache_prompt", bool, True),

@@ -13,11 +13,11 @@ import asyncio
 import hmac
 import json
 import logging
-import re
 import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import Any, cast
 
 import uvicorn
 from starlette.applications import Starlette
@@ -29,7 +29,7 @@ from starlette.routing import Route
 from .. import __version__
 from ..engine import Engine
 from ..errors import JaxinferError, RequestError
-from ..options import SamplingParams
+from ..options import SamplingParams, ServerOptions
 from ..runtime.request import Result, StreamPiece
 from .chat import ChatTemplate
 from .metrics import CONTENT_TYPE, Metrics, engine_snapshot
@@ -41,19 +41,19 @@ from .openai_api import (
     completion_job,
     error_body,
     flag,
+    parse_body,
     token_ids,
 )
 from .openai_api import finish_reason as openai_finish
-from .worker import Worker
+from .worker import Task, Worker
 
 log = logging.getLogger(__name__)
 PUBLIC = ("/health", "/v1/health", "/metrics")  # answered without the API key, as in vLLM
-SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")  # a JSON escape of half a UTF-16 pair
-LONE = re.compile("[\ud800-\udfff]")  # such a half, once parsed
 
 
 class Server:
-    """An HTTP server bound to host:port, its engine loaded by `load` on the engine thread.
+    """An HTTP server bound to options.host:port, its engine loaded by `load` on the engine
+    thread; `options` a ServerOptions, or its fields as keywords (Server(load, port=0)).
 
     `run()` serves until interrupted (the CLI); `start()` / `stop()` serve from a background
     thread (tests, notebooks). Port 0 picks a free port: see `.port`.
@@ -62,25 +62,20 @@ class Server:
     def __init__(
         self,
         load: Callable[[], Engine],
+        options: ServerOptions | None = None,
         *,
-        host: str = "127.0.0.1",
-        port: int = 8080,
-        api_key: str | None = None,
-        alias: str | None = None,
-        chat_template: str | None = None,
-        slots_endpoint: bool = True,
-        progress: bool = False,
         on_ready: Callable[[Server], None] | None = None,
+        **fields,
     ):
-        self.socket = _listen(host, port)
+        o = self.options = ServerOptions.make(options, **fields)
+        self.socket = _listen(o.host, o.port)
         self.host, self.port = self.socket.getsockname()[:2]
         self.worker = Worker(
-            load, progress=progress, on_failure=lambda e: self._shut(),
+            load, progress=o.progress, on_failure=lambda e: self._shut(),
             on_ready=(lambda: on_ready(self)) if on_ready else None,
         )  # fmt: skip
         self.metrics = Metrics()
-        self.app = _App(self, api_key=api_key, alias=alias, chat_template=chat_template,
-                        slots_endpoint=slots_endpoint).build()  # fmt: skip
+        self.app = _App(self).build()
         # log_config=None: uvicorn's dictConfig would replace the host program's logging.
         config = uvicorn.Config(
             self.app, log_config=None, log_level="warning", access_log=False, lifespan="off"
@@ -120,12 +115,13 @@ class Server:
 class _App:
     """The routes, over one Server's worker and metrics."""
 
-    def __init__(self, server: Server, *, api_key, alias, chat_template, slots_endpoint):
+    def __init__(self, server: Server):
+        o = server.options
         self.worker, self.metrics = server.worker, server.metrics
-        self.api_key = api_key
-        self.alias = alias
-        self.slots_endpoint = slots_endpoint  # /slots shows every running prompt: --no-slots
-        self._template_source = chat_template  # overrides the model's
+        self.api_key = o.api_key
+        self.alias = o.alias
+        self.slots_endpoint = o.slots_endpoint  # /slots shows every running prompt: --no-slots
+        self._template_source = o.chat_template  # overrides the model's
         self._template: tuple[ChatTemplate | None, str | None] | None = None
         self.started = int(time.time())
 
@@ -146,7 +142,10 @@ class _App:
             Route("/props", self.guard(self.props), methods=["GET"]),
             Route("/slots", self.guard(self.slots), methods=["GET"]),
         ]
-        handlers = {HTTPException: self.http_error, Exception: self.internal_error}
+        handlers: dict[type[Exception], Callable[..., Any]] = {
+            HTTPException: self.http_error,
+            Exception: self.internal_error,
+        }
         return Starlette(routes=routes, exception_handlers=handlers)
 
     # ---- plumbing -----------------------------------------------------------------------
@@ -189,24 +188,14 @@ class _App:
         return self.error(f"internal error: {type(exc).__name__}: {exc}", 500, "server_error")
 
     async def body(self, request: HTTPRequest):
-        """The parsed JSON body; its strings are valid Unicode (what the tokenizer takes)."""
-        try:
-            text = (await request.body()).decode()  # UTF-8, as RFC 8259 asks
-            body = json.loads(text)
-        except RecursionError:
-            raise RequestError("the request body is nested too deeply") from None
-        except ValueError as e:  # bad JSON or UTF-8, an integer of over 4,300 digits
-            raise RequestError(f"the request body is not valid JSON ({e})") from None
-        if SURROGATE.search(text) and (where := _lone_surrogate(body)) is not None:
-            raise RequestError(
-                f"{where:.80} holds a lone UTF-16 surrogate (a \\uD800-\\uDFFF escape without "
-                "its pair); send valid Unicode text"
-            )
-        return body
+        """The parsed JSON body (openai_api.parse_body)."""
+        return parse_body(await request.body())
 
     @property
     def engine(self) -> Engine:
-        return self.worker.engine  # read-only use here: tokenizer, config, sizes
+        engine = self.worker.engine  # read-only use here: tokenizer, config, sizes
+        assert engine is not None  # its handlers run once the worker is ready (guard)
+        return engine
 
     @property
     def model(self) -> str:
@@ -325,36 +314,12 @@ class _App:
     # ---- one job ------------------------------------------------------------------------
 
     async def serve(self, request: HTTPRequest, job: Job):
-        loop = asyncio.get_running_loop()
-        inbox: asyncio.Queue = asyncio.Queue()
-        metrics = self.metrics
-
-        def sink(index: int, item) -> None:  # on the engine thread
-            if isinstance(item, Result):
-                metrics.finished(item)
-            try:
-                loop.call_soon_threadsafe(inbox.put_nowait, (index, item))
-            except RuntimeError:  # the loop is closed: the server is shutting down
-                pass
-
-        echoed = []  # with echo: per prompt, its text and logprobs (scored on the engine)
-
-        def submit(engine: Engine):  # on the engine thread: every choice, or none
-            made = []
-            try:
-                for ids in job.prompts if job.echo else ():
-                    k = job.sampling.logprobs
-                    lps = None if k is None else engine.prompt_logprobs(ids, k)
-                    echoed.append((engine.detokenize(ids), lps))
-                for ids, sampling in job.submissions():
-                    made.append(engine.submit(list(ids), sampling=sampling, stream=job.stream))
-            except BaseException:
-                for r in made:
-                    r.cancel()
-                raise
-            return made
-
-        handles = await asyncio.wrap_future(self.worker.open(submit, sink))
+        task = Task(
+            job.submissions(), stream=job.stream, echo=job.prompts if job.echo else (),
+            logprobs=job.sampling.logprobs, on_result=self.metrics.finished,
+        )  # fmt: skip
+        handles = await asyncio.wrap_future(self.worker.open(task))
+        inbox, echoed = task.inbox, task.echoed
         tokens = Tokens(self.engine.vocabulary.token_bytes)
         if job.stream:
             events = self.events(job, handles, inbox, tokens, echoed)
@@ -420,7 +385,8 @@ class _App:
                     yield _sse(error_body(f"generation failed: {item}", 500, "server_error"))
                     return
             if job.include_usage:
-                yield _sse(job.usage_chunk(results))
+                # the loop ended: every choice has its Result
+                yield _sse(job.usage_chunk(cast(list[Result], results)))
             yield "data: [DONE]\n\n"
         finally:
             for handle, result in zip(handles, results, strict=True):
@@ -466,37 +432,12 @@ def _slot(index: int, engine: Engine, run: dict | None) -> dict:
             "prompt": run["prompt"] if run else "", "next_token": progress}  # fmt: skip
 
 
-def _lone_surrogate(body) -> str | None:
-    """Where a parsed JSON value holds a string (or key) with half a UTF-16 pair, which JSON
-    can escape but UTF-8 cannot encode (e.g. "messages[0].content"); None when nowhere."""
-    stack = [("", body)]
-    while stack:
-        where, value = stack.pop()
-        if isinstance(value, str):
-            if LONE.search(value):
-                return where or "the request body"
-        elif isinstance(value, dict):
-            for key, item in value.items():
-                if LONE.search(key):
-                    return f"a key of {where or 'the request body'}"
-                if key.isidentifier():
-                    path = f"{where}.{key}" if where else key
-                else:  # its repr: one printable line
-                    path = f"{where}[{key!r}]"
-                stack.append((path, item))
-        elif isinstance(value, list):
-            stack.extend((f"{where or 'body'}[{i}]", item) for i, item in enumerate(value))
-    return None
-
-
 def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
 def _listen(host: str, port: int) -> socket.socket:
     """A listening socket, or a one-line error (a port in use, a bad host)."""
-    if not isinstance(port, int) or not 0 <= port <= 65535:
-        raise JaxinferError(f"--port {port!r} is invalid; use 0..65535 (0 = any free port)")
     try:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)

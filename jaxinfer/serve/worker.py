@@ -1,29 +1,81 @@
 """The engine thread of a server: one thread loads the engine, warms it up, and then drives its
-scheduler loop; other threads (the HTTP handlers) hand it work and get results back.
+scheduler loop; other threads (the HTTP handlers) hand it work and get results back, through
+one queue (llama-server's task queue is the shape).
 
 Handlers never touch the engine. `call(fn)` runs `fn(engine)` on the engine thread between two
-steps; `open(submit, sink)` submits a request there and then calls `sink` with each StreamPiece
-it produces and finally its Result (or the exception that ended it); `cancel(request)` frees its
-slot and pages before the next step. While requests run the thread steps without pause; idle,
-it sleeps on its inbox.
+steps; `open(task)` runs a `Task` there: it submits the task's requests (all or none) and then
+feeds the task each StreamPiece they produce and finally each Result (or the exception that
+ended them), which the handler awaits on its own event loop; `cancel(request)` frees its slot
+and pages before the next step. While requests run the thread steps without pause; idle, it
+sleeps on its inbox.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from functools import partial
 
 from ..engine import Engine
-from ..runtime.request import Request
+from ..options import SamplingParams
+from ..runtime.request import Request, Result
 
 log = logging.getLogger(__name__)
 
 Sink = Callable[[int, object], None]  # (index, StreamPiece...), then Result or an exception
 _STOP = object()
+
+
+class Task:
+    """One HTTP job's work on the engine thread: each prompt of `echo` scored first (its text,
+    and its tokens' logprobs when `logprobs` is set), then every submission (prompt ids and
+    sampling) submitted as a request, streaming pieces when `stream`. What request `index`
+    makes arrives as (index, item) in `inbox`, on the event loop that made the task;
+    `on_result` sees each Result on the engine thread (the metrics)."""
+
+    def __init__(
+        self,
+        submissions: Sequence[tuple[Sequence[int], SamplingParams]],
+        *,
+        stream: bool,
+        echo: Sequence[Sequence[int]] = (),
+        logprobs: int | None = None,
+        on_result: Callable[[Result], None] | None = None,
+    ):
+        self.submissions, self.stream = submissions, stream
+        self.echo, self.logprobs, self.on_result = echo, logprobs, on_result
+        self.loop = asyncio.get_running_loop()
+        self.inbox: asyncio.Queue = asyncio.Queue()
+        self.echoed: list[tuple[str, list | None]] = []  # per echoed prompt: text, logprobs
+
+    def submit(self, engine: Engine) -> list[Request]:
+        """On the engine thread: every request, or none (a refusal cancels those made)."""
+        made: list[Request] = []
+        try:
+            for ids in self.echo:
+                k = self.logprobs
+                lps = None if k is None else engine.prompt_logprobs(ids, k)
+                self.echoed.append((engine.detokenize(ids), lps))
+            for ids, sampling in self.submissions:
+                made.append(engine.submit(list(ids), sampling=sampling, stream=self.stream))
+        except BaseException:
+            for r in made:
+                r.cancel()
+            raise
+        return made
+
+    def sink(self, index: int, item) -> None:
+        """On the engine thread: request `index`'s piece, Result or exception to the inbox."""
+        if isinstance(item, Result) and self.on_result is not None:
+            self.on_result(item)
+        try:
+            self.loop.call_soon_threadsafe(self.inbox.put_nowait, (index, item))
+        except RuntimeError:  # the loop is closed: the server is shutting down
+            pass
 
 
 class Worker:
@@ -72,11 +124,11 @@ class Worker:
         self._inbox.put((fn, future, None))
         return future
 
-    def open(self, submit: Callable[[Engine], list[Request]], sink: Sink) -> Future:
-        """Submit requests on the engine thread (the Future holds them, or the RequestError
-        that refused them) and feed `sink(index, item)` everything request `index` produces."""
+    def open(self, task: Task) -> Future:
+        """Submit the task's requests on the engine thread (the Future holds them, or the
+        RequestError that refused them) and feed the task everything each produces."""
         future: Future = Future()
-        self._inbox.put((submit, future, sink))
+        self._inbox.put((task.submit, future, task.sink))
         return future
 
     def cancel(self, request: Request) -> None:
@@ -131,6 +183,7 @@ class Worker:
             future.set_result(value)
 
     def _step(self) -> None:
+        assert self.engine is not None  # steps run only once the engine is ready (_run)
         try:
             self.engine.step(on_pieces=self._deliver)  # first tokens before the decode call
         except Exception as e:  # e.g. strict mode refused a compile: end what was running

@@ -514,8 +514,8 @@ def test_no_slots_flag_and_api_key(chat_model, monkeypatch):
     seen = {}
 
     class Fake:
-        def __init__(self, load, **kw):
-            seen.update(kw)
+        def __init__(self, load, options, **kw):
+            seen["options"] = options
             self.url = "http://fake"
 
         def run(self):
@@ -523,5 +523,22 @@ def test_no_slots_flag_and_api_key(chat_model, monkeypatch):
 
     monkeypatch.setattr(server_module, "Server", Fake)
     assert cli.main(["serve", "--port", "0", "--no-slots"]) == 0
-    assert seen["slots_endpoint"] is False
-    assert cli.main(["serve", "--port", "0"]) == 0 and seen["slots_endpoint"] is True
+    assert seen["options"].slots_endpoint is False
+    assert cli.main(["serve", "--port", "0"]) == 0 and seen["options"].slots_endpoint is True
+
+
+def test_server_options_are_checked_once_in_one_line():
+    """ServerOptions (frozen, exported like EngineOptions) refuses a bad value when made, and
+    Server takes either it or its keywords, never both and never an unknown one."""
+    import dataclasses
+
+    with pytest.raises(jaxinfer.JaxinferError, match=r"--port 70000 is invalid; use 0\.\.65535"):
+        jaxinfer.ServerOptions(port=70000)
+    with pytest.raises(jaxinfer.JaxinferError, match="api_key must be a non-empty string"):
+        jaxinfer.ServerOptions(api_key="")
+    with pytest.raises(jaxinfer.JaxinferError, match="unknown server option.*prot"):
+        Server(lambda: None, prot=0)
+    with pytest.raises(jaxinfer.JaxinferError, match="not both"):
+        Server(lambda: None, jaxinfer.ServerOptions(), port=0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        jaxinfer.ServerOptions().port = 1  # type: ignore[misc]
