@@ -1,7 +1,8 @@
 """Builds the CPU kernels at install: every instruction-set variant this machine's compiler
-targets (jaxinfer/kernels/build.py), into the package's kernels/lib/. The rest of the package
-is declared in pyproject.toml. Without a compiler, or with a variant that fails to build, the
-install still succeeds: those products take the graph path, and `jaxinfer info` says why."""
+targets (jaxinfer/kernels/cpu/build.py), into the package's kernels/cpu/lib/. The rest of the
+package is declared in pyproject.toml. Without a compiler, or with a variant that fails to
+build, the install still succeeds: those products take the graph path, and `jaxinfer info`
+says why."""
 
 import importlib.util
 import sys
@@ -14,9 +15,9 @@ ROOT = Path(__file__).parent
 
 
 def _build_module():
-    """kernels/build.py loaded from the source tree (the package is not importable yet)."""
+    """kernels/cpu/build.py loaded from the source tree (the package is not importable yet)."""
     spec = importlib.util.spec_from_file_location(
-        "_jaxinfer_build", ROOT / "jaxinfer/kernels/build.py"
+        "_jaxinfer_build", ROOT / "jaxinfer/kernels/cpu/build.py"
     )
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
@@ -25,7 +26,7 @@ def _build_module():
 
 
 class BuildKernels(Command):
-    """`build_kernels`: the variants' libraries into kernels/lib (of the build tree, or of the
+    """`build_kernels`: the variants' libraries into kernels/cpu/lib (of the build tree, or of the
     source tree for an editable install)."""
 
     description = "build the CPU kernel variants"
@@ -50,7 +51,7 @@ class BuildKernels(Command):
         folder = (
             kernels.LIBRARIES
             if self.editable_mode
-            else Path(self.build_lib) / "jaxinfer/kernels/lib"
+            else Path(self.build_lib) / "jaxinfer/kernels/cpu/lib"
         )
         for variant in kernels.VARIANTS:
             if not kernels.buildable(variant):

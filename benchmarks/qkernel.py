@@ -1,4 +1,4 @@
-"""The quantized matmul kernel (jaxinfer/kernels/cpu.py), with float and with 8-bit activations,
+"""The quantized matmul kernel (jaxinfer/kernels/cpu/), with float and with 8-bit activations,
 against float32 weights and in-graph dequantize + dot: one jitted chain of 24 products over
 alternating [2048, 768] / [768, 2048] weights (86M-model shapes), M activation rows. Medians
 of N calls, variants interleaved. Writes benchmarks/results/qkernel.md.

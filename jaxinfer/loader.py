@@ -86,7 +86,7 @@ def place(read: Reader, cfg: ModelConfig, dtype, kv_dtype, activations: str, sha
     plan = load_layout(layout)
     mesh = make_mesh(plan, select_devices(devices, plan))
     rules = effective_rules(plan, mesh, cfg)
-    one_cpu = mesh.devices.size == 1 and kernels.family() == "cpu" and kernels.available()
+    one_cpu = mesh.devices.size == 1 and kernels.reads_stacked_layers()
     if "layers" in rules:
         how = place_pipeline
     elif shared and one_cpu and np.dtype(dtype) == np.float32:

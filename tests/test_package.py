@@ -156,8 +156,8 @@ def test_every_subpackage_and_data_file_is_packaged():
     layouts = {f"{name}.toml" for name in ("single", "layer", "tensor", "layer-tensor", "expert",
                                            "layer-expert")}  # fmt: skip
     assert layouts <= shipped["jaxinfer.shardings"]
-    sources = {f.name for f in (PACKAGE / "kernels" / "src").iterdir()}
-    assert sources <= shipped["jaxinfer.kernels"]
+    sources = {f.name for f in (PACKAGE / "kernels" / "cpu" / "src").iterdir()}
+    assert sources <= shipped["jaxinfer.kernels.cpu"]
 
 
 def _root(package: str) -> Path:

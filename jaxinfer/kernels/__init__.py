@@ -1,12 +1,12 @@
-"""Kernels: implementations of the ops for one backend, chosen where the model calls them. The
-family in use (backend.py: JAXINFER_KERNELS and the backend) decides:
-- `cpu`: the CPU's XLA FFI custom calls (`cpu.py`; C++ sources in `src/`, one library per
-  instruction set, built by `build.py`): quantized and small-row float products, decode
-  attention;
-- `pallas` (GPU) and `interpret` (anywhere, the tests): Pallas kernels: paged attention
-  (`attention.py`), quantized products that dequantize in their tiles (`qmatmul.py`), the
-  Gated DeltaNet step and chunk (`delta.py`); the expert block's grouped products
-  (`grouped.py`);
+"""Kernels: implementations of the ops for one backend, chosen where the model calls them; this
+module is the only seam (the model and the placement ask it, never a backend). The family in
+use (backend.py: JAXINFER_KERNELS and the backend) decides:
+- `cpu`: the CPU's XLA FFI custom calls (`cpu/`: the FFI module, C++ sources in `cpu/src/`,
+  one library per instruction set built by `cpu/build.py`): quantized and small-row float
+  products, paged attention, the Gated DeltaNet step and chunk;
+- `pallas` (GPU) and `interpret` (anywhere, the tests): the Pallas kernels (`pallas/`): paged
+  attention, quantized products that dequantize in their tiles, the Gated DeltaNet step and
+  chunk, the expert block's grouped products;
 - `tpu`: the expert block's grouped product through jax's megablox (`tpu.py`);
 - `xla`: none; the model's own jnp code runs every op.
 Each entry below gives an op's kernel or None (the model's XLA code runs it). The model asks
@@ -21,8 +21,7 @@ from dataclasses import dataclass
 
 import jax
 
-from . import cpu, delta, grouped, qmatmul, tpu
-from .attention import paged_attention
+from . import cpu, tpu
 from .backend import family, mode
 from .cpu import (
     ATTEND_POOLS,
@@ -35,7 +34,9 @@ from .cpu import (
     serves,
     status,
 )
-from .grouped import tile_map
+from .pallas import delta, grouped, qmatmul
+from .pallas.attention import paged_attention
+from .pallas.grouped import tile_map
 
 __all__ = [
     "ATTEND_POOLS",
@@ -54,6 +55,8 @@ __all__ = [
     "matmuls",
     "mode",
     "product",
+    "reads_stacked_layers",
+    "takes_f32_weights",
     "serves",
     "status",
     "tile_map",
@@ -163,6 +166,19 @@ def _grouped_products(xs, ws, counts) -> list:
         for i, y in zip(picked, ys, strict=True):
             outs[i] = y
     return outs
+
+
+def takes_f32_weights() -> bool:
+    """Whether float32 matrices are placed for a kernel (as "f32" QArrays): the CPU kernels
+    multiply them at the small row counts where XLA CPU's dot leaves its one-row path
+    (cpu.CROSSOVERS, benchmarks/results/crossovers.md)."""
+    return family() == "cpu"
+
+
+def reads_stacked_layers() -> bool:
+    """Whether the kernels read one layer of stacked weights and caches in place (the
+    depth-shared loop, parallel/depth.py): the CPU kernels, when they are built."""
+    return family() == "cpu" and available()
 
 
 def checks_vma() -> bool:

@@ -10,7 +10,7 @@ Within a block, values keep GGUF's order (see `FORMATS`); K-quants' 6-bit sub-bl
 and mins are unpacked at load (a uint8 each per 32 values: 148 bytes per 256 values of Q4_K
 instead of 144). Dequantization happens inside the compiled program. On XLA CPU a dequantized
 weight is materialized before the dot (3-10x slower than the float weight, measured), so
-small-row products there go to a custom kernel (kernels/cpu.py) that reads the blocks once.
+small-row products there go to a custom kernel (kernels/cpu/) that reads the blocks once.
 """
 
 from __future__ import annotations
@@ -231,7 +231,7 @@ def dequantize(w: QArray, dtype=jnp.float32) -> jax.Array:
 # ---------------------------------------------------------------------------------------------
 # 8-bit activations: llama.cpp's products with its 4-8 bit formats quantize the activations to
 # 8 bits (the format's vec_dot_type) and multiply integers. The same quantization here gives
-# its numerics on every path: the CPU kernel's integer products (kernels/src/formats.h) and,
+# its numerics on every path: the CPU kernel's integer products (kernels/cpu/src/formats.h) and,
 # where XLA multiplies, the dequantized activations times the dequantized weight.
 
 # The activations' 8-bit type for each weight format (llama.cpp's vec_dot_type).

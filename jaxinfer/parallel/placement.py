@@ -144,10 +144,9 @@ def for_kernel(path: tuple, array: jax.Array, kernel: bool, lead: int = 0):
     """A float32 matrix [*lead, O, I] as an "f32" QArray that the CPU kernel multiplies at the
     row counts where it beats XLA's dot (kernels.cpu.CROSSOVERS: XLA CPU's dot at 2-8 rows costs
     2-4x its one-row time); other weights (stacked experts, other dtypes) unchanged."""
-    cpu = kernels.family() == "cpu"
     if (
         kernel
-        and cpu
+        and kernels.takes_f32_weights()
         and quantizable(path)
         and array.dtype == np.float32
         and array.ndim == 2 + lead

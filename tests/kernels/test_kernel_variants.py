@@ -1,4 +1,4 @@
-"""The CPU kernels' variants (kernels/build.py, kernels/cpu.py): the choice and its errors,
+"""The CPU kernels' variants (kernels/cpu/build.py, kernels/cpu/): the choice and its errors,
 the same greedy tokens under every variant this CPU runs, and the NEON variant's routines
 against the scalar ones under qemu-aarch64 (where Debian's cross tools are installed)."""
 
@@ -16,8 +16,9 @@ from support.models import GOLDEN, STORIES, STORIES_Q8, model_path
 
 import jaxinfer
 from jaxinfer.errors import SetupError
-from jaxinfer.kernels import backend, build
+from jaxinfer.kernels import backend
 from jaxinfer.kernels import cpu as kernels
+from jaxinfer.kernels.cpu import build
 
 
 def test_a_bad_choice_is_one_line(monkeypatch):

@@ -1,4 +1,4 @@
-"""The Pallas paged attention kernel (kernels/attention.py) against a float64 NumPy attention
+"""The Pallas paged attention kernel (kernels/pallas/attention.py) against a float64 NumPy attention
 over each row's keys read back from the pages, beside the plain-XLA path (kvcache.attend) on
 the same pools: page sizes, ragged rows (decode, verify and prompt chunks, idle rows), GQA
 ratios, a sliding window, the output gate, float32 / float16 / bfloat16 pools, and the null
@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxinfer.kernels.attention import paged_attention
+from jaxinfer.kernels.pallas.attention import paged_attention
 from jaxinfer.model import kvcache
 
 INTERPRET = jax.default_backend() == "cpu"

@@ -1,4 +1,4 @@
-"""The Gated DeltaNet Pallas kernels (jaxinfer/kernels/delta.py) against a float64 NumPy
+"""The Gated DeltaNet Pallas kernels (jaxinfer/kernels/pallas/delta.py) against a float64 NumPy
 reference written here: the plain token-by-token recurrence, nothing of model/gdn.py's code.
 
 Tolerance: float32 noise, scaled by what the XLA path makes of the same inputs. Each case runs
@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.kernels import delta
+from jaxinfer.kernels.pallas import delta
 from jaxinfer.model import gdn
 
 INTERPRET = jax.default_backend() == "cpu"

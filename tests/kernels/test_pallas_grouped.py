@@ -1,5 +1,5 @@
-"""The Pallas grouped matmul (kernels/grouped.py) against a float64 NumPy product per expert and
-against `lax.ragged_dot` (the XLA path of moe.grouped_ffn): decode (8 assignments over 64
+"""The Pallas grouped matmul (kernels/pallas/grouped.py) against a float64 NumPy product per
+expert and against `lax.ragged_dot` (the XLA path of moe.grouped_ffn): decode (8 assignments over 64
 experts, most of them empty), a prefill of 300 rows over 16 experts with ragged counts (zero
 counts, counts that are whole tiles, padding rows past sum(counts)), D and O off the tiles,
 float32 and bfloat16. On CPU the kernel runs in Pallas's interpreter; on a GPU compiled through
@@ -12,7 +12,7 @@ import pytest
 from jax import lax
 from support.kernels import grouped_reference
 
-from jaxinfer.kernels.grouped import BM, grouped_matmul, run_tiles, tile_count, tile_map
+from jaxinfer.kernels.pallas.grouped import BM, grouped_matmul, run_tiles, tile_count, tile_map
 
 INTERPRET = jax.default_backend() == "cpu"
 U_BF16 = 2.0**-8  # bfloat16's unit roundoff: 8 significant bits (eps 2^-7), round to nearest

@@ -12,8 +12,8 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxinfer.kernels import delta, grouped, qmatmul
-from jaxinfer.kernels.attention import paged_attention
+from jaxinfer.kernels.pallas import delta, grouped, qmatmul
+from jaxinfer.kernels.pallas.attention import paged_attention
 from jaxinfer.ops.quant import QArray
 
 TRITON = "__gpu$xla.gpu.triton"

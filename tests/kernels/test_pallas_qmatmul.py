@@ -1,5 +1,5 @@
-"""The Pallas quantized matmul (kernels/qmatmul.py) against a float64 NumPy product of gguf-py's
-dequantized weights: every served format, decode (M = 1), ragged M, O and I that are not
+"""The Pallas quantized matmul (kernels/pallas/qmatmul.py) against a float64 NumPy product of
+gguf-py's dequantized weights: every served format, decode (M = 1), ragged M, O and I that are not
 multiples of the tiles, and 8-bit activations against llama.cpp's activation quantization
 written in NumPy. On CPU the kernel runs in Pallas's interpreter; on a GPU compiled through
 Triton (tests/conftest.py sets JAX_PLATFORMS=cpu unless it is set: JAX_PLATFORMS=cuda)."""
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from support.kernels import q8_reference, random_quantized
 
-from jaxinfer.kernels.qmatmul import FORMATS_SERVED, qmatmul, serves
+from jaxinfer.kernels.pallas.qmatmul import FORMATS_SERVED, qmatmul, serves
 from jaxinfer.ops import quant
 
 INTERPRET = jax.default_backend() == "cpu"

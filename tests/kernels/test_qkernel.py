@@ -1,4 +1,4 @@
-"""The CPU kernels (kernels/cpu.py) against a float64 NumPy product of gguf-py's dequantized
+"""The CPU kernels (kernels/cpu/) against a float64 NumPy product of gguf-py's dequantized
 weights and a float64 attention: every format and pool type under every variant this CPU runs
 (the scalar one on every machine), odd row counts, activation rows across tile boundaries, and
 inside jit, fori_loop, cond, vmap and shard_map."""

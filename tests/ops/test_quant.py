@@ -39,7 +39,7 @@ def test_the_kernels_build_where_they_can():
     """A variant that fails to build sends every product to the in-graph path (correct but
     slow) and test_qkernel.py skips it: where a compiler is, the scalar variant builds on every
     machine, and the best variant the CPU runs (build.VARIANTS' order) is the one in use."""
-    from jaxinfer.kernels import build
+    from jaxinfer.kernels.cpu import build
 
     if shutil.which(build.COMPILER) is None or jax.default_backend() != "cpu":
         pytest.skip("no C++ compiler or no CPU backend here: the kernels cannot build")

@@ -11,7 +11,7 @@
 //
 // Numerics: each weight is dequantized bit-exactly as quant.dequantize / gguf-py compute it:
 // scale products first, then one multiply (and add / subtract) per value. That needs
-// -ffp-contract=off (kernels/build.py builds with it) so that gcc does not fuse
+// -ffp-contract=off (kernels/cpu/build.py builds with it) so that gcc does not fuse
 // `scale * q - low` into one rounding; the accumulations' FMAs are explicit (vec::fma).
 #pragma once
 

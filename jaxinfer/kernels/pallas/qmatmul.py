@@ -34,8 +34,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from ..ops.quant import FORMATS, INT8_ACTIVATIONS, QArray, quantize_activations
-from ..ops.vma import agreed
+from ...ops.quant import FORMATS, INT8_ACTIVATIONS, QArray, quantize_activations
+from ...ops.vma import agreed
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 source in src/ (vec.h's bodies chosen by the variant's flags, never -march=native).
 
 `setup.py` builds every variant this machine's compiler targets when the package is installed
-(into the package's `kernels/lib/`); `kernels/cpu.py` rebuilds a variant at load only in an
+(into the package's `kernels/cpu/lib/`); `kernels/cpu/` rebuilds a variant at load only in an
 editable checkout whose sources changed since. Imports nothing of jax, so that setup.py can load
 it from the source tree.
 """

@@ -47,7 +47,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from ..ops.vma import agreed
+from ...ops.vma import agreed
 
 CHUNK = 64  # L for long chunks, as gdn.CHUNK
 MIN_CHUNK = 16  # the smallest L: Triton's dots need every dimension >= 16

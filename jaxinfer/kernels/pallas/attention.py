@@ -30,7 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from ..ops.vma import agreed
+from ...ops.vma import agreed
 
 _MASKED = -1e30  # finite: a fully masked page gives exp(0) * 0, never NaN
 DECODE_BLOCK = 16  # queries per program for short chunks (the dot's smallest tile)

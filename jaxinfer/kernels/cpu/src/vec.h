@@ -5,7 +5,7 @@
 // build), each part a gcc vector. One body per instruction set only where the generic form is
 // slow or inexact: fused multiply-add, horizontal sums, f16 conversion, byte widening, table
 // lookups, lane masks, the exp's rounding and scaling. The variant is chosen by the compiler
-// flags of its build (kernels/build.py: -mavx512f ..., -mavx2 -mfma -mf16c, aarch64's NEON,
+// flags of its build (kernels/cpu/build.py: -mavx512f ..., -mavx2 -mfma -mf16c, aarch64's NEON,
 // none), never by -march=native. Reading the assembly of a hot loop is how a slow generic form
 // shows (values round-tripping through the stack, bytes moved through general registers).
 #pragma once
@@ -43,7 +43,7 @@
 
 namespace jaxinfer {
 
-// The variant's name, as kernels/cpu.py reports it (the library's `variant()` symbol).
+// The variant's name, as kernels/cpu/ reports it (the library's `variant()` symbol).
 #if defined(JAXINFER_VNNI)
 constexpr const char* kVariant = "avx512vnni";
 #elif defined(JAXINFER_AVX512)

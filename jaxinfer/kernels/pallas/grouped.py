@@ -38,7 +38,7 @@ the tensor cores as they are, accumulated in float32. Mixed operand dtypes multi
 promoted type.
 
 What it does not do: quantized experts (QArray weights: they take moe.expert_ffn's loop, or a
-future stacked form of kernels/qmatmul.py); the three FFN products fused into one kernel (the
+future stacked form of kernels/pallas/qmatmul.py); the three FFN products fused into one kernel (the
 gate and up products share xs and could share its loads; SiLU could run in the epilogue);
 tiles and warps tuned on a GPU (BM, BN, BK, num_warps, num_stages are untimed defaults; at
 BM = 16 a long prefill re-reads each expert's weight slab once per 16 rows and feeds the tensor
@@ -57,7 +57,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from ..ops.vma import agreed
+from ...ops.vma import agreed
 
 BM = 16  # rows per tile: Triton's smallest dot
 BN = 64  # output columns per program

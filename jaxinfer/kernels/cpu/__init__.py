@@ -24,10 +24,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..errors import SetupError
-from ..ops.quant import FORMATS, INT8_ACTIVATIONS
-from ..ops.vma import agreed
-from . import backend, build
+from ...errors import SetupError
+from ...ops.quant import FORMATS, INT8_ACTIVATIONS
+from ...ops.vma import agreed
+from .. import backend
+from . import build
 
 log = logging.getLogger("jaxinfer")
 
@@ -164,7 +165,7 @@ def _load(variant: build.Variant) -> str | None:
     path = build.library(variant)
     try:
         if not path.exists():
-            if not (Path(__file__).parents[2] / "pyproject.toml").exists():
+            if not (Path(__file__).parents[3] / "pyproject.toml").exists():
                 _failed[variant.name] = "not built (no C++ compiler at install?)"
                 return _failed[variant.name]
             log.info("building the %s CPU kernels (their sources changed)", variant.name)
@@ -317,7 +318,7 @@ def _attend_target(dtype: str, variant: str) -> str:
 
 
 def attend(q, k, v, pools, table, start, length, window: int | None, layer=None):
-    """T tokens per row (kernels/src/attend.cc): writes the real ones (t < length [B]) of k, v
+    """T tokens per row (kernels/cpu/src/attend.cc): writes the real ones (t < length [B]) of k, v
     [B, T, K, H] at positions start [B] + t into the pools [P, K, H, S] (ATTEND_POOLS'
     dtypes; in place: they are aliased to the outputs), then attends q [B, T, K, G, H]
     float32 (scaled, rotated): token t over the row's positions [max(0, n - window), n),

@@ -366,7 +366,7 @@ auto bind() {
 
 }  // namespace
 
-// The library's instruction set (vec.h), read by kernels/cpu.py.
+// The library's instruction set (vec.h), read by kernels/cpu/.
 extern "C" const char* jaxinfer_variant() { return jaxinfer::kVariant; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(attend_f32, (attend<F32Pool, ffi::F32>), bind<ffi::F32>());
