@@ -134,19 +134,9 @@ class SamplingParams:
     def make(sampling: SamplingParams | None = None, **overrides) -> SamplingParams:
         """`sampling`, or the defaults with `overrides` (keywords named like the fields);
         both at once, or an unknown keyword, is a RequestError."""
-        if sampling is not None and overrides:
-            raise RequestError(
-                "pass sampling=SamplingParams(...) or sampling keywords, not both "
-                f"(got {', '.join(sorted(overrides))} beside it)"
-            )
-        if sampling is not None:
-            if not isinstance(sampling, SamplingParams):
-                raise RequestError(f"sampling must be a SamplingParams, got {sampling!r:.60}")
-            return sampling
-        unknown = set(overrides) - {f.name for f in dataclasses.fields(SamplingParams)}
-        if unknown:
-            raise RequestError(f"unknown sampling option(s): {', '.join(sorted(unknown))}")
-        return SamplingParams(**overrides)
+        return _given_or_made(
+            SamplingParams, sampling, overrides, "sampling", "sampling", RequestError
+        )
 
     def replace(self, **changes) -> SamplingParams:
         return dataclasses.replace(self, **changes)
@@ -161,6 +151,24 @@ class SamplingParams:
         if self.seed is None or self.seed < 0:
             return secrets.randbelow(2**31 - 1)
         return self.seed % (2**31 - 1)
+
+
+def _given_or_made(cls, given, overrides: dict, name: str, what: str, error: type[JaxinferError]):
+    """`given` (a `cls`), or `cls(**overrides)`: both at once, something else, or an unknown
+    keyword is an `error` naming the argument `name` (and `what` options they are)."""
+    if given is not None and overrides:
+        raise error(
+            f"pass {name}={cls.__name__}(...) or its keywords, not both "
+            f"(got {', '.join(sorted(overrides))} beside it)"
+        )
+    if given is not None:
+        if not isinstance(given, cls):
+            raise error(f"{name} must be a {cls.__name__}, got {given!r:.60}")
+        return given
+    unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
+    if unknown:
+        raise error(f"unknown {what} option(s): {', '.join(sorted(unknown))}")
+    return cls(**overrides)
 
 
 def _schema_text(schema) -> str:
@@ -365,13 +373,4 @@ class ServerOptions:
     def make(options: ServerOptions | None = None, **overrides) -> ServerOptions:
         """`options`, or the defaults with `overrides` (keywords named like the fields); both
         at once, or an unknown keyword, is a JaxinferError."""
-        if options is not None and overrides:
-            raise JaxinferError("pass options=ServerOptions(...) or its keywords, not both")
-        if options is not None:
-            if not isinstance(options, ServerOptions):
-                raise JaxinferError(f"options must be a ServerOptions, got {options!r:.60}")
-            return options
-        unknown = set(overrides) - {f.name for f in dataclasses.fields(ServerOptions)}
-        if unknown:
-            raise JaxinferError(f"unknown server option(s): {', '.join(sorted(unknown))}")
-        return ServerOptions(**overrides)
+        return _given_or_made(ServerOptions, options, overrides, "options", "server", JaxinferError)
