@@ -111,7 +111,7 @@ class Engine:
         )
         self.executor = Executor(
             placement, cfg=cfg, dtype=self.dtype, kv_config=self.kv_config,
-            tokens_per_call=self.decode_chunk, compile_cache=self.compile_cache,
+            decode_chunk=self.decode_chunk, compile_cache=self.compile_cache,
             spec=spec, draft=draft,
         )  # fmt: skip
         self._place = place  # (layout, devices) -> Placement, for reshard()

@@ -604,8 +604,10 @@ def _expert_placement(engine) -> str:
     """Which experts each device holds, read from the placed weights' shardings."""
     import jax
 
-    params = engine.params  # per layer, per pipeline slot, or per depth-shared unit position
-    layers = params.get("layers") or params.get("slots") or [u for r in params["runs"] for u in r]
+    params = engine.params  # per layer, per pipeline stage layer, or per depth-shared unit
+    layers = (
+        params.get("layers") or params.get("stage_layers") or [u for r in params["runs"] for u in r]
+    )
     layers = layers.values() if isinstance(layers, dict) else layers
     # a plain weight, or a quantized one's first part: both lead with [..., E, F]
     leaf = jax.tree.leaves(next(layer["moe"]["w_gate"] for layer in layers if "moe" in layer))[0]

@@ -34,22 +34,22 @@ from .cpu import (
     serves,
     status,
 )
-from .pallas import delta, grouped, qmatmul
+from .pallas import delta, grouped, quantized
 from .pallas.attention import paged_attention
 from .pallas.grouped import tile_map
 
 __all__ = [
     "ATTEND_POOLS",
     "MAX_ROWS",
-    "Attention",
+    "AttentionKernel",
     "attend",
-    "attention",
+    "attention_kernel",
     "available",
     "checks_vma",
     "delta_rule",
     "expert_products",
     "family",
-    "grouped_experts",
+    "uses_grouped_experts",
     "grouped_product",
     "matmul",
     "matmuls",
@@ -70,7 +70,7 @@ def _pallas() -> dict | None:
 
 
 @dataclass(frozen=True)
-class Attention:
+class AttentionKernel:
     """A paged attention kernel. `writes`: run(q, k, v, pools, table, start, length, window)
     -> (out, pools) stores the chunk's keys itself (the CPU's); else run(q, pools, table,
     start, length, window, gate) -> out reads pools that already hold them (Pallas)."""
@@ -79,15 +79,15 @@ class Attention:
     writes: bool
 
 
-def attention(pools, whole: bool) -> Attention | None:
+def attention_kernel(pools, whole: bool) -> AttentionKernel | None:
     """The attention kernel for these pools ([P, K, H, page] each; whole on one device or
     not), or None. Pallas's wants H and the page to be tiles (`_tile`)."""
     pool = pools[0]
     if family() == "cpu" and whole and str(pool.dtype) in ATTEND_POOLS and available():
-        return Attention(attend, True)  # stacked pools too (depth-shared layers: `layer=`)
+        return AttentionKernel(attend, True)  # stacked pools too (depth-shared layers: `layer=`)
     pallas = _pallas()
     if pallas is not None and whole and all(_tile(n) for n in pool.shape[2:]):
-        return Attention(functools.partial(paged_attention, **pallas), False)
+        return AttentionKernel(functools.partial(paged_attention, **pallas), False)
     return None
 
 
@@ -108,9 +108,9 @@ def product(w, rows: int) -> Callable | None:
     """The Pallas product x [rows, I] -> [rows, O] float32 for the quantized weight w (a
     QArray whole on one device: `w.kernel`), or None."""
     pallas = _pallas()
-    if pallas is None or not w.kernel or rows > PRODUCT_ROWS or not qmatmul.serves(w):
+    if pallas is None or not w.kernel or rows > PRODUCT_ROWS or not quantized.serves(w):
         return None
-    return functools.partial(qmatmul.qmatmul, w=w.unstacked(), **pallas)
+    return functools.partial(quantized.quantized_matmul, w=w.unstacked(), **pallas)
 
 
 def delta_rule(state: tuple[int, ...], whole: bool, stacked: bool = False
@@ -189,7 +189,7 @@ def checks_vma() -> bool:
     return family() != "interpret"
 
 
-def grouped_experts() -> bool:
+def uses_grouped_experts() -> bool:
     """Whether the expert block runs as grouped products (every expert's rows in one call:
     `grouped_product`'s kernel, else XLA's ragged dot) rather than the CPU's loop of
     per-expert tiles: on accelerators, and where the Pallas kernels are interpreted (the

@@ -60,7 +60,7 @@ class RecurrentState:
         return (*convs, (slots, self.heads, self.k_dim, self.v_dim))
 
     def init(self, kv) -> tuple[jax.Array, ...]:
-        return tuple(jnp.zeros(s, jnp.float32) for s in self.shapes(kv.state_slots))
+        return tuple(jnp.zeros(s, jnp.float32) for s in self.shapes(kv.n_states))
 
     def slot_bytes(self) -> int:
         return 4 * sum(math.prod(s) for s in self.shapes(1))

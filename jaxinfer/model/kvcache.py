@@ -28,7 +28,7 @@ from .. import kernels
 from ..ops.vma import varying_like
 
 NULL_PAGE = 0
-NULL_SLOT = 0  # the state slot padding rows read and write (gdn.py)
+NULL_STATE = 0  # the state slot padding rows read and write (gdn.py)
 AXES = ("cache_seq", "kv_heads", "head_dim", None)  # logical axes of a pool [P, K, H, page]
 PAGE_SIZES = (16, 32, 64, 128, 256)
 QUERY_TILE = 128  # queries per causal tile inside a prompt chunk (tiles skip keys above them)
@@ -48,7 +48,7 @@ class KVConfig:
     table_width: int  # NB: block table entries per row
     # state slots of linear layers (and the MTP head's hidden state): the null slot, one per
     # request at once, one for a scoring pass, then `snapshots` prefix snapshots
-    state_slots: int = 1
+    n_states: int = 1
     snapshots: int = 0
 
     @staticmethod
@@ -68,7 +68,7 @@ class KVConfig:
     @property
     def first_snapshot(self) -> int:
         """The state slot of the first prefix snapshot (past the requests' and scoring's)."""
-        return self.state_slots - self.snapshots
+        return self.n_states - self.snapshots
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,7 @@ class KVView:
     table: jax.Array  # [B, NB] int32 page ids (NULL_PAGE where unallocated)
     start: jax.Array  # [B] int32 position of the row's first token in this call
     length: jax.Array  # [B] int32 tokens of this call that are real (0: an idle row)
-    # [B] int32 the row's state slot in linear layers (NULL_SLOT: padding); None inside a
+    # [B] int32 the row's state slot in linear layers (NULL_STATE: padding); None inside a
     # decode loop, whose linear caches are the rows' own states (gdn.read)
     slot: jax.Array | None
     # Speculative decoding keeps every token's linear state ([B, T+, ...] per row, gdn.py):
@@ -119,7 +119,7 @@ class KVView:
     # None: each layer has caches of its own.
     layer: jax.Array | None = None
     # The pools are whole on one device (placement.kernel_fits): attention may run in a
-    # kernel (kernels.attention).
+    # kernel (kernels.attention_kernel).
     kernel: bool = struct.field(pytree_node=False, default=False)
     page: int = struct.field(pytree_node=False, default=0)  # positions per page (snapshots)
 
@@ -188,10 +188,10 @@ def update(q, k, v, pools, view: KVView, window: int | None = None, gate=None):
     """The chunk's k, v [B, T, K, H] written into the pools, then its queries q [B, T, K, G, H]
     attended (see `attend`), times sigmoid(gate [B, T, K, G, H]) when given -> (out
     [B, T, K, G, H] float32, or gate's dtype when gated, pools). On pools whole on one device
-    (view.kernel) an attention kernel runs it where this process has one (kernels.attention):
+    (view.kernel) an attention kernel runs it where this process has one (kernels.attention_kernel):
     the CPU's writes in place and reads each row's live keys where they lie; Pallas's reads
     the pages after `write`."""
-    op = kernels.attention(pools, view.kernel)
+    op = kernels.attention_kernel(pools, view.kernel)
     rows = (view.table, view.start, view.length, window)
     if op is not None and op.writes:
         q, k, v = (a.astype(jnp.float32) for a in (q, k, v))
@@ -327,7 +327,7 @@ class HiddenState:
     AXES = ((None, None),)  # logical axes of the pool [S, D]
 
     def init(self, kv) -> tuple[jax.Array]:
-        return (jnp.zeros((kv.state_slots, self.d_model), jnp.float32),)
+        return (jnp.zeros((kv.n_states, self.d_model), jnp.float32),)
 
     def slot_bytes(self) -> int:
         return 4 * self.d_model

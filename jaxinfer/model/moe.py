@@ -190,12 +190,12 @@ def experts(x, ids, weights, valid, w_gate, w_up, w_down, split: ExpertSplit | N
     float32: grouped products (`grouped_ffn`) where a kernel reads the stacked weights in
     place for weights `whole` on one device (kernels.expert_products for quantized ones,
     kernels.grouped_product for plain ones) or where the accelerators want them
-    (kernels.grouped_experts: XLA's ragged dot), else the tile loop (`expert_ffn`)."""
+    (kernels.uses_grouped_experts: XLA's ragged dot), else the tile loop (`expert_ffn`)."""
     if isinstance(w_gate, QArray):
         products = kernels.expert_products((w_gate, w_up, w_down), whole)
     else:
         kernel = kernels.grouped_product(whole)
-        grouped = kernel is not None or kernels.grouped_experts()
+        grouped = kernel is not None or kernels.uses_grouped_experts()
         products = (each_weight(kernel) if kernel else ragged_products) if grouped else None
     ffn = partial(grouped_ffn, products=products) if products else expert_ffn
     if split is None:

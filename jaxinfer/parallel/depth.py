@@ -46,7 +46,7 @@ from ..model.transformer import (
 )
 from ..ops.quant import HostQuant, QArray
 from .hugepages import Arena
-from .pipeline import Kind, block_axes, mtp_module, slot_block
+from .pipeline import Kind, block_axes, mtp_module, stage_block
 from .placement import (
     Placement,
     Reader,
@@ -76,7 +76,7 @@ def layer_signatures(cfg: ModelConfig, stored: Stored | None) -> list[Signature]
         kind = cfg.kind(i)
         formats: tuple[tuple[tuple, str], ...] = ()
         if stored is not None:
-            paths = [p for p, _ in _flat(slot_block(cfg, kind)) if quantizable(p)]
+            paths = [p for p, _ in _flat(stage_block(cfg, kind)) if quantizable(p)]
             formats = tuple((p, stored(("layers", i, *p))) for p in paths)
         sigs.append((kind, formats))
     return sigs
@@ -151,7 +151,7 @@ def place_depth(
         for j, seg in enumerate(run.segments):
             kind = seg.signature[0]
             axes = block_axes(cfg, kind)
-            for path, v in _flat(slot_block(cfg, kind)):
+            for path, v in _flat(stage_block(cfg, kind)):
                 jobs["runs", r, j, path] = (stacked, (run, seg, path, v.get_value().shape,
                                                       axes[path]))  # fmt: skip
     # the arrays copy into place on the CPU's threads at once (numpy copies without the GIL)
@@ -223,7 +223,7 @@ def depth_runner(
     it per segment of the unit its body (a loop of its own where it repeats)."""
     entries = [(run, seg) for run in runs for seg in run.segments]  # one per cache entry
     caches = [layer_cache(cfg, seg.signature[0], kv_dtype) for _, seg in entries]
-    graphdefs = [nnx.graphdef(slot_block(cfg, seg.signature[0])) for _, seg in entries]
+    graphdefs = [nnx.graphdef(stage_block(cfg, seg.signature[0])) for _, seg in entries]
     mtp = mtp_caches(cfg, kv_dtype)
 
     def init_kv(kv: KVConfig):
@@ -280,7 +280,7 @@ def depth_runner(
         init_kv=init_kv,
         kv_shardings=lambda: [cache_shardings(c, mesh, rules, (None,)) for c in caches],
         caches=tuple(caches),
-        state_axis=1,  # [count, slots, ...]
+        state_axis=1,  # [count, state ids, ...]
         description=describe(runs),
         mtp=draft if mtp else None,
         mtp_caches=mtp,

@@ -1,12 +1,13 @@
 """Layer split: pipeline stages on the `pp` mesh axis inside one jitted program.
 
 Layers are assigned to stages as evenly as possible. Each stage runs the same sequence of
-layer slots, each slot of one layer kind (attention or linear attention, MLP or experts):
-slot j of every stage is stacked on a leading [pp] axis sharded over `pp`, so each device
-holds only its own layers (and their KV pages and linear states) and unrolls its slots in
-Python, as the dense model does. Mixed models (3 linear : 1 attention, dense and MoE layers)
-get a slot sequence that every stage's layer kinds fit in order (built greedily: the kind
-most stages need next); a stage skips the slots it has no layer for. Inside `jax.shard_map` over
+stage layers, each of one layer kind (attention or linear attention, MLP or experts): stage
+layer j of every stage is stacked on a leading [pp] axis sharded over `pp`, so each device
+holds only its own layers (and their KV pages and linear states) and unrolls its stage layers
+in Python, as the dense model does. Mixed models (3 linear : 1 attention, dense and MoE
+layers) get a stage-layer sequence that every stage's layer kinds fit in order (built
+greedily: the kind most stages need next); a stage skips the stage layers it has no layer
+for. Inside `jax.shard_map` over
 `pp`, rows are split into microbatches that flow stage to stage with `lax.ppermute` (GPipe):
 with M microbatches all stages work at once after a bubble of pp - 1 steps; with one row the
 stages run in sequence, as llama.cpp's layer split does. Other mesh axes (tp) stay automatic
@@ -67,22 +68,23 @@ Kind = tuple[bool, bool]  # ModelConfig.kind: (linear attention, experts)
 @dataclass(frozen=True)
 class StagePlan:
     stages: int
-    kinds: tuple[Kind, ...]  # [slot] -> the layer kind every stage stacks there
-    layer_of: tuple[tuple[int, ...], ...]  # [stage][slot] -> layer index, -1 = no layer
+    kinds: tuple[Kind, ...]  # [stage layer] -> the layer kind every stage stacks there
+    layer_of: tuple[tuple[int, ...], ...]  # [stage][stage layer] -> layer index, -1 = none
 
     @property
-    def slots(self) -> int:
+    def depth(self) -> int:
         return len(self.kinds)
 
     @property
     def valid(self) -> np.ndarray:
-        return np.array(self.layer_of) >= 0  # [pp, slots]
+        return np.array(self.layer_of) >= 0  # [pp, depth]
 
 
 def stage_plan(cfg: ModelConfig, stages: int) -> StagePlan:
     """Contiguous runs of layers (the first `n_layers % stages` stages one layer longer), and
-    slots that hold every stage's layers in order: at each step the kind the most stages
-    need next (the earliest stage's on a tie), so uniform models get one slot per layer."""
+    stage layers that hold every stage's layers in order: at each step the kind the most
+    stages need next (the earliest stage's on a tie), so uniform models get one stage layer
+    per layer."""
     base, extra = divmod(cfg.n_layers, stages)
     counts = [base + (s < extra) for s in range(stages)]
     starts = np.cumsum([0, *counts[:-1]])
@@ -106,14 +108,14 @@ def microbatches(batch: int, stages: int) -> int:
     return max(m for m in range(1, min(batch, stages) + 1) if batch % m == 0)
 
 
-def slot_block(cfg: ModelConfig, kind: Kind, split: ExpertSplit | None = None) -> Block:
+def stage_block(cfg: ModelConfig, kind: Kind, split: ExpertSplit | None = None) -> Block:
     """The abstract layer a slot of this kind stacks."""
     return nnx.eval_shape(lambda: Block(cfg, nnx.Rngs(0), kind, split))
 
 
 def block_axes(cfg: ModelConfig, kind: Kind) -> dict[tuple, tuple]:
     """Logical axes of one layer's parameters, by path inside the layer."""
-    block = slot_block(cfg, kind)
+    block = stage_block(cfg, kind)
     return {path: v.get_metadata()["axes"] for path, v in nnx.to_flat_state(nnx.state(block))}
 
 
@@ -126,7 +128,8 @@ def place_pipeline(
 
 
 def place_params(read: Reader, cfg: ModelConfig, mesh: Mesh, rules: dict, dtype) -> dict:
-    """Parameters in pipeline form: {embed, norm, [lm_head], slots: [per slot, leaves [pp, ...]]}.
+    """Parameters in pipeline form: {embed, norm, [lm_head], stage_layers: [per stage layer,
+    leaves [pp, ...]]}.
 
     `read(path, shape, blocks)` gives one parameter of the plain model as a host array, or a
     HostQuant (path as in the dense model, e.g. ("layers", 3, "attn", "wq")). Each layer is
@@ -158,20 +161,20 @@ def place_params(read: Reader, cfg: ModelConfig, mesh: Mesh, rules: dict, dtype)
             shape, axes = v.get_value().shape, v.get_metadata()["axes"]
             leaves[path] = put(("mtp", *path), shape, axes)
         params["mtp"] = nnx.to_pure_dict(nnx.from_flat_state(leaves))
-    slots = []
+    stacked = []
     for j, kind in enumerate(plan.kinds):
-        slot: dict = {}
-        block = slot_block(cfg, kind)
+        entry: dict = {}
+        block = stage_block(cfg, kind)
         shapes = {path: v.get_value().shape for path, v in nnx.to_flat_state(nnx.state(block))}
         axes = block_axes(cfg, kind)
         for path, shape in shapes.items():
             sharding = named(mesh, P(AXIS, *spec(axes[path], rules)))
-            node = slot
+            node = entry
             for key in path[:-1]:
                 node = node.setdefault(key, {})
             node[path[-1]] = stack_slot(read, plan, j, path, shape, sharding, dtype, kernel)
-        slots.append(slot)
-    params["slots"] = slots
+        stacked.append(entry)
+    params["stage_layers"] = stacked
     return params
 
 
@@ -215,7 +218,7 @@ def pipeline_runner(cfg: ModelConfig, mesh: Mesh, rules: dict, kv_dtype) -> Runn
     plan = stage_plan(cfg, mesh.shape[AXIS])
     pp = plan.stages
     split = ExpertSplit.of(mesh, rules)
-    block_defs = [nnx.graphdef(slot_block(cfg, kind, split)) for kind in plan.kinds]
+    block_defs = [nnx.graphdef(stage_block(cfg, kind, split)) for kind in plan.kinds]
     caches = [layer_cache(cfg, kind, kv_dtype) for kind in plan.kinds]
     manual = frozenset({AXIS})
     valid = plan.valid
@@ -225,16 +228,16 @@ def pipeline_runner(cfg: ModelConfig, mesh: Mesh, rules: dict, kv_dtype) -> Runn
         return [jax.tree.map(lambda a: jnp.broadcast_to(a, (pp, *a.shape)), cache.init(kv))
                 for cache in caches]  # fmt: skip
 
-    def stage(slots, x, rope_tab, view, kv):
-        """One device's stage. slots/kv leaves [1, ...]; x [B, T, D]; view rows [B]."""
+    def stage(layers, x, rope_tab, view, kv):
+        """One device's stage. layers/kv leaves [1, ...]; x [B, T, D]; view rows [B]."""
         s = lax.axis_index(AXIS)
-        slots = jax.tree.map(lambda a: a[0], slots)
+        layers = jax.tree.map(lambda a: a[0], layers)
         kv = jax.tree.map(lambda a: a[0], kv)  # per slot (K, V) [P, K, H, page]
         B = x.shape[0]
         M = microbatches(B, pp)
         mb = B // M
         xs = x.reshape(M, mb, *x.shape[1:])  # [M, mb, T, D]
-        ok = jnp.asarray(valid)[s]  # [slots]
+        ok = jnp.asarray(valid)[s]  # [depth]
 
         def rows(tree, m):  # microbatch m's rows of a [B, ...] tree (all of it when M = 1)
             if M == 1:
@@ -248,11 +251,11 @@ def pipeline_runner(cfg: ModelConfig, mesh: Mesh, rules: dict, kv_dtype) -> Runn
             # the cache, but for a decode loop's per-row linear states (view.slot None).
             tab, v = rows(rope_tab, m), rows(view, m)
             new = []
-            for j in range(plan.slots):
+            for j in range(plan.depth):
                 per_row = view.slot is None and isinstance(caches[j], RecurrentState) and M > 1
                 cache = rows(kv[j], m) if per_row else kv[j]
                 with jax.named_scope(f"slot_{j}"):
-                    run = partial(block, block_defs[j], slots[j], rope_tab=tab, view=v)
+                    run = partial(block, block_defs[j], layers[j], rope_tab=tab, view=v)
                     # A stage without a layer in this slot passes y through, cache untouched.
                     y, cache = lax.cond(
                         ok[j], lambda y, c, run=run: run(x=y, kv=c), lambda y, c: (y, c), y, cache
@@ -299,7 +302,7 @@ def pipeline_runner(cfg: ModelConfig, mesh: Mesh, rules: dict, kv_dtype) -> Runn
         x = embed(params["embed"], tokens, params["norm"].dtype)  # [B, T, D]
         rope_tab = rope_table(view.positions(tokens.shape[1]), rope_inv_freq(cfg))
         with jax.named_scope("stages"):
-            x, kv = staged(params["slots"], x, rope_tab, view, kv)
+            x, kv = staged(params["stage_layers"], x, rope_tab, view, kv)
         return rms_norm(x, params["norm"], cfg.norm_eps), kv
 
     def head(params, h):
@@ -319,7 +322,7 @@ def pipeline_runner(cfg: ModelConfig, mesh: Mesh, rules: dict, kv_dtype) -> Runn
         init_kv=init_kv,
         kv_shardings=lambda: [cache_shardings(c, mesh, rules, (AXIS,)) for c in caches],
         caches=tuple(caches),
-        state_axis=1,  # [pp, slots, ...]
+        state_axis=1,  # [pp, state ids, ...]
         stages=pp,
         description=describe(plan),
         mtp=draft if mtp else None,
@@ -343,5 +346,5 @@ def describe(plan: StagePlan) -> str:
             if len(real) > 1
             else f"stage {s}: layer {real[0]}"
         )
-        parts.append(text + (f" ({skip} of {len(layers)} slots skipped)" if skip else ""))
+        parts.append(text + (f" ({skip} of {len(layers)} stage layers skipped)" if skip else ""))
     return "; ".join(parts)

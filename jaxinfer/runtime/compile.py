@@ -95,7 +95,7 @@ class Context:
 
 
 @dataclass(frozen=True)
-class Job:
+class CompileJob:
     """One compile of the warmup plan."""
 
     name: str
@@ -185,7 +185,7 @@ class CompileCache:
         """The cached executables (jax `Compiled`) of one program."""
         return [c for key, c in self._entries.items() if key[0] == name]
 
-    def origin(self, job: Job) -> str:
+    def origin(self, job: CompileJob) -> str:
         """How a planned program's executable came: "compiled", "loaded" (from the store), or
         "" (not yet)."""
         key = self.key(job.name, job.context, job.args, self._contexts[job.context].n_fixed)
@@ -335,10 +335,10 @@ class CompileCache:
 
     def compile_planned(
         self,
-        jobs: list[Job],
+        jobs: list[CompileJob],
         *,
         workers: int = 0,
-        on_done: Callable[[Job, float], None] | None = None,
+        on_done: Callable[[CompileJob, float], None] | None = None,
     ) -> dict[str, tuple[int, float]]:
         """Compile the warmup plan (what is not cached yet; what the store holds loads instead)
         in a thread pool: XLA compiles release the GIL. Planned compiles are not recompiles:
@@ -378,7 +378,7 @@ class CompileCache:
                 future.result()
         return report
 
-    def restore_planned(self, jobs: list[Job]) -> int:
+    def restore_planned(self, jobs: list[CompileJob]) -> int:
         """Load what the store holds of the plan, compiling nothing -> the plan's executables
         this cache now has."""
         have = 0

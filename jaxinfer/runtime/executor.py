@@ -19,7 +19,7 @@ from ..model.gdn import RecurrentState
 from ..model.kvcache import AttentionKV, HiddenState, KVConfig
 from ..parallel.placement import Placement
 from ..parallel.sharding import named
-from .compile import CompileCache, Job, shapes_text
+from .compile import CompileCache, CompileJob, shapes_text
 from .programs import Program, programs
 from .speculative import SpecConfig
 
@@ -32,7 +32,7 @@ class Executor:
         cfg: ModelConfig,
         dtype,
         kv_config: KVConfig,
-        tokens_per_call: int,
+        decode_chunk: int,
         compile_cache: CompileCache,
         spec: SpecConfig | None = None,
         draft: Placement | None = None,
@@ -41,7 +41,7 @@ class Executor:
         self.spec = spec
         self.dtype = dtype
         self.kv_config = kv_config
-        self.tokens_per_call = tokens_per_call  # C: most decode steps in one call
+        self.decode_chunk = decode_chunk  # most decode steps in one call
         self.compile_cache = compile_cache
         self.device_ms = 0.0  # time inside compiled decode calls (and their wait)
         self._step_counts: dict[str, int] = {}  # step numbers of the trace annotations
@@ -58,7 +58,7 @@ class Executor:
         self.draft = draft
         draft_runner = draft.runner if draft else None
         self.programs: dict[str, Program] = programs(
-            self.runner, self.kv_config, self.tokens_per_call, self.cfg.vocab_size, self.spec,
+            self.runner, self.kv_config, self.decode_chunk, self.cfg.vocab_size, self.spec,
             draft_runner,
         )  # fmt: skip
         self.kv: Any = None  # the page pools (a list of per-layer tuples), allocated on first use
@@ -87,12 +87,12 @@ class Executor:
             for c, n in zip(caches, copies, strict=True)
             if isinstance(c, RecurrentState)
         ) + sum(c.slot_bytes() for c in self.runner.mtp_caches if isinstance(c, HiddenState))
-        state_bytes = self.state_slot_bytes * self.kv_config.state_slots
+        state_bytes = self.state_slot_bytes * self.kv_config.n_states
         self.page_bytes = (total - state_bytes) // self.kv_config.n_pages  # every layer's
         # What the programs close over besides their arguments: a change here is a recompile.
         # The pools' types stand for the KV dtype and the draft's (or MTP head's) layers.
         pools = tuple((a.shape, a.dtype.name) for a in jax.tree.leaves(shapes))
-        static = (self.cfg, str(np.dtype(self.dtype)), self.tokens_per_call, self.kv_config,
+        static = (self.cfg, str(np.dtype(self.dtype)), self.decode_chunk, self.kv_config,
                   self.spec, draft is not None, pools)  # fmt: skip
         layout = (
             self.layout,
@@ -193,7 +193,7 @@ class Executor:
 
     # ---- the plan -----------------------------------------------------------------------
 
-    def job(self, name: str, B: int, T: int) -> Job:
+    def job(self, name: str, B: int, T: int) -> CompileJob:
         """The compile of program `name` at batch B and chunk T, from ShapeDtypeStructs."""
         program = self.programs[name]
         inputs = jax.tree.map(
@@ -205,8 +205,10 @@ class Executor:
         else:
             args, context = (self.model_params(), self._kv_abstract, *inputs), self._context
         label = " ".join(f"{k}={v}" for k, v in (("B", B), ("T", T)) if v)
-        return Job(name, context, program.fn, args, program.donate, self._outputs(program), label)
+        return CompileJob(
+            name, context, program.fn, args, program.donate, self._outputs(program), label
+        )
 
-    def describe(self, job: Job) -> str:
+    def describe(self, job: CompileJob) -> str:
         """A job's per-call argument shapes, e.g. `chunk.tokens i32[4,128] ...`."""
         return shapes_text(job.fn, job.args, 0 if job.name == "cache" else 2)

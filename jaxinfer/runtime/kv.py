@@ -200,7 +200,7 @@ class KVManager:
         need be); out of range (none) elsewhere."""
         kv, snapshots = self.config, self.pool.snapshots
         assert snapshots is not None  # only models with snapshots have a snapshot table
-        table = np.full((batch, kv.table_width), kv.state_slots, np.int32)
+        table = np.full((batch, kv.table_width), kv.n_states, np.int32)
         for b, lease in enumerate(leases):
             if lease.hashes is None:
                 continue

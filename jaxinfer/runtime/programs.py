@@ -31,16 +31,16 @@ class Program:
 def programs(
     runner: Runner,
     kv_config: KVConfig,
-    tokens_per_call: int,
+    decode_chunk: int,
     vocab: int,
     spec: SpecConfig | None = None,
     draft: Runner | None = None,
 ) -> dict[str, Program]:
-    """The programs of one model on one mesh; `tokens_per_call` = C, most decode steps a call,
+    """The programs of one model on one mesh; `decode_chunk`, most decode steps a call,
     `vocab` = V, the logits' width (the sampling rows carry token masks over it).
     With a draft model, `params` is (the model's, the draft's) and `kv` lists the model's
     layers then the draft's (one page pool, one set of slots)."""
-    setup = steps.Setup(runner, kv_config, tokens_per_call, vocab, spec, draft)
+    setup = steps.Setup(runner, kv_config, decode_chunk, vocab, spec, draft)
 
     snaps = setup.snapshots  # prefix snapshots: prefill and the loops take snapshot tables
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
-from ..model.kvcache import NULL_SLOT
+from ..model.kvcache import NULL_STATE
 from ..ops.sampling import PENALTY_WINDOW, SamplingRows, free_mask, recent_window
 from .buckets import ShapePlan
 from .executor import Executor
@@ -80,7 +80,7 @@ class Scheduler:
         self.always_interactive = always_interactive
         self.queue: deque[RequestState] = deque()
         self.running: list[_Active] = []  # in admission order
-        self._slots = list(range(shapes.rows, NULL_SLOT, -1))  # free state slots, lowest last
+        self._slots = list(range(shapes.rows, NULL_STATE, -1))  # free state slots, lowest last
         # The last decode call's rows, device state and sampling rows, and (host, device) table.
         self._last: tuple = ((), None, None, (None, None))
         self._step_arrays: dict[int, object] = {}
@@ -200,7 +200,7 @@ class Scheduler:
         if not rows:
             return
         B = self.shapes.batch_for(len(rows))
-        n = self._tokens_per_call(rows)
+        n = self._decode_chunk(rows)
         spec = self.executor.spec
         ahead = spec.k if spec else 0  # a speculative step writes its drafts' positions too
         upto = [min(a.pos + n + ahead, a.state.need) for a in rows]
@@ -282,7 +282,7 @@ class Scheduler:
             self._step_arrays[n] = self.executor.put(np.int32(n))
         return self._step_arrays[n]
 
-    def _tokens_per_call(self, rows) -> int:
+    def _decode_chunk(self, rows) -> int:
         """Fewer tokens per call while anyone streams, has stop strings or waits to start;
         one while a grammar holds a row (each of its tokens needs the host's matcher)."""
         if any(a.state.constraint is not None for a in rows):

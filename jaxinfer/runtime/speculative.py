@@ -120,8 +120,8 @@ def with_input(s: DecodeState) -> jax.Array:
 
 def advance(s: DecodeState, made, out, new, n, stops, window, history, lp: Logprobs):
     """Keep tokens new[:, :n + 1] of each live row (of ~s.done) up to its first stop token:
-    made [B] tokens the call made so far, out (the call's tokens [B, C + K], -1 = none, and
-    their Logprobs), new [B, t] candidates and lp their Logprobs, n [B] accepted drafts,
+    made [B] tokens the call made so far, out (the call's tokens [B, decode_chunk + K], -1 =
+    none, and their Logprobs), new [B, t] candidates and lp their Logprobs, n [B] accepted drafts,
     stops [B, S] stop ids (-1 = unused), window [B, W] and history [B, H] after the step ->
     made, out, the row's new state, n (what it kept of its drafts, 0 for done rows)."""
     B = new.shape[0]
@@ -133,7 +133,7 @@ def advance(s: DecodeState, made, out, new, n, stops, window, history, lp: Logpr
     n = jnp.where(live, jnp.where(hit, jnp.minimum(n, jnp.argmax(stop, axis=1)), n), 0)
     made_now = jnp.where(live, n + 1, 0)
     ids, out_lp = out
-    ids = ring_put(ids, made, new, made_now)  # made + n + 1 <= C + K: never wraps
+    ids = ring_put(ids, made, new, made_now)  # made + n + 1 <= decode_chunk + K: never wraps
     out_lp = jax.tree.map(lambda a, x: ring_put(a, made, x, made_now), out_lp, lp)
     budget = s.budget - made_now
     s = s.replace(
@@ -320,7 +320,7 @@ def verify(
     """Speculative decode: while every live row has made fewer than `steps` tokens, each
     row proposes up to K drafts, one forward scores its input token and the drafts
     (T = K + 1 tokens), and the accepted prefix plus one token of the model's own is
-    kept. -> kv, state, out [B, C + K] (-1 where no token), their Logprobs, counts [3]
+    kept. -> kv, state, out [B, decode_chunk + K] (-1 where no token), their Logprobs, counts [3]
     (drafts scored, drafts accepted, row steps). Steps where no row has a draft run the
     plain one-token forward. With snapshots (snaps [B, NB]), the states at page ends the
     rows keep go to their pages' snapshots."""
@@ -354,7 +354,7 @@ def verify(
             lambda c: more(c) & drafted(c), lambda c: step(loop, c, True), plain
         )
 
-    width = setup.tokens_per_call + K
+    width = setup.decode_chunk + K
     out = (jnp.full((B, width), -1, I32), Logprobs.empty((B, width), setup.vocab))
     pick = jnp.zeros((B,), I32)
     catch = None

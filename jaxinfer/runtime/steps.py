@@ -2,14 +2,14 @@
 
   cache()                                            -> kv                 zeroed page pools
   prefill(params, kv, chunk, window, sampling)       -> kv, tokens [B], lp  one prompt chunk per row
-  decode(params, kv, state, table, sampling, steps[, snaps]) -> kv, state, out [B, C], lp
+  decode(params, kv, state, table, sampling, steps[, snaps]) -> kv, state, out [B, decode_chunk], lp
   score(params, kv, chunk)                           -> kv, logits [B, T, V]
 
 The page pools and linear-layer states `kv` are donated. With prefix snapshots (hybrid models
 under prefix caching), the state slots past the requests' ones are snapshots: the linear
 layers' states at page ends, which prefill and decode write where the host's snapshot table
 says (`snaps` [B, NB], per page) and a prompt chunk starts from after a prefix hit
-(`view.source`). `decode` runs up to C steps inside
+(`view.source`). `decode` runs up to decode_chunk steps inside
 one `while_loop` and leaves early when every row is done, so the host only wakes to stream
 and check stops. No program depends on the context length: rows reach their pages through
 block tables. `lp` holds the log-probabilities of the tokens made (zeros unless a row asked
@@ -37,14 +37,14 @@ from .inputs import I32, Chunk, DecodeState, ring_put
 class Setup:
     """What every program of one model on one mesh is built over: the model's runner, what
     proposes drafts (a draft model's runner, the MTP head, n-gram lookup or nothing), the KV
-    geometry and C, the most decode steps in one call. With a draft model, `params` is (the
-    model's, the draft's) and `kv` lists the model's layers then the draft's (one page pool,
+    geometry and decode_chunk, the most decode steps in one call. With a draft model, `params`
+    is (the model's, the draft's) and `kv` lists the model's layers then the draft's (one page pool,
     one set of slots); the MTP head keeps its caches after the model's (its attention pools,
     then the per-slot hidden state)."""
 
     runner: Runner
     kv_config: KVConfig
-    tokens_per_call: int
+    decode_chunk: int
     vocab: int  # V, the width of the logits
     spec: Any = None  # speculative.SpecConfig; None: no speculation
     draft: Runner | None = None
@@ -108,7 +108,7 @@ def take_states(setup: Setup, kv, slot, keep: int = 0, of: str = "model"):
 def page_end_ids(setup: Setup, snaps, pos, ok):
     """[B] the snapshot that takes a row's state after its token at pos [B]: its page's entry
     of snaps [B, NB] where ok [B] and the token ends a page; out of range (none) elsewhere."""
-    page, skip = setup.kv_config.page_size, setup.kv_config.state_slots
+    page, skip = setup.kv_config.page_size, setup.kv_config.n_states
     at = jnp.clip(pos // page, 0, snaps.shape[1] - 1)
     ends = ok & ((pos + 1) % page == 0)
     return jnp.where(ends, jnp.take_along_axis(snaps, at[:, None], axis=1)[:, 0], skip)
@@ -185,7 +185,7 @@ def mtp_prefill(setup: Setup, params, mtp_kv, h, tokens, view: KVView):
 def decode(
     setup: Setup, params, kv, state: DecodeState, table, sampling: SamplingRows, steps, snaps=None
 ):
-    """Up to `steps` (<= C) tokens per row; table [B, NB] covers every position written.
+    """Up to `steps` (<= decode_chunk) tokens per row; table [B, NB] covers every position written.
     Linear layers' states leave their slots for the loop and return after it; with snapshots
     (snaps [B, NB]), a state at a page end also goes to its page's snapshot."""
     runner = setup.runner
@@ -224,9 +224,9 @@ def decode(
         i, _, _, s, *_ = carry
         return (i < steps) & ~jnp.all(s.done)
 
-    C = setup.tokens_per_call
-    out = jnp.full((B, C), -1, I32)
-    lp = Logprobs.empty((B, C), setup.vocab)
+    chunk = setup.decode_chunk
+    out = jnp.full((B, chunk), -1, I32)
+    lp = Logprobs.empty((B, chunk), setup.vocab)
     init = (jnp.int32(0), kv, pools if snaps is not None else (), state, out, lp)
     _, kv, carried, state, out, lp = jax.lax.while_loop(more, step, init)
     pools = carried if snaps is not None else pools

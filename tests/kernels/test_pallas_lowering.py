@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxinfer.kernels.pallas import delta, grouped, qmatmul
+from jaxinfer.kernels.pallas import delta, grouped, quantized
 from jaxinfer.kernels.pallas.attention import paged_attention
 from jaxinfer.ops.quant import QArray
 
@@ -24,8 +24,8 @@ def attention(q, pk, pv, table, start, length):
     return paged_attention(q, (pk, pv), table, start, length, 64, q)  # windowed, gated
 
 
-def quantized(x, q, d):
-    return qmatmul.qmatmul(x, QArray({"q": q, "d": d}, "q8_0", 256, kernel=True))
+def quantized_product(x, q, d):
+    return quantized.quantized_matmul(x, QArray({"q": q, "d": d}, "q8_0", 256, kernel=True))
 
 
 KERNELS = {  # name: (fn, abstract operands); each operand gets a leading stage axis of 2
@@ -36,7 +36,7 @@ KERNELS = {  # name: (fn, abstract operands); each operand gets a leading stage 
                                     S((33, 2, 64, 16), jnp.bfloat16),
                                     S((33, 2, 64, 16), jnp.bfloat16), S((2, 16), jnp.int32),
                                     S((2,), jnp.int32), S((2,), jnp.int32)]),
-    "qmatmul": (quantized, [S((3, 256), jnp.float32), S((128, 256), jnp.int8),
+    "quantized_matmul": (quantized_product, [S((3, 256), jnp.float32), S((128, 256), jnp.int8),
                             S((128, 8), jnp.float16)]),
     "delta step": (delta.recurrent_step, [S((2, 4, 32), jnp.float32)] * 2
                    + [S((2, 4, 64), jnp.float32)] + [S((2, 4), jnp.float32)] * 2

@@ -1,4 +1,4 @@
-"""The Pallas quantized matmul (kernels/pallas/qmatmul.py) against a float64 NumPy product of
+"""The Pallas quantized matmul (kernels/pallas/quantized.py) against a float64 NumPy product of
 gguf-py's dequantized weights: every served format, decode (M = 1), ragged M, O and I that are not
 multiples of the tiles, and 8-bit activations against llama.cpp's activation quantization
 written in NumPy. On CPU the kernel runs in Pallas's interpreter; on a GPU compiled through
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from support.kernels import q8_reference, random_quantized
 
-from jaxinfer.kernels.pallas.qmatmul import FORMATS_SERVED, qmatmul, serves
+from jaxinfer.kernels.pallas.quantized import FORMATS_SERVED, quantized_matmul, serves
 from jaxinfer.ops import quant
 
 INTERPRET = jax.default_backend() == "cpu"
@@ -53,7 +53,7 @@ def test_matches_gguf_py(fmt, shape):
     assert serves(w)
     x = rng.standard_normal((max(ms), cols)).astype(np.float32)
     for m in ms:
-        y = qmatmul(jnp.asarray(x[:m]), w, interpret=INTERPRET)
+        y = quantized_matmul(jnp.asarray(x[:m]), w, interpret=INTERPRET)
         assert y.shape == (m, rows) and y.dtype == jnp.float32
         check(y, x[:m].astype(np.float64) @ ref.T, x[:m], ref)
 
@@ -64,7 +64,7 @@ def test_dtypes():
     rng = np.random.default_rng(3)
     w, ref = random_weight("q4_k", 64, 256, rng)
     x = jnp.asarray(rng.standard_normal((5, 256)), jnp.bfloat16)
-    y = qmatmul(x, w, interpret=INTERPRET, out_dtype=jnp.bfloat16)
+    y = quantized_matmul(x, w, interpret=INTERPRET, out_dtype=jnp.bfloat16)
     assert y.dtype == jnp.bfloat16
     x64 = np.asarray(x, np.float64)
     want = x64 @ ref.T
@@ -78,7 +78,7 @@ def test_serves():
     assert not serves(quant.QArray({"w": jnp.zeros((64, 64))}, "f32", 64))
     assert not serves(jnp.zeros((64, 64)))
     with pytest.raises(ValueError, match="does not serve"):
-        qmatmul(jnp.zeros((1, 64)), w.rows(lambda a: jnp.stack([a, a])))
+        quantized_matmul(jnp.zeros((1, 64)), w.rows(lambda a: jnp.stack([a, a])))
 
 
 @pytest.mark.parametrize("fmt", BLOCK_FORMATS)
@@ -102,7 +102,12 @@ def test_int8_activations(fmt):
         m = np.asarray(w.parts["m"], np.float64)  # [O, I / 32]
         want = xq @ (ref - np.repeat(m, 32, axis=1)).T + s @ m.T
     for rows in (1, 13):
-        y = qmatmul(jnp.asarray(x[:rows]), w, interpret=INTERPRET)
+        y = quantized_matmul(jnp.asarray(x[:rows]), w, interpret=INTERPRET)
         check(y, want[:rows], xq[:rows], ref)
     xla = jax.jit(lambda x, w: quant.product_int8(x, w, jnp.float32))(x, w)
-    check(qmatmul(jnp.asarray(x), w, interpret=INTERPRET), np.asarray(xla, np.float64), xq, ref)
+    check(
+        quantized_matmul(jnp.asarray(x), w, interpret=INTERPRET),
+        np.asarray(xla, np.float64),
+        xq,
+        ref,
+    )

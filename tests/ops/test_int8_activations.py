@@ -3,7 +3,7 @@ activations quantized to 8 bits as llama.cpp quantizes them, so that outputs fol
 on the same file. The references are llama.cpp's own: files it quantized itself to Q4_K_M,
 Q5_K_M and Q4_0 with its logits and greedy ids (fixtures/llama_cpp_int8, make.py there), and
 the tiny-random fixtures' Q8_0 greedy ids. Float activations are tested against the
-dequantized model (test_quant.py); the products themselves in test_qkernel.py.
+dequantized model (test_quant.py); the products themselves in test_cpu.py.
 
 Two implementations that quantize activations cannot agree bit for bit: where float32
 rounding upstream (a norm's sum, in another order) moves a value across a boundary of the

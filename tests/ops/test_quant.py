@@ -37,7 +37,7 @@ PROMPT = [1, 403, 407, 261, 378, 432, 383, 286, 261, 376]
 
 def test_the_kernels_build_where_they_can():
     """A variant that fails to build sends every product to the in-graph path (correct but
-    slow) and test_qkernel.py skips it: where a compiler is, the scalar variant builds on every
+    slow) and test_cpu.py skips it: where a compiler is, the scalar variant builds on every
     machine, and the best variant the CPU runs (build.VARIANTS' order) is the one in use."""
     from jaxinfer.kernels.cpu import build
 

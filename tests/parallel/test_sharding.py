@@ -113,11 +113,11 @@ def test_pipeline_is_one_program_and_devices_hold_their_stage(engines):
     assert engine.runner.stages == 3
     # 5 layers on 3 stages: [0, 1], [2, 3], [4, padding]
     layer_of = [[0, 1], [2, 3], [4, None]]
-    for j, slot in enumerate(engine.params["slots"]):
-        wq = weight(slot["attn"]["wq"])
+    for j, layer in enumerate(engine.params["stage_layers"]):
+        wq = weight(layer["attn"]["wq"])
         assert len(wq.addressable_shards) == 3
         for shard in wq.addressable_shards:
-            assert shard.data.shape == (1, *wq.shape[1:])  # one stage's slot per device
+            assert shard.data.shape == (1, *wq.shape[1:])  # one stage's layer per device
             stage = shard.index[0].start or 0
             assert shard.device == engine.mesh.devices.flat[stage]
             layer = layer_of[stage][j]
@@ -182,7 +182,7 @@ def test_cli_prints_the_plan(capsys):
     assert main(["info", "-m", path, "--layout", "layer", "--devices", "2"]) == 0
     out = capsys.readouterr().out
     assert "mesh pp=2" in out and "stage 0: layers 0-2; stage 1: layers 3-4" in out
-    assert "slots.0.attn.wq: [2, 64, 64] P('pp', None, None)" in out
+    assert "stage_layers.0.attn.wq: [2, 64, 64] P('pp', None, None)" in out
 
 
 def test_devices_list_and_count_select_devices():

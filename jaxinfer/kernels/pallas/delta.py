@@ -26,15 +26,7 @@ v_new = u - w S, o = (exp(gc) q) S + (q k^T * D) v_new, and
 S <- exp(gc_L) S + (exp(gc_L - gc) k)^T v_new. The [L, L] matrices are built per sub-chunk
 (and per DV tile) inside the kernel.
 
-What it does not do: the states at marks (page-boundary snapshots for the prefix cache, the
-per-token states speculative decoding keeps) stay in the XLA path (`gdn.chunked(marks=...)`,
-`gdn.recurrent`); the conv, l2norm, gating and the slot take / put stay in the model; DK and
-DV must be powers of two (at least 16 for the chunk kernel's dots on a GPU); choosing these
-over the XLA path is the caller's business (`kernels.delta_rule`). Not yet run on a GPU: lowered to
-Triton IR here and compiled offline for sm_90 (the decode step, DK = DV = 128: 70 registers, no
-spills; the chunk kernel holds q, k [L, DK] and S and spills at DK = 128, L = 64: a split into
-a WY-preparation kernel and a state-recurrence kernel, as the reference Triton kernels do, is
-the next step if it measures slow).
+What it does not do yet, and its GPU timings: benchmarks/results/pallas.md.
 """
 
 from __future__ import annotations

@@ -37,14 +37,7 @@ dots run at Precision.HIGHEST (IEEE on Triton, whose default is TF32); 16-bit op
 the tensor cores as they are, accumulated in float32. Mixed operand dtypes multiply in their
 promoted type.
 
-What it does not do: quantized experts (QArray weights: they take moe.expert_ffn's loop, or a
-future stacked form of kernels/pallas/qmatmul.py); the three FFN products fused into one kernel (the
-gate and up products share xs and could share its loads; SiLU could run in the epilogue);
-tiles and warps tuned on a GPU (BM, BN, BK, num_warps, num_stages are untimed defaults; at
-BM = 16 a long prefill re-reads each expert's weight slab once per 16 rows and feeds the tensor
-cores 16-row dots: there BM 64-128 should serve better); a grouped product over the transposed
-layout (w as [EL, D, O]). Not yet run on a GPU: checked in the interpreter and lowered to
-Triton IR for "cuda" without one.
+What it does not do yet, and its GPU timings: benchmarks/results/pallas.md.
 """
 
 from __future__ import annotations

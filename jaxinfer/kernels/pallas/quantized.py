@@ -1,8 +1,11 @@
-"""A Pallas matmul of activations with a quantized weight kept compressed: `qmatmul(x, w)` reads
-each tile of w's parts (ops/quant.py's `QArray`) and dequantizes it inside the kernel, so the
-weight is never materialized in float. Outputs equal `x @ dequantize(w).T` within float32
-rounding, and with `w.acts == "int8"` what `product_int8` gives (x quantized as llama.cpp
-quantizes activations, in XLA before the kernel).
+"""A Pallas matmul of activations with a quantized weight kept compressed.
+
+Contract: `quantized_matmul(x, w)` reads each tile of w's parts (ops/quant.py's `QArray`) and
+dequantizes it inside the kernel, so the weight is never materialized in float. Outputs equal
+`x @ dequantize(w).T` within float32 rounding, and with `w.acts == "int8"` what `product_int8`
+gives (x quantized as llama.cpp quantizes activations, in XLA before the kernel). Served:
+`FORMATS_SERVED` (`serves(w)` says). What it does not do yet, and its GPU timings:
+benchmarks/results/pallas.md.
 
 Tiling: a grid of (M / BM, O / BN) programs, BM 16-64 (M padded up to it) and BN 64, each a
 `fori_loop` over I in steps of BK with a float32 accumulator [BM, BN]; BK is 256 for the
@@ -14,13 +17,6 @@ the Triton lowering (no gathers, no slices of values, 2-D float32 dots). A nibbl
 block holds two halves of its `group` of columns (low nibbles the first, high the second, as
 GGUF orders them): rather than interleave them in the kernel, x's columns are reordered
 outside it into halves ([halves, M, I / halves]) and each half is its own dot.
-
-Served: q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k, per-channel int8, f16, bf16. Not yet:
-stacked (expert) weights, several weights sharing x in one call, tiles and warps tuned on a
-GPU (these are untimed defaults), tensor-core dots (float32 dots at HIGHEST precision keep
-float32 numerics; int8 activations multiply in float32 too, as product_int8 does). O not a
-multiple of 64 and I not a multiple of 64 are padded, which copies the weight's parts on
-each call.
 """
 
 from __future__ import annotations
@@ -67,8 +63,8 @@ BN = 64
 
 
 def serves(w) -> bool:
-    """Whether `qmatmul` multiplies w: a 2-D QArray of a served format (any O and I: the kernel
-    pads), with 8-bit activations only where the format has them."""
+    """Whether `quantized_matmul` multiplies w: a 2-D QArray of a served format (any O and I:
+    the kernel pads), with 8-bit activations only where the format has them."""
     return (
         isinstance(w, QArray)
         and w.ndim == 2
@@ -78,11 +74,11 @@ def serves(w) -> bool:
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "out_dtype"))
-def qmatmul(x: jax.Array, w: QArray, *, interpret: bool = False, out_dtype=jnp.float32):
+def quantized_matmul(x: jax.Array, w: QArray, *, interpret: bool = False, out_dtype=jnp.float32):
     """x [M, I] (any float dtype) times the quantized weight w [O, I] -> [M, O] in `out_dtype`,
     accumulated in float32. `interpret`: run the kernel in Pallas's interpreter (on CPU)."""
     if not serves(w):
-        raise ValueError(f"qmatmul does not serve a {w.fmt} weight of shape {w.shape}")
+        raise ValueError(f"quantized_matmul does not serve a {w.fmt} weight of shape {w.shape}")
     layout = _LAYOUTS[w.fmt]
     (m, i), o = x.shape, w.shape[0]
     bm = min(64, max(16, pl.next_power_of_2(m)))
