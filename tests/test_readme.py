@@ -29,15 +29,16 @@ NAMES = {
 
 
 def blocks() -> list[tuple[str, int, str]]:
-    """(page, line, code) of every ```python block of the README and the docs."""
-    out = []
+    """(page, line, code) of every ```python block of the README and the docs; a block that
+    repeats an earlier one word for word (the README quoting a guide) runs once."""
+    out, seen = [], set()
     for page in PAGES:
         text = page.read_text()
         name = page.relative_to(ROOT).as_posix()
-        out += [
-            (name, text[: m.start()].count("\n") + 1, m.group(1))
-            for m in re.finditer(r"```python\n(.*?)```", text, re.S)
-        ]
+        for m in re.finditer(r"```python\n(.*?)```", text, re.S):
+            if m.group(1).strip() not in seen:
+                seen.add(m.group(1).strip())
+                out.append((name, text[: m.start()].count("\n") + 1, m.group(1)))
     return out
 
 

@@ -69,19 +69,19 @@ OTHERS = (
     "mixtral_e8k2",
 )
 # by default xla on stories Q8_0 (quantized products, attention); slow: interpret on the hybrid
-# MoE (attention, the delta rule, the expert block), every other fixture in each, and
-# under interpret the quantized product (stories Q8_0) and two quantized fixtures (experts in
-# the tile loop of quantized products)
+# MoE (attention, the delta rule, the expert block), every other fixture in each, and under
+# interpret the quantized product (stories Q8_0) and two quantized fixtures (experts in the
+# tile loop of quantized products). The slow cases share a process per group: each process
+# starts jax and compiles afresh, which is most of a case's time.
+FIXTURES = tuple(f"tiny-random/{name}" for name in OTHERS)
 CASES = [("xla", (STORIES_Q8,)), pytest.param("interpret", (HYBRID,), marks=pytest.mark.slow)] + [
-    pytest.param(mode, (model,), marks=pytest.mark.slow)
-    for mode, model in [
-        ("xla", STORIES),
-        ("xla", HYBRID),
-        ("interpret", STORIES),
-        ("interpret", STORIES_Q8),
+    pytest.param(mode, models, marks=pytest.mark.slow)
+    for mode, models in [
+        ("xla", (STORIES, HYBRID)),
+        ("interpret", (STORIES, STORIES_Q8, *(f"{m}/model-q8_0.gguf" for m in FIXTURES[:2]))),
+        ("xla", FIXTURES),
+        ("interpret", FIXTURES),
     ]
-    + [(mode, f"tiny-random/{name}") for name in OTHERS for mode in ("xla", "interpret")]
-    + [("interpret", f"tiny-random/{name}/model-q8_0.gguf") for name in OTHERS[:2]]
 ]
 
 
