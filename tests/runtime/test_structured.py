@@ -11,7 +11,7 @@ import re
 import jsonschema
 import numpy as np
 import pytest
-from support.models import STORIES_HF, live_server, model_path, with_chat_template
+from support.models import STORIES_HF, client_of, live_server, model_path, with_chat_template
 from support.templates import QWEN25
 from test_logprobs import LOGPROB_ATOL, log_softmax64
 
@@ -141,14 +141,13 @@ def qwen_server(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tools") / "qwen3-moe-tools"
     with_chat_template(QWEN3_MOE, folder, QWEN25)
     opts = dict(slots=4, max_seq_len=1024, prefill_buckets=(32, 128), batch_buckets=(1,))
-    srv = live_server(lambda: jaxinfer.load(folder, **opts))
-    yield srv
-    srv.stop()
+    with live_server(lambda: jaxinfer.load(folder, **opts)) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
 def client(qwen_server):
-    return openai.OpenAI(base_url=qwen_server.url + "/v1", api_key="unused", max_retries=0)
+    return client_of(qwen_server)
 
 
 WEATHER = {

@@ -15,7 +15,7 @@ import time
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support.models import live_server, with_chat_template
+from support.models import live_server, stories_chat
 
 import jaxinfer
 from jaxinfer import cli
@@ -40,17 +40,14 @@ FUZZ = settings(
 
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory):
-    """stories260K's HF folder with a small chat template, so chat bodies reach the model."""
-    folder = tmp_path_factory.mktemp("front") / "stories260K-chat"
-    return with_chat_template("stories260K-hf-derived", folder, TEMPLATE)
+    return stories_chat(tmp_path_factory, TEMPLATE)  # a small chat template
 
 
 @pytest.fixture(scope="module")
 def server(chat_model):
-    srv = live_server(lambda: jaxinfer.load(chat_model, **PLAN))
-    srv.reference = greedy(srv)  # what the fuzz must leave unchanged
-    yield srv
-    srv.stop()
+    with live_server(lambda: jaxinfer.load(chat_model, **PLAN)) as srv:
+        srv.reference = greedy(srv)  # what the fuzz must leave unchanged
+        yield srv
 
 
 def send(port: int, method: str, path: str, data: bytes = b"", headers=None):

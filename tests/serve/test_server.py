@@ -16,7 +16,7 @@ import time
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from support.models import live_server, with_chat_template
+from support.models import client_of, live_server, stories_chat
 
 import jaxinfer
 from jaxinfer.cli import main
@@ -48,22 +48,19 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory):
-    """stories260K's HF folder with a chat template in its tokenizer_config.json."""
-    folder = tmp_path_factory.mktemp("chat") / "stories260K-chat"
-    return with_chat_template("stories260K-hf-derived", folder, TEMPLATE)
+    return stories_chat(tmp_path_factory, TEMPLATE)  # Llama-2 style
 
 
 @pytest.fixture(scope="module")
 def server(chat_model):
     opts = dict(slots=4, prefill_buckets=(32, 128), batch_buckets=(1,))  # a small plan
-    srv = live_server(lambda: jaxinfer.load(chat_model, **opts))
-    yield srv
-    srv.stop()
+    with live_server(lambda: jaxinfer.load(chat_model, **opts)) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    return client_of(server)
 
 
 def metrics(server) -> dict:

@@ -1,5 +1,6 @@
 """The shared tiny models (../shared/models, outside the repository) and what they publish."""
 
+import contextlib
 import json
 import shutil
 from pathlib import Path
@@ -42,11 +43,29 @@ def with_chat_template(rel: str, folder: Path, template: str) -> Path:
     return folder
 
 
+def stories_chat(tmp_path_factory, template: str) -> Path:
+    """stories260K's HF folder with `template` in its tokenizer_config.json (a module
+    fixture's copy), so chat bodies reach the model."""
+    folder = tmp_path_factory.mktemp("chat") / "stories260K-chat"
+    return with_chat_template(STORIES_HF, folder, template)
+
+
+@contextlib.contextmanager
 def live_server(load):
-    """A started Server on a free port over `load()`, ready (for a module fixture to yield
-    and stop)."""
+    """A started Server on a free port over `load()`, ready; stopped on leaving (a module
+    fixture yields it from inside)."""
     from jaxinfer.serve.server import Server
 
     srv = Server(load, port=0).start()
-    assert srv.worker.wait_ready(600), srv.worker.error
-    return srv
+    try:
+        assert srv.worker.wait_ready(600), srv.worker.error
+        yield srv
+    finally:
+        srv.stop()
+
+
+def client_of(srv):
+    """The openai client of a live server (no retries: a failure shows at once)."""
+    import openai
+
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
