@@ -10,12 +10,11 @@ llama-server's GET /props and GET /slots (busy slots show their prompts; `?fail_
 import http.client
 import json
 import socket
-import time
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support.models import live_server, stories_chat
+from support.models import live_server, stories_chat, wait_for
 
 import jaxinfer
 from jaxinfer import cli
@@ -66,15 +65,6 @@ def greedy(server) -> str:
     status, _, data = send(server.port, "POST", "/v1/completions", json.dumps(body).encode())
     assert status == 200, data
     return json.loads(data)["choices"][0]["text"]
-
-
-def wait_for(predicate, timeout=30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 # ---- what the fuzz sends ------------------------------------------------------------------

@@ -12,11 +12,10 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from support.models import client_of, live_server, stories_chat
+from support.models import client_of, live_server, stories_chat, wait_for
 
 import jaxinfer
 from jaxinfer.cli import main
@@ -83,15 +82,6 @@ def raw(server, method: str, path: str, body=None, headers=None, port=None):
     text = response.read().decode()
     conn.close()
     return response.status, text
-
-
-def wait_for(predicate, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 # ---- completions -------------------------------------------------------------------------

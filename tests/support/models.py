@@ -3,6 +3,7 @@
 import contextlib
 import json
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -69,3 +70,13 @@ def client_of(srv):
     import openai
 
     return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+
+
+def wait_for(predicate, timeout: float = 30.0) -> bool:
+    """Whether `predicate()` turns true within `timeout` seconds (polled every 50 ms)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
