@@ -1,12 +1,17 @@
 """The CPU kernels: XLA FFI custom calls (C++ in src/), one library per instruction-set variant
 (build.py), built when the package is installed and chosen when first used: the best variant
-the CPU runs, or the one JAXINFER_CPU_KERNELS names (avx512, avx2, neon, scalar; off: none;
-JAXINFER_KERNELS=xla turns them off too, backend.py).
-`qmatmul` reads a `QArray`'s blocks once and dequantizes in registers; `model.linear` sends it
-the products where it beats XLA (CROSSOVERS, per variant); the rest, and any backend without
-the kernels, dequantize inside the graph. Float32 weights placed for it ("f32" QArrays) go to it
-at small batches, where XLA CPU's dot leaves its fast one-row path. `attend` is paged
-attention with the K/V write.
+the CPU runs, or the one JAXINFER_CPU_KERNELS names (off: none; JAXINFER_KERNELS=xla turns
+them off too, backend.py).
+
+Contract: `matmul` / `matmuls` multiply activations by a weight read in its GGUF blocks (every
+served block format, at every row count `serves` accepts: a streaming product at few rows, an
+8-bit GEMM for prompt chunks; no float copy of a weight anywhere), as a float64 product of
+llama.cpp's quantized arithmetic gives them within 1e-5 relative; float32 weights placed for
+them ("f32" QArrays) at the row counts of CROSSOVERS; `grouped_matmuls` multiplies each
+routed expert's rows once; `attend` is paged attention with the K/V write; `delta_step` /
+`delta_chunk` are the Gated DeltaNet recurrence. Each takes a stack of layers and a layer
+index where the depth-shared loop needs one (`layer=`) and reads that layer in place.
+Measurements: benchmarks/results/qkernel.md, crossovers.md, variants.md, realshape.md.
 """
 
 from __future__ import annotations
