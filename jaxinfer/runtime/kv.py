@@ -67,8 +67,7 @@ class KVManager:
         `snapshots` of it (None: one per page); others keep none (snapshots = 0 or None off)."""
         kept = 0
         if carries_state and snapshots != 0:
-            pages = KVConfig.plan(tokens, max_seq_len, page_size, rows).usable_pages
-            kept = pages if snapshots is None else snapshots
+            kept = -(-tokens // page_size) if snapshots is None else snapshots  # None: one a page
         return KVConfig.plan(tokens, max_seq_len, page_size, rows, kept)
 
     @property
