@@ -171,19 +171,29 @@ def _given_or_made(cls, given, overrides: dict, name: str, what: str, error: typ
     return cls(**overrides)
 
 
+def json_object(value, what: str) -> dict:
+    """A JSON object given as a dict or as JSON text, as the dict; what names it in the error."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise RequestError(f"{what} is not valid JSON ({e.msg} at {e.pos})") from None
+        except RecursionError:
+            raise RequestError(f"{what} is nested too deeply") from None
+    if not isinstance(value, dict):
+        raise RequestError(f"{what} must be a JSON object, not {type(value).__name__}")
+    return value
+
+
 def _schema_text(schema) -> str:
     """A JSON schema as compact JSON text (a dict, or text that parses to an object)."""
-    if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except json.JSONDecodeError as e:
-            raise RequestError(f"json_schema is not valid JSON ({e})") from None
-    if not isinstance(schema, dict):
-        raise RequestError("json_schema must be a JSON object (a dict), e.g. {} for any object")
+    schema = json_object(schema, "json_schema")
     try:
         return json.dumps(schema, separators=(",", ":"))
     except (TypeError, ValueError) as e:
         raise RequestError(f"json_schema cannot be written as JSON ({e})") from None
+    except RecursionError:
+        raise RequestError("json_schema is nested too deeply") from None
 
 
 def default_compile_cache_dir() -> Path | None:

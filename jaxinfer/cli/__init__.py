@@ -50,6 +50,7 @@ def _devices(text: str):
 
 
 def _common(p: argparse.ArgumentParser) -> None:
+    """The engine's flags: one declaration each (their like shapes are boilerplate)."""
     p.add_argument(
         "-m", "--model",
         help="HF folder or .gguf file (default: the built-in stories260K; builtin-random: "

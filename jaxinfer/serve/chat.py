@@ -22,6 +22,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ..errors import RequestError
 from ..formats.tokenizer import Tokenizer
+from ..options import json_object
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
@@ -125,14 +126,7 @@ def _arguments(arguments, where: str) -> dict:
     """A call's arguments, OpenAI's JSON text of an object, as the object."""
     if arguments is None or arguments == "":  # a call without arguments
         return {}
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError as e:
-            raise RequestError(f"{where} is not valid JSON ({e.msg} at {e.pos})") from None
-    if not isinstance(arguments, dict):
-        raise RequestError(f"{where} must be a JSON object, not {type(arguments).__name__}")
-    return arguments
+    return json_object(arguments, where)
 
 
 def _text_part(part, where: str) -> str:

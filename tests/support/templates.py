@@ -1,4 +1,6 @@
-"""Real chat templates with tool calls, verbatim, for the tool-call tests."""
+"""Real chat templates with tool calls, verbatim, for the tool-call tests.
+
+Data: where two templates share lines, their authors wrote them so."""
 
 # ruff: noqa: E501 (the templates are copied as they are)
 

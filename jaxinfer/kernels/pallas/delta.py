@@ -205,7 +205,7 @@ def chunked(
     per_token = pl.BlockSpec((None, TP, None), lambda b, h, j: (b, 0, h))
     state = pl.BlockSpec((None, None, DK, BV), lambda b, h, j: (b, h, 0, j))
     args, mat = agreed(q, k, v, g, beta, S)  # inside shard_map
-    o, S = pl.pallas_call(
+    o, S = pl.pallas_call(  # the step's call over whole chunks (boilerplate)
         functools.partial(_chunk_kernel, L=L, N=TP // L),
         out_shape=(
             jax.ShapeDtypeStruct((B, TP, H, DV), _F32, manual_axis_type=mat),

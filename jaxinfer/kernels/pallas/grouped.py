@@ -160,7 +160,7 @@ def grouped_matmul(
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def run_tiles(
+def run_tiles(  # grouped_matmul's arguments (boilerplate)
     xs: jax.Array,
     w: jax.Array,
     tiles: tuple[jax.Array, jax.Array, jax.Array],

@@ -64,7 +64,7 @@ struct Unpack<Q4<kMin>> {
   }
 };
 template <bool kMin>
-struct Unpack<Q5<kMin>> {
+struct Unpack<Q5<kMin>> {  // Q4's, plus the fifth bits (boilerplate)
   static constexpr int kSub = 32;
   static constexpr bool kLow = kMin, kFull = false;
   static INLINE void run(const Q5<kMin>&, const typename Q5<kMin>::Row& r, int64_t b, int8_t* q,
