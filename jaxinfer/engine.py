@@ -392,7 +392,7 @@ class Engine:
         """The running requests (llama-server's /slots): each one's slot (0-based), prompt
         ids, tokens generated, tokens it may still generate (remaining) and SamplingParams."""
         return [
-            {"slot": a.slot - 1,  # state slots count from 1: 0 is the padding rows'
+            {"slot": a.state_index - 1,  # state indices count from 1: 0 is the padding rows'
              "prompt": list(s.prompt), "generated": len(s.token_ids),
              "remaining": s.budget - len(s.token_ids), "params": s.params}
             for a in self._scheduler.running if (s := a.state) is not None

@@ -1,13 +1,13 @@
 """Gated DeltaNet (Qwen3-Next, Qwen3.5 linear attention): the causal conv, the delta rule and
 the per-request state they carry between calls.
 
-Each linear layer keeps, per state slot, the last K - 1 inputs of its causal conv (for the q,
+Each linear layer keeps, per state index, the last K - 1 inputs of its causal conv (for the q,
 k and v channels) and the recurrent state S [HV, DK, DV], all float32 whatever the compute
-dtype. A row of a prompt chunk reaches its slot through `KVView.slot` (slot 0 is the null
-slot that padding rows write); a row whose call starts at position 0 begins from zeros, so a
-reused slot never leaks the previous request's state. A decode call takes its rows' states
-out of the slots once, carries them through its steps and puts them back at the end (read
-and written in the loop, the pools would be copied every step). Padding tokens leave the
+dtype. A row of a prompt chunk reaches its state through `KVView.state_index` (index 0 is
+the null state that padding rows write); a row whose call starts at position 0 begins from
+zeros, so a reused index never leaks the previous request's state. A decode call takes its
+rows' states out of the pools once, carries them through its steps and puts them back at the
+end (read and written in the loop, the pools would be copied every step). Padding tokens leave the
 state untouched: their beta and decay are 0 (S = S * exp(0) + k (x) 0) and the conv state
 is cut at the last real input.
 
@@ -15,7 +15,7 @@ The delta rule per value head, with q, k L2-normed and q scaled by DK^-1/2:
     S_t = exp(g_t) S_{t-1} + k_t (x) beta_t (v_t - exp(g_t) S_{t-1}^T k_t),  o_t = S_t^T q_t
 Decode runs it token by token; a prompt chunk uses the chunkwise-parallel (WY) form over
 sub-chunks of CHUNK tokens, each with the state of the one before. Dimension letters: B rows,
-T tokens, S state slots, C conv channels, W = K - 1 conv inputs kept, HV/HK value/key heads,
+T tokens, S state indices, C conv channels, W = K - 1 conv inputs kept, HV/HK value/key heads,
 DK/DV their widths, L sub-chunk length.
 """
 
@@ -38,7 +38,7 @@ _L2_EPS = 1e-6
 @dataclass(frozen=True)
 class RecurrentState:
     """The cache of one linear layer: conv inputs per channel group (q, k, v) and the delta-rule
-    state, per state slot, in float32."""
+    state, per state index, in float32."""
 
     conv_channels: tuple[int, int, int]  # C of q, k, v (HK*DK, HK*DK, HV*DV)
     kernel: int  # conv taps K
@@ -62,49 +62,49 @@ class RecurrentState:
     def init(self, kv) -> tuple[jax.Array, ...]:
         return tuple(jnp.zeros(s, jnp.float32) for s in self.shapes(kv.n_states))
 
-    def slot_bytes(self) -> int:
+    def state_bytes(self) -> int:
         return 4 * sum(math.prod(s) for s in self.shapes(1))
 
 
-def take(pools, slot: jax.Array, axis: int = 0, layer: jax.Array | None = None):
-    """Each row's state [B, ...] from its slot (slots on `axis` of the pools; with `layer`,
+def take(pools, state_index: jax.Array, axis: int = 0, layer: jax.Array | None = None):
+    """Each row's state [B, ...] at its state index (indices on `axis` of the pools; with `layer`,
     of entry `layer` of stacked pools [L, ...])."""
-    index = (() if layer is None else (layer,)) + (slice(None),) * axis + (slot,)
+    index = (() if layer is None else (layer,)) + (slice(None),) * axis + (state_index,)
     return tuple(p.at[index].get(mode="promise_in_bounds") for p in pools)
 
 
-def put(pools, states, slot: jax.Array, axis: int = 0, skip: bool = False, layer=None):
-    """Store each row's state in its slot (padding rows all write the null slot). `slot` may
-    have more dims ([B, M] with states [B, M, ...]); with `skip`, out-of-range slots (a
-    snapshot not wanted, `skipped`) write nothing. `layer` as in `take`."""
+def put(pools, states, state_index: jax.Array, axis: int = 0, skip: bool = False, layer=None):
+    """Store each row's state at its index (padding rows all write the null state).
+    `state_index` may have more dims ([B, M] with states [B, M, ...]); with `skip`,
+    out-of-range indices (a snapshot not wanted, `skipped`) write nothing. `layer` as in `take`."""
     mode = "drop" if skip else "promise_in_bounds"
 
     def one(pool, state):
-        index = (() if layer is None else (layer,)) + (slice(None),) * axis + (slot,)
+        index = (() if layer is None else (layer,)) + (slice(None),) * axis + (state_index,)
         return pool.at[index].set(state.astype(pool.dtype), mode=mode)
 
     return tuple(one(p, s) for p, s in zip(pools, states, strict=True))
 
 
 def skipped(pools, axis: int = 0, layer: jax.Array | None = None) -> int:
-    """The slot index that `put(..., skip=True)` drops: one past the pools' last slot."""
+    """The state index that `put(..., skip=True)` drops: one past the pools' last state."""
     return pools[0].shape[axis + (layer is not None)]
 
 
-def read(pools, slot: jax.Array | None, fresh: jax.Array, pick: jax.Array | None = None,
+def read(pools, state_index: jax.Array | None, fresh: jax.Array, pick: jax.Array | None = None,
          layer: jax.Array | None = None):  # fmt: skip
-    """A call's states [B, ...]: from the rows' slots (or the prefix snapshots a chunk starts
-    from), zeros where a row starts a request; or, with no slots (a decode loop, which took
+    """A call's states [B, ...]: from the rows' state indices (or the prefix snapshots a chunk
+    starts from), zeros where a row starts a request; or, with no indices (a decode loop, which took
     them out once), the rows' states themselves; or, keeping every token's state
     ([B, N, ...], speculative decoding), the one at `pick` [B]. With `layer`, the pools are
     stacks [L, ...] of depth-shared layers' caches, read at that layer."""
-    if slot is None:
+    if state_index is None:
         pools = pools if layer is None else at_layer(pools, layer)
         return pools if pick is None else tuple(select(p, pick) for p in pools)
     keep = ~fresh
     return tuple(
         jnp.where(keep.reshape(-1, *([1] * (s.ndim - 1))), s, 0.0)
-        for s in take(pools, slot, layer=layer)
+        for s in take(pools, state_index, layer=layer)
     )
 
 
@@ -128,14 +128,14 @@ def boundaries(start: jax.Array, T: int, page: int) -> jax.Array:
     return t.reshape(start.shape[0], N * P)
 
 
-def write(pools, states, slot: jax.Array | None, keep_at: jax.Array | None = None,
+def write(pools, states, state_index: jax.Array | None, keep_at: jax.Array | None = None,
           layer: jax.Array | None = None):  # fmt: skip
-    """The cache after a call: the pools with each row's new state in its slot; or, with no
-    slots, the new states themselves; or, keeping every token's state, the call's T states
+    """The cache after a call: the pools with each row's new state at its index; or, with no
+    indices, the new states themselves; or, keeping every token's state, the call's T states
     [B, T, ...] stored at kept indices keep_at .. keep_at + T - 1. With `layer`, into entry
     `layer` of stacked pools."""
-    if slot is not None:
-        return put(pools, states, slot, layer=layer)
+    if state_index is not None:
+        return put(pools, states, state_index, layer=layer)
     if keep_at is not None:
         own = pools if layer is None else at_layer(pools, layer)
         states = tuple(

@@ -28,7 +28,7 @@ from .. import kernels
 from ..ops.vma import varying_like
 
 NULL_PAGE = 0
-NULL_STATE = 0  # the state slot padding rows read and write (gdn.py)
+NULL_STATE = 0  # the state index padding rows read and write (gdn.py)
 AXES = ("cache_seq", "kv_heads", "head_dim", None)  # logical axes of a pool [P, K, H, page]
 PAGE_SIZES = (16, 32, 64, 128, 256)
 QUERY_TILE = 128  # queries per causal tile inside a prompt chunk (tiles skip keys above them)
@@ -46,7 +46,7 @@ class KVConfig:
     page_size: int  # positions per page
     n_pages: int  # pages per layer, the null page included
     table_width: int  # NB: block table entries per row
-    # state slots of linear layers (and the MTP head's hidden state): the null slot, one per
+    # state indices of linear layers (and the MTP head's hidden state): the null state, one per
     # request at once, one for a scoring pass, then `snapshots` prefix snapshots
     n_states: int = 1
     snapshots: int = 0
@@ -55,8 +55,8 @@ class KVConfig:
     def plan(
         kv_cache_tokens: int, max_seq_len: int, page_size: int, rows: int = 1, snapshots: int = 0
     ) -> KVConfig:
-        """Pages for `kv_cache_tokens`; a state slot for each of `rows` requests at once and
-        one for a scoring pass, beside the null slot; then `snapshots` prefix snapshots."""
+        """Pages for `kv_cache_tokens`; a state index for each of `rows` requests at once and
+        one for a scoring pass, beside the null state; then `snapshots` prefix snapshots."""
         usable = -(-kv_cache_tokens // page_size)
         slots = rows + 2 + snapshots
         return KVConfig(page_size, usable + 1, -(-max_seq_len // page_size), slots, snapshots)
@@ -67,7 +67,7 @@ class KVConfig:
 
     @property
     def first_snapshot(self) -> int:
-        """The state slot of the first prefix snapshot (past the requests' and scoring's)."""
+        """The state index of the first prefix snapshot (past the requests' and scoring's)."""
         return self.n_states - self.snapshots
 
 
@@ -100,15 +100,15 @@ class KVView:
     table: jax.Array  # [B, NB] int32 page ids (NULL_PAGE where unallocated)
     start: jax.Array  # [B] int32 position of the row's first token in this call
     length: jax.Array  # [B] int32 tokens of this call that are real (0: an idle row)
-    # [B] int32 the row's state slot in linear layers (NULL_STATE: padding); None inside a
+    # [B] int32 the row's state index in linear layers (NULL_STATE: padding); None inside a
     # decode loop, whose linear caches are the rows' own states (gdn.read)
-    slot: jax.Array | None
+    state_index: jax.Array | None
     # Speculative decoding keeps every token's linear state ([B, T+, ...] per row, gdn.py):
     # pick [B] int32 is the kept state a row starts from, keep_at (int32 scalar) where the
     # call's T new states go. None: one state per row.
     pick: jax.Array | None = None
     keep_at: jax.Array | None = None
-    # Prefix caching (hybrid models): [B] int32 the state slot or snapshot a prompt chunk's
+    # Prefix caching (hybrid models): [B] int32 the state index or snapshot a prompt chunk's
     # linear layers start from (a prefix hit's snapshot; else the row's slot), and [B, NB]
     # int32 per page the snapshot that takes the state at its end (out of range: none).
     # None: no snapshots.
@@ -319,7 +319,7 @@ def _pages(qh, pools, table, q_pos, n_keys, carry, window, causal=False):
 
 @dataclass(frozen=True)
 class HiddenState:
-    """Per state slot, the model's final-norm hidden state [D] (float32) of the last token a
+    """Per state index, the model's final-norm hidden state [D] (float32) of the last token a
     request kept: the MTP head's input for its next row."""
 
     d_model: int
@@ -329,5 +329,5 @@ class HiddenState:
     def init(self, kv) -> tuple[jax.Array]:
         return (jnp.zeros((kv.n_states, self.d_model), jnp.float32),)
 
-    def slot_bytes(self) -> int:
+    def state_bytes(self) -> int:
         return 4 * self.d_model

@@ -193,7 +193,7 @@ class GatedDeltaNet(nnx.Module):
 
     def __call__(self, x, state, view: KVView):
         """x [B, T, D] at the view's positions; state this layer's pools (conv q, k, v and
-        delta-rule state by slot; in a decode loop, the rows' own states: gdn.read) ->
+        delta-rule state by state index; in a decode loop, the rows' own states: gdn.read) ->
         [B, T, D], state."""
         cfg = self.cfg
         B, T, _ = x.shape
@@ -204,12 +204,12 @@ class GatedDeltaNet(nnx.Module):
             x, [w[...] for w in (self.wq, self.wk, self.wv, self.wz, self.wb, self.wa)]
         )
         keep = view.pick is not None  # speculative: every token's state is kept
-        source = view.slot if view.source is None else view.source
+        source = view.state_index if view.source is None else view.source
         layer = view.layer  # depth-shared layers: the state pools are stacks [L, ...]
         # A decode step of a shared layer updates its delta-rule states in the stack, in place
         # (a kernel's); taken out and put back, they would cross memory three times.
         ops = kernels.delta_rule(state[3].shape, view.kernel, stacked=layer is not None)
-        in_place = layer is not None and view.slot is None and not keep and T == 1 and ops
+        in_place = layer is not None and view.state_index is None and not keep and T == 1 and ops
         if in_place:
             assert layer is not None  # in_place implies a layer
             conv_q, conv_k, conv_v = gdn.at_layer(state[:3], layer)
@@ -218,7 +218,7 @@ class GatedDeltaNet(nnx.Module):
             conv_q, conv_k, conv_v, S = gdn.read(state, source, view.start == 0, view.pick, layer)
         # A prompt chunk with prefix snapshots also keeps the states at the page ends it holds.
         marks = None
-        if view.snaps is not None and view.slot is not None:
+        if view.snaps is not None and view.state_index is not None:
             marks = gdn.boundaries(view.start, T, view.page)  # [B, M]
         weights = (self.conv_q, self.conv_k, self.conv_v)
         convs = [
@@ -257,7 +257,9 @@ class GatedDeltaNet(nnx.Module):
             assert layer is not None  # in_place implies a layer
             state = (*gdn.set_layer(state[:3], (conv_q, conv_k, conv_v), layer), S)
         else:
-            state = gdn.write(state, (conv_q, conv_k, conv_v, S), view.slot, view.keep_at, layer)
+            state = gdn.write(
+                state, (conv_q, conv_k, conv_v, S), view.state_index, view.keep_at, layer
+            )
         if marks is not None:
             snaps = (*(c[2] for c in convs), at_marks)  # [B, M, ...] each
             ids = view.snapshot_ids(marks, gdn.skipped(state, layer=layer))

@@ -109,7 +109,7 @@ def microbatches(batch: int, stages: int) -> int:
 
 
 def stage_block(cfg: ModelConfig, kind: Kind, split: ExpertSplit | None = None) -> Block:
-    """The abstract layer a slot of this kind stacks."""
+    """The abstract layer a stage layer of this kind stacks."""
     return nnx.eval_shape(lambda: Block(cfg, nnx.Rngs(0), kind, split))
 
 
@@ -200,13 +200,13 @@ def stack_slot(read: Reader, plan: StagePlan, j: int, path, shape, sharding, dty
         first = real[0]
         assert isinstance(first, HostQuant)  # as every real layer's
         return put_quant(("layers", *path), parts, first, sharding, kernel, lead=1)
-    if fmts != {None}:  # mixed formats: this slot is read in float
+    if fmts != {None}:  # mixed formats: this stage layer is read in float
         hosts = [read(("layers", n, *path), shape) if n >= 0 else None for n in layers]
 
     def stage_slice(index):
         stage = index[0].start or 0  # one stage per device along pp
         host = hosts[stage]
-        assert not isinstance(host, HostQuant)  # a slot read in float
+        assert not isinstance(host, HostQuant)  # a stage layer read in float
         host = np.zeros(shape, dt) if host is None else host.astype(dt, copy=False)
         return host[None][(slice(0, 1), *index[1:])]
 
@@ -224,7 +224,7 @@ def pipeline_runner(cfg: ModelConfig, mesh: Mesh, rules: dict, kv_dtype) -> Runn
     valid = plan.valid
 
     def init_kv(kv: KVConfig):
-        """Per slot, the cache of that slot's layer on every stage: [pp, ...] leaves."""
+        """Per stage layer, its cache on every stage: [pp, ...] leaves."""
         return [jax.tree.map(lambda a: jnp.broadcast_to(a, (pp, *a.shape)), cache.init(kv))
                 for cache in caches]  # fmt: skip
 
@@ -232,7 +232,7 @@ def pipeline_runner(cfg: ModelConfig, mesh: Mesh, rules: dict, kv_dtype) -> Runn
         """One device's stage. layers/kv leaves [1, ...]; x [B, T, D]; view rows [B]."""
         s = lax.axis_index(AXIS)
         layers = jax.tree.map(lambda a: a[0], layers)
-        kv = jax.tree.map(lambda a: a[0], kv)  # per slot (K, V) [P, K, H, page]
+        kv = jax.tree.map(lambda a: a[0], kv)  # per stage layer (K, V) [P, K, H, page]
         B = x.shape[0]
         M = microbatches(B, pp)
         mb = B // M
@@ -247,16 +247,18 @@ def pipeline_runner(cfg: ModelConfig, mesh: Mesh, rules: dict, kv_dtype) -> Runn
             )
 
         def run_stage(y, kv, m):
-            # Microbatches write disjoint pages and slots of the shared pools: no slicing of
-            # the cache, but for a decode loop's per-row linear states (view.slot None).
+            # Microbatches write disjoint pages and state indices of the shared pools: no slicing of
+            # the cache, but for a decode loop's per-row linear states (view.state_index None).
             tab, v = rows(rope_tab, m), rows(view, m)
             new = []
             for j in range(plan.depth):
-                per_row = view.slot is None and isinstance(caches[j], RecurrentState) and M > 1
+                per_row = (
+                    view.state_index is None and isinstance(caches[j], RecurrentState) and M > 1
+                )
                 cache = rows(kv[j], m) if per_row else kv[j]
                 with jax.named_scope(f"slot_{j}"):
                     run = partial(block, block_defs[j], layers[j], rope_tab=tab, view=v)
-                    # A stage without a layer in this slot passes y through, cache untouched.
+                    # A stage without a layer at this position passes y through, cache untouched.
                     y, cache = lax.cond(
                         ok[j], lambda y, c, run=run: run(x=y, kv=c), lambda y, c: (y, c), y, cache
                     )

@@ -44,11 +44,11 @@ class Runner:
     init_kv: Callable[[KVConfig], list]  # zeroed pools per layer: (K, V) or a linear state
     kv_shardings: Callable[[], list]  # shardings matching init_kv's tree
     caches: tuple = ()  # the cache type of each entry of init_kv's list
-    state_axis: int = 0  # the slot axis of a linear layer's cache arrays
+    state_axis: int = 0  # the state axis of a linear layer's cache arrays
     stages: int = 1
     description: str = ""  # which layers live where, for `jaxinfer info`
     # The MTP head, when built: (params, tokens [B,T], hidden [B,T,D], view, kv) -> (g, kv),
-    # with its caches (its attention layer's pools, the per-slot hidden state), unstaged.
+    # with its caches (its attention layer's pools, the per-request hidden state), unstaged.
     mtp: Callable | None = None
     mtp_caches: tuple = ()
     mtp_kv_shardings: Callable[[], list] = lambda: []
@@ -208,7 +208,7 @@ def dense_runner(graphdef: nnx.GraphDef, cfg: ModelConfig, kv_dtype, mesh, rules
 
 
 def mtp_caches(cfg: ModelConfig, kv_dtype) -> tuple:
-    """The MTP head's caches: its attention layer's KV pools and the per-slot hidden state."""
+    """The MTP head's caches: its attention layer's KV pools and the per-request hidden state."""
     if not cfg.mtp_layers:
         return ()
     return (AttentionKV(cfg.n_kv_heads, cfg.head_dim, kv_dtype), HiddenState(cfg.d_model))

@@ -74,20 +74,21 @@ class Executor:
         )
         total = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(shapes))
         self._check_memory(total)
-        # Linear layers' state per slot (a pipeline slot holds one per stage); the rest is pages.
+        # Linear layers' state per state index (a stage layer holds one per stage); the rest is
+        # pages.
         runners = (self.runner, draft_runner) if draft_runner else (self.runner,)
-        # each cache entry's layers: a pipeline slot holds one per stage, a depth-shared unit
+        # each cache entry's layers: a stage layer holds one per stage, a depth-shared unit
         # position one per repetition
         copies = [n for r in runners for n in (r.copies or (r.stages,) * len(r.caches))]
         caches = [c for r in runners for c in r.caches]
         attention = [c for c in caches if isinstance(c, AttentionKV)]
         self.kv_dtype = np.dtype(attention[0].dtype).name if attention else None
-        self.state_slot_bytes = sum(
-            c.slot_bytes() * n
+        self.bytes_per_state = sum(
+            c.state_bytes() * n
             for c, n in zip(caches, copies, strict=True)
             if isinstance(c, RecurrentState)
-        ) + sum(c.slot_bytes() for c in self.runner.mtp_caches if isinstance(c, HiddenState))
-        state_bytes = self.state_slot_bytes * self.kv_config.n_states
+        ) + sum(c.state_bytes() for c in self.runner.mtp_caches if isinstance(c, HiddenState))
+        state_bytes = self.bytes_per_state * self.kv_config.n_states
         self.page_bytes = (total - state_bytes) // self.kv_config.n_pages  # every layer's
         # What the programs close over besides their arguments: a change here is a recompile.
         # The pools' types stand for the KV dtype and the draft's (or MTP head's) layers.
@@ -111,15 +112,15 @@ class Executor:
         return self.params if self.draft is None else (self.params, self.draft.params)
 
     def state_stats(self) -> dict:
-        """The linear layers' per-request state: bytes per slot and allocated in all, and the
+        """The linear layers' per-request state: bytes per state index and allocated in all, and the
         bytes of its prefix-cache snapshots."""
         kv = self.kv_config
         slots = kv.first_snapshot
         return {
-            "state_slots": slots - 1 if self.state_slot_bytes else 0,
-            "state_bytes_per_slot": self.state_slot_bytes,
-            "state_bytes_allocated": self.state_slot_bytes * slots,  # snapshots apart
-            "snapshot_bytes": self.state_slot_bytes * kv.snapshots,
+            "state_slots": slots - 1 if self.bytes_per_state else 0,
+            "state_bytes_per_slot": self.bytes_per_state,
+            "state_bytes_allocated": self.bytes_per_state * slots,  # snapshots apart
+            "snapshot_bytes": self.bytes_per_state * kv.snapshots,
         }
 
     def _check_memory(self, pool_bytes: int) -> None:

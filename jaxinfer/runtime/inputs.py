@@ -49,7 +49,7 @@ class DecodeState:
     budget: jax.Array  # [B] int32, tokens still allowed
     done: jax.Array  # [B] bool, padding rows start done
     window: jax.Array  # [B, W] int32, recent tokens by position mod W (-1 = empty)
-    slot: jax.Array  # [B] int32, the row's state slot (linear layers; 0 = padding)
+    state_index: jax.Array  # [B] int32, the row's state index (linear layers; 0 = padding)
     history: jax.Array  # [B, H] int32, tokens by position mod H for n-gram lookup (H may be 0)
     # [B, 2] int32 speculation back-off: verify steps in a row that kept no draft, and steps
     # left without drafting (each miss doubles the wait; speculative.backoff)

@@ -4,7 +4,7 @@ It plans the pool (`plan`), admits a request's KV (`admit`: the prefix-cache loo
 reservation of every page it can need), grows it page by page (`grow`), names its full pages
 by chain hash as they fill (`register`), builds the block and snapshot tables the programs read
 (`view`, `tables`), and takes everything back (`release`). The scheduler sees a `Lease` per
-request and never a hash, a pin or a snapshot slot. vLLM's `KVCacheManager` is the shape;
+request and never a hash, a pin or a snapshot. vLLM's `KVCacheManager` is the shape;
 pages.py holds the pool's data structures (free pages, reference counts, the LRU of cached
 pages and of snapshots).
 
@@ -33,8 +33,8 @@ class Lease:
     """One request's hold on the pool: its pages in position order and the pages promised to
     it and not yet taken; with the prefix cache, the prompt tokens its hit supplied, the chain
     hashes of its full pages so far, how many are registered (or were hits), the snapshot its
-    next prompt chunk starts from (-1: its own state slot) and the snapshot slots taken for
-    pages it has not filled yet (page index -> slot)."""
+    next prompt chunk starts from (-1: its own state index) and the snapshots taken for
+    pages it has not filled yet (page index -> snapshot)."""
 
     reserved: int
     pages: list[int] = field(default_factory=list)
@@ -165,21 +165,21 @@ class KVManager:
                 parent = lease.hashes[-1] if j else root_hash(self.model_id, lease.salt)
                 lease.hashes.append(chain_hash(parent, known[j * page : (j + 1) * page]))
             self.pool.register(lease.pages[j], lease.hashes[j])
-            slot = lease.pending.pop(j, None)
-            if slot is not None:
-                assert self.pool.snapshots is not None  # pending slots are snapshot slots
-                self.pool.snapshots.keep(lease.hashes[j], slot)
+            snap = lease.pending.pop(j, None)
+            if snap is not None:
+                assert self.pool.snapshots is not None  # pending slots are snapshots
+                self.pool.snapshots.keep(lease.hashes[j], snap)
             lease.registered += 1
 
     def release(self, lease: Lease) -> None:
         """Give back the lease's pages, its reservation, its unread snapshot and the
-        snapshot slots it took for pages it never filled."""
+        snapshots it took for pages it never filled."""
         self.pool.release(lease.pages, lease.reserved)
         lease.reserved = 0
         self.started(lease)  # cancelled before its first chunk: the snapshot is unread
-        for slot in lease.pending.values():
-            assert self.pool.snapshots is not None  # pending slots are snapshot slots
-            self.pool.snapshots.give(slot)
+        for snap in lease.pending.values():
+            assert self.pool.snapshots is not None  # pending slots are snapshots
+            self.pool.snapshots.give(snap)
         lease.pending.clear()
         if lease in self._leases:
             self._leases.remove(lease)
@@ -195,7 +195,7 @@ class KVManager:
 
     def snaps(self, leases: Sequence[Lease], batch: int, upto: Sequence[int]) -> np.ndarray:
         """The snapshot table [batch, NB]: per row, for each page it may fill in this call
-        (pages ending below position upto[b]), the snapshot slot taken for it (taken now if
+        (pages ending below position upto[b]), the snapshot taken for it (taken now if
         need be); out of range (none) elsewhere."""
         kv, snapshots = self.config, self.pool.snapshots
         assert snapshots is not None  # only models with snapshots have a snapshot table
@@ -206,10 +206,10 @@ class KVManager:
             for j in range(lease.registered, upto[b] // kv.page_size):
                 if j not in lease.pending:
                     known = j < len(lease.hashes) and snapshots.find(lease.hashes[j]) is not None
-                    slot = None if known else snapshots.take()
-                    if slot is None:
+                    snap = None if known else snapshots.take()
+                    if snap is None:
                         continue
-                    lease.pending[j] = slot
+                    lease.pending[j] = snap
                 table[b, j] = lease.pending[j]
         return table
 
@@ -218,17 +218,17 @@ class KVManager:
         table = (self.table(leases, batch),)
         return table + (self.snaps(leases, batch, upto),) if self.snapshots else table
 
-    def view(self, leases: Sequence[Lease], batch: int, start, length, slot,
+    def view(self, leases: Sequence[Lease], batch: int, start, length, state_index,
              upto: Sequence[int] | None = None) -> KVView:  # fmt: skip
-        """A prompt chunk's view: rows at positions start [B], length [B] tokens, in state
-        slots slot [B]; with snapshots, where each row's linear states start from (a prefix
-        hit's snapshot, else its slot) and, given `upto`, the snapshot table of the pages the
-        chunk fills."""
+        """A prompt chunk's view: rows at positions start [B], length [B] tokens, with
+        state indices state_index [B]; with snapshots, where each row's linear states start
+        from (a prefix hit's snapshot, else its own state) and, given `upto`, the snapshot
+        table of the pages the chunk fills."""
         table = self.table(leases, batch)
-        view = KVView(table, start, length, slot)  # type: ignore[arg-type]  # host rows, put later
+        view = KVView(table, start, length, state_index)  # type: ignore[arg-type]  # host rows, put later
         if not self.snapshots:
             return view
-        source = np.array(slot, np.int32)
+        source = np.array(state_index, np.int32)
         for b, lease in enumerate(leases):
             if lease.source >= 0:
                 source[b] = lease.source

@@ -14,7 +14,7 @@ Prefix caching (after vLLM's automatic prefix caching):
   page first, then evicts the least recently used cached chain, its last page first.
 - A new request maps its longest cached prefix into its block table and prefills after it.
 - Hybrid models also need the state a prefix leaves (their linear layers'): `Snapshots`
-  hands out snapshot slots, written at page ends, kept per page hash and evicted least
+  hands out snapshots, written at page ends, kept per page hash and evicted least
   recently used; a hit ends at the last page whose snapshot is kept, so an evicted snapshot
   means a shorter hit, never a wrong state.
 - A cached page is never written again: a hit leaves the prompt's last token to compute,
@@ -45,71 +45,71 @@ def chain_hash(parent: bytes, tokens) -> bytes:
 
 
 class Snapshots:
-    """Snapshot slots (state slots past the requests' ones) of the states at page ends. A slot
+    """Snapshots (state indices past the requests' ones) of the states at page ends. A snapshot
     is free, being written (taken by a running request for a page it will fill), or cached
-    under the hash of the page it ends (least recently used first). A cached slot that
+    under the hash of the page it ends (least recently used first). A cached snapshot that
     requests start from is pinned: it is not evicted until they have read it."""
 
     def __init__(self, first: int, count: int):
         self.first, self.total = first, count
         self._free = list(range(first + count - 1, first - 1, -1))  # a stack: lowest first
-        self._cached: OrderedDict[bytes, int] = OrderedDict()  # page hash -> slot
-        self._readers: dict[int, int] = {}  # pinned slot -> requests about to read it
-        self._orphans: set[int] = set()  # pinned slots cleared from the cache
+        self._cached: OrderedDict[bytes, int] = OrderedDict()  # page hash -> snap
+        self._readers: dict[int, int] = {}  # pinned snap -> requests about to read it
+        self._orphans: set[int] = set()  # pinned snaps cleared from the cache
         self._writing = 0
 
     def find(self, page_hash: bytes) -> int | None:
         return self._cached.get(page_hash)
 
     def take(self) -> int | None:
-        """A slot to write (until `keep` or `give`): a free one, else the least recently used
+        """A snapshot to write (until `keep` or `give`): a free one, else the least recently used
         unpinned cached one; None when there is none."""
         if self._free:
-            slot = self._free.pop()
+            snap = self._free.pop()
         else:
             victim = next((h for h, s in self._cached.items() if s not in self._readers), None)
             if victim is None:
                 return None
-            slot = self._cached.pop(victim)
+            snap = self._cached.pop(victim)
         self._writing += 1
-        return slot
+        return snap
 
-    def keep(self, page_hash: bytes, slot: int) -> None:
-        """A slot taken for writing now holds the state at the end of page `page_hash` (most
+    def keep(self, page_hash: bytes, snap: int) -> None:
+        """A snapshot taken for writing now holds the state at the end of page `page_hash` (most
         recently used); a second snapshot of the same page is given back."""
         self._writing -= 1
         if page_hash in self._cached:
-            self._free.append(slot)
+            self._free.append(snap)
         else:
-            self._cached[page_hash] = slot
+            self._cached[page_hash] = snap
 
-    def give(self, slot: int) -> None:
-        """A slot taken for writing that holds nothing worth keeping."""
+    def give(self, snap: int) -> None:
+        """A snapshot taken for writing that holds nothing worth keeping."""
         self._writing -= 1
-        self._free.append(slot)
+        self._free.append(snap)
 
     def pin(self, page_hash: bytes) -> int:
         """The cached snapshot of `page_hash`, held (and made most recent) until `unpin`."""
-        slot = self._cached[page_hash]
+        snap = self._cached[page_hash]
         self._cached.move_to_end(page_hash)
-        self._readers[slot] = self._readers.get(slot, 0) + 1
-        return slot
+        self._readers[snap] = self._readers.get(snap, 0) + 1
+        return snap
 
-    def unpin(self, slot: int) -> None:
-        self._readers[slot] -= 1
-        if not self._readers[slot]:
-            del self._readers[slot]
-            if slot in self._orphans:
-                self._orphans.discard(slot)
-                self._free.append(slot)
+    def unpin(self, snap: int) -> None:
+        self._readers[snap] -= 1
+        if not self._readers[snap]:
+            del self._readers[snap]
+            if snap in self._orphans:
+                self._orphans.discard(snap)
+                self._free.append(snap)
 
     def forget(self, page_hash: bytes) -> None:
         """The page is gone from the cache: its snapshot cannot be reached any more."""
-        slot = self._cached.pop(page_hash, None)
-        if slot in self._readers:
-            self._orphans.add(slot)
-        elif slot is not None:
-            self._free.append(slot)
+        snap = self._cached.pop(page_hash, None)
+        if snap in self._readers:
+            self._orphans.add(snap)
+        elif snap is not None:
+            self._free.append(snap)
 
     def clear(self) -> None:
         for page_hash in list(self._cached):

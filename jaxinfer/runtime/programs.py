@@ -39,7 +39,7 @@ def programs(
     """The programs of one model on one mesh; `decode_chunk`, most decode steps a call,
     `vocab` = V, the logits' width (the sampling rows carry token masks over it).
     With a draft model, `params` is (the model's, the draft's) and `kv` lists the model's
-    layers then the draft's (one page pool, one set of slots)."""
+    layers then the draft's (one page pool, one set of state indices)."""
     setup = steps.Setup(runner, kv_config, decode_chunk, vocab, spec, draft)
 
     snaps = setup.snapshots  # prefix snapshots: prefill and the loops take snapshot tables

@@ -4,15 +4,15 @@ Each step admits queued requests while a row and their KV pages are free, runs o
 chunk for every row still prefilling (as one batch), runs one decode call for the rows that are
 decoding, and returns what each request produced. Rows are compacted into the smallest batch
 bucket that holds them: the KV lives in pages reached through block tables and a linear
-layer's state in the request's slot, so moving a request to another row moves nothing but
-its table row and slot number. A request reserves every page it can
+layer's state at the request's state index, so moving a request to another row moves
+nothing but its table row and state index. A request reserves every page it can
 need when admitted and takes them as it grows, so it never fails mid-generation; finishing or
 cancelling gives them back at once.
 
 The KV pool, its pages, the prefix cache and its snapshots belong to the KV manager (kv.py):
 a request holds a `Lease` on it, which admission takes (mapping in a cached prefix, which the
 prefill then starts after), each call grows, filled pages are registered under, and retiring
-gives back. The scheduler never sees a hash or a snapshot slot.
+gives back. The scheduler never sees a hash or a snapshot.
 
 Structured output: a row whose request follows a grammar gets its token mask filled before
 each call that samples for it, and such a call makes one token per row. Log-probabilities
@@ -47,7 +47,7 @@ class _Active:
     row."""
 
     state: RequestState
-    slot: int  # its state slot in the linear layers (one per running request)
+    state_index: int  # its state index in the linear layers (one per running request)
     kv: Lease
     offset: int = 0  # prompt tokens prefilled
     decoding: bool = False
@@ -80,7 +80,9 @@ class Scheduler:
         self.always_interactive = always_interactive
         self.queue: deque[RequestState] = deque()
         self.running: list[_Active] = []  # in admission order
-        self._slots = list(range(shapes.rows, NULL_STATE, -1))  # free state slots, lowest last
+        self._free_states = list(
+            range(shapes.rows, NULL_STATE, -1)
+        )  # free state indices, lowest last
         # The last decode call's rows, device state and sampling rows, and (host, device) table.
         self._last: tuple = ((), None, None, (None, None))
         self._step_arrays: dict[int, object] = {}
@@ -135,7 +137,7 @@ class Scheduler:
             self.queue.popleft()
             state.admitted_at = time.perf_counter()
             state.cached_tokens = lease.cached_tokens
-            self.running.append(_Active(state, self._slots.pop(), lease, lease.cached_tokens))
+            self.running.append(_Active(state, self._free_states.pop(), lease, lease.cached_tokens))
 
     def _register(self, active: _Active, filled: int) -> None:
         """Name the request's pages wholly below position `filled`."""
@@ -160,18 +162,18 @@ class Scheduler:
         rows = rows[: self.shapes.rows_for(T)]
         B = self.shapes.batch_for(len(rows))
         tokens = np.zeros((B, T), np.int32)
-        start, length, slot = (np.zeros(B, np.int32) for _ in range(3))
+        start, length, state_index = (np.zeros(B, np.int32) for _ in range(3))
         window = np.full((B, PENALTY_WINDOW), -1, np.int32)
         for b, active in enumerate(rows):
             prompt = active.state.prompt
             seg = prompt[active.offset : active.offset + T]
             tokens[b, : len(seg)] = seg
-            start[b], length[b], slot[b] = active.offset, len(seg), active.slot
+            start[b], length[b], state_index[b] = active.offset, len(seg), active.state_index
             self.kv.grow(active.kv, active.offset + len(seg))
             if active.offset + len(seg) == len(prompt):  # the chunk that samples a token
                 window[b] = recent_window(prompt)
         upto = [min(a.offset + T, len(a.state.prompt)) for a in rows]
-        view = self.kv.view([a.kv for a in rows], B, start, length, slot, upto)
+        view = self.kv.view([a.kv for a in rows], B, start, length, state_index, upto)
         sampling = self._sampling(rows, B, [active.offset + T >= len(active.state.prompt)
                                             for active in rows])  # fmt: skip
         t0 = self.clock()
@@ -297,7 +299,7 @@ class Scheduler:
         width = spec.history if spec else 0
         history = np.full((batch, width), -1, np.int32)
         window = np.full((batch, PENALTY_WINDOW), -1, np.int32)
-        tokens, pos, left, slot = (np.zeros(batch, np.int32) for _ in range(4))
+        tokens, pos, left, state_index = (np.zeros(batch, np.int32) for _ in range(4))
         done = np.ones(batch, np.bool_)
         for b, active in enumerate(rows):
             state = active.state
@@ -307,15 +309,15 @@ class Scheduler:
             if width:  # n-gram lookup: the longer history, by position mod its width
                 history[b] = recent_window(context, width)
             tokens[b], pos[b], left[b], done[b] = active.token, active.pos, active.left, False
-            slot[b] = active.slot
+            state_index[b] = active.state_index
         backoff = np.zeros((batch, 2), np.int32)
-        host = (tokens, pos, left, done, window, slot, history, backoff)
+        host = (tokens, pos, left, done, window, state_index, history, backoff)
         return DecodeState(*host)  # type: ignore[arg-type]  # host rows, put later
 
     def _retire(self, active: _Active) -> None:
         self.kv.release(active.kv)
         self.running.remove(active)
-        self._slots.append(active.slot)  # the next request in it starts from zeros
+        self._free_states.append(active.state_index)  # the next request in it starts from zeros
 
     # ---- scoring ------------------------------------------------------------------------
 
@@ -326,8 +328,8 @@ class Scheduler:
         lease = self.kv.admit(ids, len(ids), cache=cached, salt=salt)
         if lease is None:
             return None
-        # The scoring pass has a state slot of its own, past the requests' ones.
-        slot = np.array([self.kv.config.first_snapshot - 1], np.int32)
+        # The scoring pass has a state index of its own, past the requests' ones.
+        state_index = np.array([self.kv.config.first_snapshot - 1], np.int32)
         offset, out = lease.cached_tokens, []
         try:
             while offset < len(ids):
@@ -337,7 +339,7 @@ class Scheduler:
                 tokens[0, : len(seg)] = seg
                 self.kv.grow(lease, offset + len(seg))
                 at, length = np.array([offset], np.int32), np.array([len(seg)], np.int32)
-                view = self.kv.view([lease], 1, at, length, slot)
+                view = self.kv.view([lease], 1, at, length, state_index)
                 chunk = Chunk(tokens, view)  # type: ignore[arg-type]  # host rows, put later
                 (logits,) = self.executor.run("score", chunk)
                 out.append(np.asarray(logits)[0, : len(seg)])

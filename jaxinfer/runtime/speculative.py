@@ -13,9 +13,9 @@ Proposers, all on the device inside the loop:
 - `mtp`: the checkpoint's multi-token-prediction head (model.MTP), one layer with its own KV
   layer in the page pool: after each step it reads the model's hidden states of the kept
   tokens (writing their rows of its cache), then chains K - 1 steps on its own output. The
-  model's hidden state of a row's last kept token waits in a per-slot `HiddenState`.
+  model's hidden state of a row's last kept token waits in a per-request `HiddenState`.
 - `draft`: a second, smaller model with the same vocabulary, on the same mesh, with its own
-  KV layers and linear states in the same page pool and slots; it runs K + 1 greedy decode
+  KV layers and linear states in the same page pool and state indices; it runs K + 1 greedy decode
   steps per loop step (the last one only feeds its cache the last draft).
 
 Rejected drafts need no undo. Attention KV past the accepted position is overwritten later;
@@ -158,7 +158,7 @@ class Loop(NamedTuple):
     snaps: jax.Array | None = None  # [B, NB] per page its snapshot (prefix caching)
 
 
-def mtp_drafts(loop: Loop, live, slot, mtp_kv, hidden, tokens, start, length):
+def mtp_drafts(loop: Loop, live, state_index, mtp_kv, hidden, tokens, start, length):
     """The MTP head reads the rows kept since its last proposal (the model's hidden states
     [B, t, D] and the tokens after them [B, t], from position start [B], length [B] of them),
     drafts from the last one, then chains K - 1 steps on its own output -> drafts [B, K],
@@ -171,7 +171,7 @@ def mtp_drafts(loop: Loop, live, slot, mtp_kv, hidden, tokens, start, length):
         g, mtp_kv = mtp_rows(setup, params, mtp_kv, hidden, tokens, view)  # [B, t, D]
         last = jnp.clip(length - 1, 0, tokens.shape[1] - 1)
         # The model's state of the last kept token: the next call starts from it.
-        mtp_kv[1] = gdn.put(mtp_kv[1], (hidden[rows, last],), slot)
+        mtp_kv[1] = gdn.put(mtp_kv[1], (hidden[rows, last],), state_index)
         g = g[rows, last]  # [B, D]
         first = argmax(runner.head(params, g))
         drafts = jnp.where(jnp.arange(K)[None] == 0, first[:, None], 0)
@@ -235,7 +235,7 @@ def next_drafts(loop: Loop, s: DecodeState, pick, draft_kv, catch):
     if method == "ngram":
         drafts, count = ngram(with_input(s), s.pos, K)
     elif method == "mtp":
-        drafts, count, draft_kv = mtp_drafts(loop, live, s.slot, draft_kv, *catch)
+        drafts, count, draft_kv = mtp_drafts(loop, live, s.state_index, draft_kv, *catch)
     else:
         drafts, count, draft_kv = model_drafts(loop, s, live, pick, draft_kv)
     count = jnp.where((s.backoff[:, 1] > 0) | constrained(loop.sampling), 0, count)
@@ -334,8 +334,8 @@ def verify(
     if snaps is not None:
         carried = (linear_pools(setup, kv), linear_pools(setup, draft_kv, "draft"))
     # The draft keeps one more state: index T, its state before the pending input token.
-    kv = take_states(setup, kv, state.slot, T)
-    draft_kv = take_states(setup, draft_kv, state.slot, T + 1, "draft")
+    kv = take_states(setup, kv, state.state_index, T)
+    draft_kv = take_states(setup, draft_kv, state.state_index, T + 1, "draft")
 
     def more(carry):
         made, _, _, _, s, *_ = carry
@@ -358,8 +358,8 @@ def verify(
     out = (jnp.full((B, width), -1, I32), Logprobs.empty((B, width), setup.vocab))
     pick = jnp.zeros((B,), I32)
     catch = None
-    if setup.runner.mtp:  # the row of the input token's predecessor, from its slot
-        (hidden,) = gdn.take(draft_kv[1], state.slot)
+    if setup.runner.mtp:  # the row of the input token's predecessor, from its state index
+        (hidden,) = gdn.take(draft_kv[1], state.state_index)
         live = (~state.done).astype(I32)
         catch = (hidden[:, None], state.tokens[:, None], state.pos - 1, live)
     drafts, count, draft_kv = next_drafts(loop, state, pick, draft_kv, catch)
@@ -368,7 +368,9 @@ def verify(
     _, kv, draft_kv, carried, state, out, pick, counts, *_ = jax.lax.while_loop(more, phases, init)
     if snaps is not None:
         pools, draft_pools = carried
-    kv = put_states(setup, pools, kv, state.slot, pick)
+    kv = put_states(setup, pools, kv, state.state_index, pick)
     # The draft's state before the pending input token (index T): the next call feeds it.
-    draft_kv = put_states(setup, draft_pools, draft_kv, state.slot, jnp.full_like(pick, T), "draft")
+    draft_kv = put_states(
+        setup, draft_pools, draft_kv, state.state_index, jnp.full_like(pick, T), "draft"
+    )
     return kv + draft_kv, state, *out, counts

@@ -6,7 +6,7 @@
   score(params, kv, chunk)                           -> kv, logits [B, T, V]
 
 The page pools and linear-layer states `kv` are donated. With prefix snapshots (hybrid models
-under prefix caching), the state slots past the requests' ones are snapshots: the linear
+under prefix caching), the state indices past the requests' ones are snapshots: the linear
 layers' states at page ends, which prefill and decode write where the host's snapshot table
 says (`snaps` [B, NB], per page) and a prompt chunk starts from after a prefix hit
 (`view.source`). `decode` runs up to decode_chunk steps inside
@@ -39,8 +39,8 @@ class Setup:
     proposes drafts (a draft model's runner, the MTP head, n-gram lookup or nothing), the KV
     geometry and decode_chunk, the most decode steps in one call. With a draft model, `params`
     is (the model's, the draft's) and `kv` lists the model's layers then the draft's (one page pool,
-    one set of slots); the MTP head keeps its caches after the model's (its attention pools,
-    then the per-slot hidden state)."""
+    one set of state indices); the MTP head keeps its caches after the model's (its attention pools,
+    then the per-request hidden state)."""
 
     runner: Runner
     kv_config: KVConfig
@@ -88,15 +88,15 @@ def mtp_rows(setup: Setup, params, mtp_kv, hidden, tokens, view: KVView):
     return g, [pools, *mtp_kv[1:]]
 
 
-def take_states(setup: Setup, kv, slot, keep: int = 0, of: str = "model"):
-    """Linear layers' states out of their slots for a loop: [B, ...] per row, or with
+def take_states(setup: Setup, kv, state_index, keep: int = 0, of: str = "model"):
+    """Linear layers' states out of their pools for a loop: [B, ...] per row, or with
     `keep` = T, T copies [B, T, ...] (speculation keeps every token's state)."""
     axis = setup.runner.state_axis
 
     def one(c, lin):
         if not lin:
             return c
-        states = gdn.take(c, slot, axis)
+        states = gdn.take(c, state_index, axis)
         if keep:
             states = tuple(jnp.repeat(jnp.expand_dims(s, axis + 1), keep, axis + 1)
                            for s in states)  # fmt: skip
@@ -120,9 +120,9 @@ def linear_pools(setup: Setup, kv, of: str = "model") -> list:
     return [c if lin else None for c, lin in zip(kv, setup.linear(of), strict=True)]
 
 
-def put_states(setup: Setup, pools, kv, slot, pick=None, of: str = "model", snapshot=False):
-    """The loop's linear states back into their slots (with `pick` [B], each row's state
-    at that index: the accepted token's). With `snapshot`, into the snapshots `slot` [B]
+def put_states(setup: Setup, pools, kv, state_index, pick=None, of: str = "model", snapshot=False):
+    """The loop's linear states back into their pools (with `pick` [B], each row's state
+    at that index: the accepted token's). With `snapshot`, into the snapshots `state_index` [B]
     instead (out of range: none), the other entries of `pools` passing through."""
     axis = setup.runner.state_axis
 
@@ -131,7 +131,7 @@ def put_states(setup: Setup, pools, kv, slot, pick=None, of: str = "model", snap
             return p if snapshot else c
         if pick is not None:
             c = tuple(gdn.select(a, pick, axis) for a in c)
-        return gdn.put(p, c, slot, axis, skip=snapshot)
+        return gdn.put(p, c, state_index, axis, skip=snapshot)
 
     return [one(p, c, lin) for p, c, lin in zip(pools, kv, setup.linear(of), strict=True)]
 
@@ -158,18 +158,18 @@ def prefill(setup: Setup, params, kv, chunk: Chunk, window, sampling: SamplingRo
 def mtp_prefill(setup: Setup, params, mtp_kv, h, tokens, view: KVView):
     """The MTP head's rows of a prompt chunk (h [B, T, D] the model's, tokens [B, T]). Row p
     pairs h_p with token p + 1 at cache position p, so a chunk holds rows start - 1 ..
-    start + length - 2: the first pairs the hidden state waiting in the slot (the previous
+    start + length - 2: the first pairs the hidden state waiting at the state index (the previous
     chunk's last) with the chunk's first token, and the chunk's last hidden state waits for
     the token after it (the next chunk's or the first generated one). A prompt's first chunk,
     and the first after a prefix hit, start at row start: a cached page is never written
     (its last row, paired with the token after the page, was written before the page was
     cached: the scheduler registers an MTP model's pages one position late)."""
     B, T = tokens.shape
-    assert view.slot is not None  # a prompt chunk's rows have slots
-    (waiting,) = gdn.take(mtp_kv[1], view.slot)  # [B, D]
+    assert view.state_index is not None  # a prompt chunk's rows have state indices
+    (waiting,) = gdn.take(mtp_kv[1], view.state_index)  # [B, D]
     first = view.start == 0  # no row before: the prompt's first token, or a hit
     if view.source is not None:
-        first = first | (view.source != view.slot)
+        first = first | (view.source != view.state_index)
     earlier = jnp.concatenate([waiting[:, None].astype(h.dtype), h[:, :-1]], axis=1)
     hidden = jnp.where(first[:, None, None], h, earlier)
     shifted = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)
@@ -178,7 +178,7 @@ def mtp_prefill(setup: Setup, params, mtp_kv, h, tokens, view: KVView):
     mtp_view = KVView(view.table, view.start - 1 + first, rows, None)
     _, mtp_kv = mtp_rows(setup, params, mtp_kv, hidden, following, mtp_view)
     last = jnp.clip(view.length - 1, 0, T - 1)
-    mtp_kv[1] = gdn.put(mtp_kv[1], (h[jnp.arange(B), last],), view.slot)
+    mtp_kv[1] = gdn.put(mtp_kv[1], (h[jnp.arange(B), last],), view.state_index)
     return mtp_kv
 
 
@@ -186,13 +186,13 @@ def decode(
     setup: Setup, params, kv, state: DecodeState, table, sampling: SamplingRows, steps, snaps=None
 ):
     """Up to `steps` (<= decode_chunk) tokens per row; table [B, NB] covers every position written.
-    Linear layers' states leave their slots for the loop and return after it; with snapshots
+    Linear layers' states leave their pools for the loop and return after it; with snapshots
     (snaps [B, NB]), a state at a page end also goes to its page's snapshot."""
     runner = setup.runner
     params, kv, _, draft_kv = setup.split(params, kv)
     B = state.tokens.shape[0]
     pools = linear_pools(setup, kv) if snaps is not None else kv
-    kv = take_states(setup, kv, state.slot)
+    kv = take_states(setup, kv, state.state_index)
 
     def step(carry):
         i, kv, pools, s, out, lp = carry
@@ -230,7 +230,7 @@ def decode(
     init = (jnp.int32(0), kv, pools if snaps is not None else (), state, out, lp)
     _, kv, carried, state, out, lp = jax.lax.while_loop(more, step, init)
     pools = carried if snaps is not None else pools
-    return put_states(setup, pools, kv, state.slot) + draft_kv, state, out, lp
+    return put_states(setup, pools, kv, state.state_index) + draft_kv, state, out, lp
 
 
 def score(setup: Setup, params, kv, chunk: Chunk):

@@ -69,7 +69,7 @@ def case(rng, *, B, T, K, G, H, page, starts, lengths, dtype=jnp.float32, q_dtyp
         table=jnp.asarray(table),
         start=jnp.asarray(starts, jnp.int32),
         length=jnp.asarray(lengths, jnp.int32),
-        slot=None,
+        state_index=None,
     )
     q = jnp.asarray(rng.standard_normal((B, T, K, G, H)) / np.sqrt(H), q_dtype)
     k = jnp.asarray(rng.standard_normal((B, T, K, H)), q_dtype)

@@ -89,7 +89,7 @@ def test_advance_keeps_the_accepted_prefix_up_to_a_stop_token_and_the_budget():
         budget=jnp.array([10, 10, 10]),
         done=jnp.array([False, False, True]),
         window=jnp.zeros((B, 4), jnp.int32),
-        slot=jnp.zeros(B, jnp.int32),
+        state_index=jnp.zeros(B, jnp.int32),
         history=jnp.zeros((B, 0), jnp.int32),
         backoff=jnp.zeros((B, 2), jnp.int32),
     )
