@@ -176,7 +176,8 @@ def place_depth(
                     node[key[3][-1]] = value
             units.append(tree)
         params["runs"].append(units)
-    return Placement(name, mesh, rules, depth_runner(cfg, runs, kv_dtype, mesh, rules), params)
+    runner = depth_runner(cfg, runs, kv_dtype, mesh, rules)
+    return Placement(name, mesh, rules, runner, params, cfg)
 
 
 class _Stack:

@@ -124,7 +124,8 @@ def place_pipeline(
 ) -> Placement:
     """The model split into stages over the mesh's `pp` axis; KV pools of `kv_dtype`."""
     params = place_params(read, cfg, mesh, rules, dtype)
-    return Placement(name, mesh, rules, pipeline_runner(cfg, mesh, rules, kv_dtype), params)
+    runner = pipeline_runner(cfg, mesh, rules, kv_dtype)
+    return Placement(name, mesh, rules, runner, params, cfg)
 
 
 def place_params(read: Reader, cfg: ModelConfig, mesh: Mesh, rules: dict, dtype) -> dict:

@@ -58,13 +58,15 @@ class Runner:
 
 @dataclass(frozen=True)
 class Placement:
-    """A model laid out on a mesh: the layout, its rules, the runner and the parameters."""
+    """A model (`cfg`) laid out on a mesh: the layout, its rules, the runner and the
+    parameters."""
 
     layout: str
     mesh: Mesh
     rules: dict
     runner: Runner
     params: dict
+    cfg: ModelConfig
 
 
 def place_dense(
@@ -95,7 +97,7 @@ def place_dense(
         placed = list(pool.map(lambda pl: put(*pl), leaves))
     params = jax.tree_util.tree_unflatten(tree, placed)
     runner = dense_runner(graphdef, cfg, kv_dtype, mesh, rules)
-    return Placement(name, mesh, rules, runner, params)
+    return Placement(name, mesh, rules, runner, params, cfg)
 
 
 def param_shardings(cfg: ModelConfig, mesh, rules) -> dict[tuple, NamedSharding]:

@@ -37,6 +37,7 @@ from typing import Any
 import jax
 
 from ..errors import JaxinferError, RecompileError
+from .store import jax_options, make_private, why_unsafe
 
 log = logging.getLogger("jaxinfer.compile")
 
@@ -275,13 +276,14 @@ class CompileCache:
         return [by_id[i] for i in self._contexts[key[1]].layout[2]]
 
     def _store_key(self, key: tuple, labelled: tuple, donate, out) -> str:
-        """The store's key: the environment, then everything the compile depends on."""
+        """The store's key: the environment, then everything the compile depends on (jax's
+        options again as they are on the compiling thread: a `with` block around a call)."""
         assert self.store is not None  # only called with a store
         ctx = self._contexts[key[1]]
         return "\n".join([
-            self.store.fingerprint, f"program {key[0]}", f"static {ctx.static!r}",
-            f"layout {ctx.layout!r}", f"fixed {ctx.tree}", f"args {key[2]}",
-            f"donate {tuple(donate)!r}", f"out {out!r}",
+            self.store.fingerprint, f"jax options {jax_options()}", f"program {key[0]}",
+            f"static {ctx.static!r}", f"layout {ctx.layout!r}", f"fixed {ctx.tree}",
+            f"args {key[2]}", f"donate {tuple(donate)!r}", f"out {out!r}",
             *(f"{label} {leaf!r}" for label, leaf in labelled),
         ])  # fmt: skip
 
@@ -567,17 +569,28 @@ def use_persistent_cache(directory: str | Path | None) -> None:
     Every executable is written (no minimum compile time or size), so a second process with
     the same directory loads every program instead of compiling it. An engine with an
     executable store does not use it: the store needs executables compiled afresh (_build).
+    Loading an executable runs its code: a directory another user could change (see
+    store.open_folder) leaves the cache off, with a warning.
     """
     if directory is None:
         jax.config.update("jax_enable_compilation_cache", False)
         return
     path = Path(directory).expanduser()
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
     except OSError as e:
         raise JaxinferError(
             f"cannot create compile cache dir {str(path)!r}: {e.strerror}"
         ) from None
+    make_private(path)
+    why = why_unsafe(path)
+    if why is not None:
+        log.warning(
+            "jax's persistent compilation cache is off: %s: %s (it loads code: use a folder "
+            "of your own, mode 0700, in one only you can write)", path, why
+        )  # fmt: skip
+        jax.config.update("jax_enable_compilation_cache", False)
+        return
     jax.config.update("jax_enable_compilation_cache", True)
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)

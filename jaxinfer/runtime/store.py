@@ -4,16 +4,22 @@ tracing, lowering or compiling (`jax.experimental.serialize_executable`).
 jax's persistent compilation cache is keyed by the lowered module, so a hit there still traces
 and lowers every program. The store is keyed by what the program is called on instead: the
 compile cache's key (program, static config, mesh, every argument leaf's shape, dtype and
-sharding) and the environment it was compiled in (`fingerprint()`: jaxinfer's own sources, jax
-and jaxlib, the backend and its devices, the host CPU's flags, XLA_FLAGS, the CPU kernel
-variant). Any difference is a miss; a miss compiles and saves.
+sharding, the jax options that change the program) and the environment it was compiled in
+(`fingerprint()`: jaxinfer's own sources, jax and jaxlib, the backend and its devices, the host
+CPU's flags, XLA_FLAGS, the CPU kernel variant, those jax options). Any difference is a miss; a
+miss compiles and saves.
 
-Loading is unpickling, which can run code: only files this process could have written are
-read. The directory is the user's own, mode 0700, each file 0600 and owned by the user; a file
-that is not, or that is truncated, corrupt or from another format, is passed over (a debug
-line) and the program compiles. Writes go to a temporary file renamed into place, so two
-processes sharing the store never read half a file. The store holds at most `capacity` bytes;
-past that the least recently used files go.
+Loading is unpickling, which can run code: only files this user wrote are read, and checked on
+the descriptor that reads them, not by a path that could change in between. The folder is
+opened without following a link and must be the user's own, mode 0700, in a parent folder that
+no one else can rename it out of (the user's or root's, writable by others only if sticky, as
+/tmp); each file is opened in that folder without following a link and must be a regular file,
+the user's own, 0600. The stored key is compared before anything is unpickled. A file that
+fails, or is truncated, corrupt or from another format, is passed over (a debug line) and the
+program compiles. Writes go to a temporary file renamed into place, so two processes sharing
+the store never read half a file. The store holds at most `capacity` bytes, temporary files
+included; past that the least recently used executables go, and temporary files an
+interrupted write left (older than STALE seconds) go at every save and clear.
 
 File layout: MAGIC, then the key text, the serialized executable and the pickled argument and
 output trees (each behind its 8-byte length), then the SHA-256 of all that.
@@ -22,6 +28,7 @@ output trees (each behind its 8-byte length), then the SHA-256 of all that.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import functools
 import hashlib
 import json
@@ -29,10 +36,11 @@ import logging
 import os
 import pickle
 import platform
+import secrets
 import stat
 import struct
-import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,14 +50,35 @@ log = logging.getLogger("jaxinfer.store")
 
 MAGIC = b"jaxinfer-executable 1\n"
 SUFFIX = ".jxe"
+TEMPORARY = ".tmp-"  # prefix of a file being written
+STALE = 600  # seconds: a temporary file older than this is an interrupted write's
 SUBFOLDER = "executables"  # of the compile cache dir
 DEFAULT_CAPACITY = 2 << 30  # bytes
+
+# jax options that change the program jax emits or how XLA compiles it; a name the installed
+# jax lacks is left out
+JAX_OPTIONS = (
+    "jax_enable_x64", "jax_default_matmul_precision", "jax_default_prng_impl",
+    "jax_threefry_partitionable", "jax_threefry_gpu_kernel_lowering", "jax_random_seed_offset",
+    "jax_high_dynamic_range_gumbel", "jax_use_shardy_partitioner",
+    "jax_remove_size_one_mesh_axis_from_type", "jax_ragged_dot_use_ragged_dot_instruction",
+    "jax_ragged_dot_use_gpu_pallas_triton_lowering", "jax_pallas_use_mosaic_gpu",
+    "jax_mosaic_allow_hlo", "jax_optimization_level", "jax_exec_time_optimization_effort",
+    "jax_memory_fitting_effort", "jax_memory_fitting_level", "jax_compiler_enable_remat_pass",
+    "jax_disable_most_optimizations", "jax_enable_pgle", "jax_xla_profile_version",
+)  # fmt: skip
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)  # a link: ELOOP
+_FOLDER = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
+# O_NONBLOCK: a FIFO does not block the open; it is refused on the descriptor (not a file)
+_FILE = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | _NOFOLLOW
 
 
 @dataclass(frozen=True)
 class Usage:
-    files: int
-    bytes: int
+    files: int  # executables
+    bytes: int  # of those and of the temporary files
+    temporary: int = 0  # files being written, or left by an interrupted write
 
 
 class ExecutableStore:
@@ -62,7 +91,7 @@ class ExecutableStore:
         self.loaded = 0  # executables this process loaded from here
         self.saved = 0
         self._pending: dict[str, concurrent.futures.Future] = {}  # file name -> _read()
-        self._manifest: Path | None = None  # prefetch()'s session file
+        self._manifest: str | None = None  # prefetch()'s session file
         self._listed: list = []  # [file name, device ids] in it
         self._lock = threading.Lock()
 
@@ -73,45 +102,44 @@ class ExecutableStore:
 
     # ---- the directory ------------------------------------------------------------------
 
-    def _usable(self, create: bool) -> bool:
-        """Whether the directory is this user's own and private (created 0700 if asked)."""
-        if create:
-            try:
-                self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-            except OSError as e:
-                log.debug("executable store %s not created: %s", self.directory, e.strerror)
-                return False
-        why = _not_private(self.directory, stat.S_ISDIR)
-        if why:
-            log.debug("executable store %s ignored: %s", self.directory, why)
-        return why is None
+    @contextlib.contextmanager
+    def _folder(self, create: bool = False):
+        """The store folder's descriptor (see open_folder), or None where it is not safe or
+        not there (created 0700 if asked)."""
+        fd = None
+        try:
+            if create:  # a compile cache dir made here is private too (open_folder's parent)
+                self.directory.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+                self.directory.mkdir(mode=0o700, exist_ok=True)
+            fd = open_folder(self.directory)
+        except FileNotFoundError:
+            pass  # nothing stored yet
+        except OSError as e:
+            log.debug("executable store %s ignored: %s", self.directory, e)
+        try:
+            yield fd
+        finally:
+            if fd is not None:
+                os.close(fd)
 
     def usage(self) -> Usage:
-        files = list(self._files())
-        return Usage(len(files), sum(s.st_size for _, s in files))
+        with self._folder() as d:
+            files = _listing(d) if d is not None else []
+        executables = sum(name.endswith(SUFFIX) for name, _ in files)
+        return Usage(executables, sum(s.st_size for _, s in files), len(files) - executables)
 
     def clear(self) -> int:
-        """Delete every stored executable (and the sessions' manifests); returns how many."""
+        """Delete every stored executable, the sessions' manifests and the temporary files of
+        interrupted writes; returns how many executables."""
         n = 0
-        for path, _ in self._files():
-            try:
-                path.unlink()
-                n += 1
-            except OSError:
-                pass
-        if self._usable(create=False):
-            for path in self.directory.glob("*.json"):
-                path.unlink(missing_ok=True)
+        with self._folder() as d:
+            for name, s in _listing(d, manifests=True) if d is not None else []:
+                if name.startswith(TEMPORARY) and not _stale(s):
+                    continue  # another process is writing it
+                with contextlib.suppress(OSError):
+                    os.unlink(name, dir_fd=d)
+                    n += name.endswith(SUFFIX)
         return n
-
-    def _files(self):
-        if not self._usable(create=False):
-            return
-        for path in self.directory.glob("*" + SUFFIX):
-            try:
-                yield path, path.lstat()
-            except OSError:
-                continue
 
     # ---- one executable -----------------------------------------------------------------
 
@@ -121,39 +149,43 @@ class ExecutableStore:
     def load(self, key: str, devices):
         """The executable (a jax `Compiled`) stored under `key`, to run on `devices` (in the
         order it was compiled for), or None."""
-        path = self.path(key)
+        name = self.path(key).name
         ids = [d.id for d in devices]
-        early = self._pending.pop(path.name, None)  # read ahead by prefetch()
+        early = self._pending.pop(name, None)  # read ahead by prefetch()
         got = early.result() if early is not None else None
-        if got is None or got[2] != ids:
-            got = self._read(path, devices)
-        if got is None or got[0] != key:
+        if got is None or got[0] != key or got[2] != ids:
+            got = self._read(name, devices, key)
+        if got is None:
             return None
         self.loaded += 1
-        try:
-            os.utime(path)  # least recently used goes first
-        except OSError:
-            pass
-        self._remember(path.name, ids)
+        self._remember(name, ids)
         return got[1]
 
-    def _read(self, path: Path, devices) -> tuple[str, object, list[int]] | None:
-        """(key, executable, device ids) of one file, if it is the user's own and whole."""
-        if not path.exists() or not self._usable(create=False):
-            return None
-        why = _not_private(path, stat.S_ISREG)
-        if why:
-            log.debug("executable %s ignored: %s", path.name, why)
-            return None
-        try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-            with os.fdopen(fd, "rb") as f:
-                key, payload, in_tree, out_tree = _unpack(f.read())
-            compiled = _deserialize(payload, in_tree, out_tree, devices)
-        except Exception as e:  # a bad file is a miss: the program compiles and overwrites it
-            log.debug("executable %s not loaded: %s", path.name, str(e).splitlines()[0][:200])
-            return None
-        return key, compiled, [d.id for d in devices]
+    def _read(self, name: str, devices, key: str | None) -> tuple[str, object, list[int]] | None:
+        """(key, executable, device ids) of the file `name` if it is the user's own, whole and
+        holds `key` (None: the key its name stands for, in this store's environment); nothing
+        is unpickled before that is known."""
+        with self._folder() as d:
+            if d is None:
+                return None
+            try:
+                stored, payload, trees = _unpack(_read_private(d, name))
+                if not (stored == key if key is not None else self._ours(name, stored)):
+                    raise ValueError("it holds another key")
+                in_tree, out_tree = pickle.loads(trees)
+                compiled = _deserialize(payload, in_tree, out_tree, devices)
+            except FileNotFoundError:
+                return None
+            except Exception as e:  # a bad file is a miss: the program compiles, overwrites it
+                log.debug("executable %s not loaded: %s", name, str(e).splitlines()[0][:200])
+                return None
+            with contextlib.suppress(OSError):  # the least recently used go first
+                os.utime(name, dir_fd=d, follow_symlinks=False)
+        return stored, compiled, [device.id for device in devices]
+
+    def _ours(self, name: str, key: str) -> bool:
+        """Whether `key` is the one the file `name` is stored under, in this environment."""
+        return self.path(key).name == name and key.startswith(self.fingerprint + "\n")
 
     # ---- reading ahead ------------------------------------------------------------------
 
@@ -162,19 +194,20 @@ class ExecutableStore:
         `session` (a digest of the model and options) loaded or compiled, so that they load
         while the weights are placed. What it reads is used only by a load() of the same key
         on the same devices; the rest is dropped."""
-        self._manifest = self.directory / f"{session}.json"
-        try:
-            if _not_private(self._manifest, stat.S_ISREG) is None:
-                listed = json.loads(self._manifest.read_text())
-                self._listed = [[name, list(ids)] for name, ids in listed]
-        except (OSError, ValueError, TypeError) as e:
-            log.debug("executable store manifest %s ignored: %s", self._manifest.name, e)
+        self._manifest = f"{session}.json"
+        with self._folder() as d:
+            try:
+                if d is not None:
+                    listed = json.loads(_read_private(d, self._manifest))
+                    self._listed = [[name, list(ids)] for name, ids in listed]
+            except (OSError, ValueError, TypeError) as e:
+                log.debug("executable store manifest %s ignored: %s", self._manifest, e)
         by_id = {d.id: d for d in jax.devices()}
         pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxinfer-store")
         for name, ids in self._listed:
             if all(i in by_id for i in ids) and name.endswith(SUFFIX) and "/" not in name:
                 devices = [by_id[i] for i in ids]
-                self._pending[name] = pool.submit(self._read, self.directory / name, devices)
+                self._pending[name] = pool.submit(self._read, name, devices, None)
         pool.shutdown(wait=False)
 
     def _remember(self, name: str, ids: list[int]) -> None:
@@ -183,66 +216,142 @@ class ExecutableStore:
             if self._manifest is None or [name, ids] in self._listed or len(self._listed) >= 64:
                 return
             self._listed.append([name, ids])
-            try:
-                _write(self.directory, self._manifest, json.dumps(self._listed).encode())
-            except OSError as e:
-                log.debug("executable store manifest not written: %s", e.strerror)
+            with self._folder() as d:
+                try:
+                    if d is not None:
+                        _write(d, self._manifest, json.dumps(self._listed).encode())
+                except OSError as e:
+                    log.debug("executable store manifest not written: %s", e.strerror)
 
     def save(self, key: str, compiled, devices) -> bool:
         """Store `compiled` (which runs on `devices`) under `key`; False when it cannot be
         (never raises)."""
         from jax.experimental import serialize_executable
 
-        if not self._usable(create=True):
-            return False
-        try:
-            payload, in_tree, out_tree = serialize_executable.serialize(compiled)
-            data = _pack(key, payload, pickle.dumps((in_tree, out_tree)))
-            _write(self.directory, self.path(key), data)
-        except Exception as e:  # e.g. a program with closed-over constants, a full disk
-            log.debug("executable not stored: %s", str(e).splitlines()[0][:200])
-            return False
-        self.saved += 1
-        self._trim()
-        self._remember(self.path(key).name, [d.id for d in devices])
+        name = self.path(key).name
+        with self._folder(create=True) as d:
+            if d is None:
+                return False
+            try:
+                payload, in_tree, out_tree = serialize_executable.serialize(compiled)
+                _write(d, name, _pack(key, payload, pickle.dumps((in_tree, out_tree))))
+            except Exception as e:  # e.g. a program with closed-over constants, a full disk
+                log.debug("executable not stored: %s", str(e).splitlines()[0][:200])
+                return False
+            self.saved += 1
+            self._trim(d)
+        self._remember(name, [device.id for device in devices])
         return True
 
-    def _trim(self) -> None:
-        """Drop the least recently used files until the store fits its capacity."""
-        files = sorted(self._files(), key=lambda f: f[1].st_mtime)
+    def _trim(self, d: int) -> None:
+        """Drop stale temporary files, and the least recently used executables until the
+        store (temporary files included) fits its capacity."""
+        files = sorted(_listing(d), key=lambda f: f[1].st_mtime)
         total = sum(s.st_size for _, s in files)
-        for path, s in files:
-            if total <= self.capacity:
-                break
-            path.unlink(missing_ok=True)
-            total -= s.st_size
+        for name, s in files:
+            temporary = name.startswith(TEMPORARY)
+            if (temporary and _stale(s)) or (not temporary and total > self.capacity):
+                with contextlib.suppress(OSError):
+                    os.unlink(name, dir_fd=d)
+                    total -= s.st_size
 
 
-def _write(directory: Path, path: Path, data: bytes) -> None:
-    """Write a file atomically (a temporary file renamed into place), 0600."""
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
+def open_folder(path: Path) -> int:
+    """A descriptor of the folder `path`, if only this user can change what it holds: opened
+    without following a link, the user's own, mode 0700 or less, in a parent folder that is
+    the user's or root's and writable by others only if sticky (else OSError, saying why)."""
+    path = Path(os.path.abspath(path))
+    parent = os.open(path.parent, _FOLDER)
     try:
-        with os.fdopen(fd, "wb") as f:  # mkstemp makes it 0600
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        s = os.fstat(parent)
+        if s.st_uid not in (0, os.geteuid()):
+            raise PermissionError(f"its parent folder is owned by uid {s.st_uid}")
+        if s.st_mode & 0o022 and not s.st_mode & stat.S_ISVTX:
+            mode = stat.S_IMODE(s.st_mode)
+            raise PermissionError(f"its parent folder (mode {mode:04o}) is writable by others")
+        fd = os.open(path.name, _FOLDER | _NOFOLLOW, dir_fd=parent)
+    finally:
+        os.close(parent)
+    try:
+        _check(os.fstat(fd), stat.S_ISDIR)
+    except OSError:
+        os.close(fd)
         raise
+    return fd
 
 
-def _not_private(path: Path, kind) -> str | None:
-    """Why `path` is not this user's own private file or directory (None: it is)."""
+def make_private(path: Path) -> None:
+    """Take group and other bits off a folder of this user's own (an older jaxinfer's cache
+    folder, made with the umask's mode); anything else is left as it is."""
     try:
-        s = path.lstat()
+        fd = os.open(path, _FOLDER | _NOFOLLOW)
+    except OSError:
+        return
+    try:
+        s = os.fstat(fd)
+        if s.st_uid == os.geteuid() and s.st_mode & 0o077:
+            os.fchmod(fd, stat.S_IMODE(s.st_mode) & 0o700)
+    finally:
+        os.close(fd)
+
+
+def why_unsafe(path: Path) -> str | None:
+    """Why loading code from the folder `path` is not safe (see open_folder); None: it is."""
+    try:
+        os.close(open_folder(path))
     except OSError as e:
-        return e.strerror
-    if not kind(s.st_mode):
-        return "not a regular file or directory (a link?)"
-    if s.st_uid != os.geteuid():
-        return f"owned by uid {s.st_uid}, not {os.geteuid()}"
-    if s.st_mode & 0o077:
-        return f"mode {stat.S_IMODE(s.st_mode):04o}, readable or writable by others"
+        return str(e)
     return None
+
+
+def _check(s: os.stat_result, kind) -> None:
+    """Raise unless `s` is of `kind`, this user's own and private."""
+    if not kind(s.st_mode):
+        raise PermissionError("not a regular file or folder (a link?)")
+    if s.st_uid != os.geteuid():
+        raise PermissionError(f"owned by uid {s.st_uid}, not {os.geteuid()}")
+    if s.st_mode & 0o077:
+        raise PermissionError(f"mode {stat.S_IMODE(s.st_mode):04o}, open to others")
+
+
+def _read_private(d: int, name: str) -> bytes:
+    """The bytes of the file `name` in the folder `d`, checked on the descriptor read."""
+    fd = os.open(name, _FILE, dir_fd=d)
+    with os.fdopen(fd, "rb") as f:
+        _check(os.fstat(fd), stat.S_ISREG)
+        return f.read()
+
+
+def _listing(d: int, manifests: bool = False) -> list[tuple[str, os.stat_result]]:
+    """(name, lstat) of the executables and temporary files in the folder `d` (and the
+    manifests, if asked)."""
+    ends = (SUFFIX, ".json") if manifests else (SUFFIX,)
+    found = []
+    with os.scandir(d) as entries:
+        for entry in entries:
+            if entry.name.endswith(ends) or entry.name.startswith(TEMPORARY):
+                with contextlib.suppress(OSError):
+                    found.append((entry.name, entry.stat(follow_symlinks=False)))
+    return found
+
+
+def _stale(s: os.stat_result) -> bool:
+    return time.time() - s.st_mtime > STALE
+
+
+def _write(d: int, name: str, data: bytes) -> None:
+    """Write the file `name` in the folder `d` atomically (a temporary file renamed into
+    place), 0600."""
+    tmp = TEMPORARY + secrets.token_hex(8)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600, dir_fd=d)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, name, src_dir_fd=d, dst_dir_fd=d)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=d)
+        raise
 
 
 def _pack(key: str, *parts: bytes) -> bytes:
@@ -250,8 +359,8 @@ def _pack(key: str, *parts: bytes) -> bytes:
     return body + hashlib.sha256(body).digest()
 
 
-def _unpack(data: bytes) -> tuple:
-    """(key, payload, in_tree, out_tree) of a stored file."""
+def _unpack(data: bytes) -> tuple[str, bytes, bytes]:
+    """(key, payload, pickled trees) of a stored file; unpickles nothing."""
     body, digest = data[:-32], data[-32:]
     if not body.startswith(MAGIC):
         raise ValueError("not a jaxinfer executable of this format")
@@ -264,8 +373,7 @@ def _unpack(data: bytes) -> tuple:
         at += 8 + n
     if len(parts) != 3:
         raise ValueError("not a jaxinfer executable of this format")
-    in_tree, out_tree = pickle.loads(parts[2])
-    return parts[0].decode(), parts[1], in_tree, out_tree
+    return parts[0].decode(), parts[1], parts[2]
 
 
 def _deserialize(payload: bytes, in_tree, out_tree, devices):
@@ -289,9 +397,15 @@ def _sources_digest() -> str:
     return h.hexdigest()
 
 
+def jax_options() -> str:
+    """The JAX_OPTIONS as they are now, on this thread (a `with jax.default_matmul_precision`
+    block counts)."""
+    return " ".join(f"{n}={getattr(jax.config, n)}" for n in JAX_OPTIONS if hasattr(jax.config, n))
+
+
 def fingerprint(kernel_variant: str | None, cpu_flags) -> str:
-    """What besides the program's own key decides its executable: the code, jax, the devices
-    and the host (XLA:CPU compiles for the host's instruction set)."""
+    """What besides the program's own key decides its executable: the code, jax and its
+    options, the devices and the host (XLA:CPU compiles for the host's instruction set)."""
     import jaxlib
 
     backend = jax.devices()[0].client
@@ -302,6 +416,7 @@ def fingerprint(kernel_variant: str | None, cpu_flags) -> str:
         [
             f"jaxinfer sources {_sources_digest()}",
             f"jax {jax.__version__} jaxlib {jaxlib.__version__}",
+            f"jax options {jax_options()}",
             f"backend {backend.platform} {backend.platform_version}",
             f"devices {len(devices)} x {devices[0].device_kind}; process "
             f"{jax.process_index()} of {jax.process_count()}",

@@ -6,12 +6,17 @@ Compiles are observed through jax.monitoring (support.compiles), not through the
 counters. Engines here use their own store folders (tmp_path) and small shapes.
 """
 
+import hashlib
 import json
 import os
+import pathlib
+import pickle
 import stat
+import struct
 import subprocess
 import sys
 import textwrap
+import time
 
 import jax
 import pytest
@@ -19,7 +24,7 @@ from support.compiles import CompileCounter
 from support.models import model_path
 
 import jaxinfer
-from jaxinfer.runtime.store import MAGIC, SUBFOLDER
+from jaxinfer.runtime.store import MAGIC, SUBFOLDER, SUFFIX, ExecutableStore, Usage
 
 STORIES = "stories260K-gguf/stories260K.gguf"
 SHAPES = dict(max_seq_len=128, prefill_buckets=(16,), batch_buckets=(1,))
@@ -246,8 +251,6 @@ def test_other_cpu_flags_miss_the_store(stored, tmp_path, monkeypatch):
 def test_the_store_keeps_to_its_cap_and_clears(stored, tmp_path):
     """A save past the cap drops the least recently used files (by mtime) until the store
     fits; the cap is set from the files' own sizes, which differ by CPU."""
-    from jaxinfer.runtime.store import ExecutableStore
-
     cache_dir, _, files = copy_store(stored, tmp_path)
     for age, f in enumerate(files):  # files[0] is the oldest
         os.utime(f, (1000 + age, 1000 + age))
@@ -335,3 +338,228 @@ def test_the_cli_shows_and_clears_the_store(tmp_path, capsys):
     assert "cleared 3 executables" in capsys.readouterr().err
     assert main(["info", *flags, "--no-compile-cache", "--clear-executable-store"]) == 1
     assert "no compile cache dir" in capsys.readouterr().err
+
+
+# ---- what is loaded, and from where ---------------------------------------------------------
+# The store's own files, made here: a file under a key whose trees, if they were ever unpickled,
+# would create a marker file (the code an attacker's file would run).
+
+
+class Touch:
+    """Unpickling this creates the file `path`."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (pathlib.Path.touch, (pathlib.Path(self.path),))
+
+
+def stored_file(path, key, trees, mode=0o600):
+    """A file in the store's layout (MAGIC, length-prefixed key, payload and pickled trees,
+    the SHA-256 of all that) at `path`."""
+    parts = (key.encode(), b"not an executable", trees)
+    body = MAGIC + b"".join(struct.pack("<Q", len(p)) + p for p in parts)
+    path.write_bytes(body + hashlib.sha256(body).digest())
+    os.chmod(path, mode)
+
+
+def harmful(marker):
+    return pickle.dumps((Touch(marker), Touch(marker)))
+
+
+def private_folder(path, mode=0o700):
+    path.mkdir()
+    os.chmod(path, mode)
+    return path
+
+
+def a_compiled_program():
+    """A small executable the store can hold: x + 1 on one device."""
+    return jax.jit(lambda x: x + 1).lower(jax.numpy.zeros(3)).compile()
+
+
+ONE = jax.devices()[:1]
+
+
+def test_the_marker_works(tmp_path):
+    """The tests below rely on unpickling a planted file creating its marker."""
+    marker = tmp_path / "marker"
+    pickle.loads(harmful(marker))
+    assert marker.exists()
+
+
+def swap_folder(folder, other):
+    folder.rename(folder.with_name("moved"))
+    folder.symlink_to(other)
+
+
+def swap_file(folder, other):
+    name = next(folder.glob("*" + SUFFIX)).name
+    os.replace(other / name, folder / name)
+
+
+SWAPS = {  # (what is swapped, before which os.open)
+    "folder for a link, before the folder opens": (swap_folder, lambda path: True),
+    "folder for a link, before the file opens": (swap_folder, lambda p: str(p).endswith(SUFFIX)),
+    "file for another's, before the file opens": (swap_file, lambda p: str(p).endswith(SUFFIX)),
+}
+
+
+@pytest.mark.parametrize("swap", SWAPS)
+def test_a_swap_between_the_check_and_the_open_is_never_unpickled(tmp_path, monkeypatch, swap):
+    """Another user's folder (or file) put in place between the store's checks and its open:
+    their file (0644 in a 0755 folder) is not read, let alone unpickled."""
+    do, when = SWAPS[swap]
+    marker, key = tmp_path / "marker", "the key"
+    folder, other = private_folder(tmp_path / "store"), private_folder(tmp_path / "other", 0o755)
+    store = ExecutableStore(folder)
+    stored_file(store.path(key), key, pickle.dumps((None, None)))
+    stored_file(other / store.path(key).name, key, harmful(marker), mode=0o644)
+    swapped, real_open = [], os.open
+
+    def swap_then_open(path, *args, **kw):
+        if not swapped and when(path):
+            do(folder, other)
+            swapped.append(path)
+        return real_open(path, *args, **kw)
+
+    monkeypatch.setattr(os, "open", swap_then_open)
+    got = store.load(key, ONE)
+    monkeypatch.undo()
+    assert swapped and got is None
+    assert not marker.exists()
+
+
+def test_a_file_open_to_others_is_never_unpickled(tmp_path):
+    marker, key = tmp_path / "marker", "the key"
+    store = ExecutableStore(private_folder(tmp_path / "store"))
+    stored_file(store.path(key), key, harmful(marker), mode=0o644)
+    assert store.load(key, ONE) is None
+    assert not marker.exists()
+
+
+def test_a_file_of_another_key_is_never_unpickled(tmp_path):
+    """Neither load() (which knows the key) nor prefetch() (which knows the file's name and
+    the store's fingerprint) unpickles a file that holds another key."""
+    marker = tmp_path / "marker"
+    store = ExecutableStore(private_folder(tmp_path / "store"), fingerprint="env")
+    wanted = "env\nprogram decode"
+    stored_file(store.path(wanted), "env\nprogram prefill", harmful(marker))
+    assert store.load(wanted, ONE) is None
+    assert not marker.exists()
+    manifest = store.directory / "session.json"
+    manifest.write_text(json.dumps([[store.path(wanted).name, [d.id for d in ONE]]]))
+    os.chmod(manifest, 0o600)
+    store.prefetch("session")
+    (early,) = store._pending.values()
+    assert early.result() is None
+    assert not marker.exists()
+
+
+def test_a_store_in_a_folder_others_can_write_is_refused(tmp_path):
+    """Another user could rename the store's folder and put theirs in its place."""
+    parent = private_folder(tmp_path / "parent")
+    store = ExecutableStore(parent / "executables")
+    assert store.save("k", a_compiled_program(), ONE) and store.load("k", ONE) is not None
+    os.chmod(parent, 0o777)
+    assert store.load("k", ONE) is None
+    assert not store.save("k2", a_compiled_program(), ONE)
+    assert store.usage().files == 0 and store.clear() == 0
+
+
+def test_a_store_in_a_sticky_folder_others_can_write_works(tmp_path):
+    """A sticky folder (/tmp) lets no one rename another's folder."""
+    parent = private_folder(tmp_path / "shared", 0o1777)
+    assert ExecutableStore(parent / "executables").save("k", a_compiled_program(), ONE)
+    store = ExecutableStore(parent / "executables")
+    compiled = store.load("k", ONE)
+    assert compiled is not None and store.loaded == 1
+    assert compiled(jax.numpy.zeros(3)).tolist() == [1.0, 1.0, 1.0]
+
+
+def test_the_persistent_cache_stays_off_in_a_folder_others_can_write(tmp_path, caplog):
+    from jaxinfer.runtime.compile import use_persistent_cache
+
+    parent = private_folder(tmp_path / "parent")
+    try:
+        use_persistent_cache(parent / "xla")
+        assert jax.config.jax_enable_compilation_cache
+        os.chmod(parent, 0o777)
+        with caplog.at_level("WARNING"):
+            use_persistent_cache(parent / "xla")
+        assert not jax.config.jax_enable_compilation_cache
+        (line,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert "writable by others" in line
+    finally:
+        use_persistent_cache(None)  # as every engine with a store sets it
+
+
+# ---- what the key holds -------------------------------------------------------------------
+
+
+def test_the_matmul_precision_is_part_of_the_fingerprint():
+    from jaxinfer.runtime.store import fingerprint
+
+    plain = fingerprint(None, {"avx"})
+    with jax.default_matmul_precision("highest"):
+        assert fingerprint(None, {"avx"}) != plain
+    assert fingerprint(None, {"avx"}) == plain
+
+
+def test_a_program_compiled_under_another_matmul_precision_is_not_loaded(tmp_path):
+    """The store key holds the jax settings where the program compiles (a `with` block around
+    an engine call counts), not only where the engine was loaded."""
+    from jaxinfer.runtime.compile import CompileCache
+
+    def matmul(a, b):
+        return a @ b
+
+    args = (jax.numpy.ones((4, 4)), jax.numpy.ones((4, 4)))
+
+    def get():
+        cache = CompileCache(store=ExecutableStore(tmp_path / "store", fingerprint="env"))
+        context = cache.context("static", ("one", (), (ONE[0].id,), ()), [], ())
+        cache.get("matmul", context, matmul, args)
+        return cache.store
+
+    with jax.default_matmul_precision("highest"):
+        assert get().saved == 1
+    assert get().loaded == 0
+    with jax.default_matmul_precision("highest"):
+        assert get().loaded == 1
+
+
+# ---- temporary files ----------------------------------------------------------------------
+
+
+def interrupted_write(folder, size, age):
+    """A temporary file as a write leaves it, last written `age` seconds ago."""
+    path = folder / f".tmp-{age}"
+    path.write_bytes(b"x" * size)
+    os.utime(path, (time.time() - age, time.time() - age))
+    return path
+
+
+def test_temporary_files_are_counted_and_stale_ones_cleared(tmp_path):
+    folder = private_folder(tmp_path / "store")
+    stale, live = interrupted_write(folder, 1000, 3600), interrupted_write(folder, 10, 1)
+    store = ExecutableStore(folder)
+    assert store.usage() == Usage(files=0, bytes=1010, temporary=2)
+    assert store.clear() == 0
+    assert not stale.exists() and live.exists()  # another process may be writing that one
+
+
+def test_a_save_drops_stale_temporary_files_and_counts_live_ones(tmp_path):
+    folder = private_folder(tmp_path / "store")
+    compiled = a_compiled_program()
+    probe = ExecutableStore(tmp_path / "probe")
+    assert probe.save("a", compiled, ONE)
+    size = probe.path("a").stat().st_size  # "b"'s is the same
+    store = ExecutableStore(folder, capacity=2 * size + 50)
+    assert store.save("a", compiled, ONE)
+    os.utime(store.path("a"), (1000, 1000))
+    stale, live = interrupted_write(folder, 10, 3600), interrupted_write(folder, 100, 1)
+    assert store.save("b", compiled, ONE)  # 2 executables and 100 live bytes pass the cap
+    assert not stale.exists() and live.exists()
+    assert not store.path("a").exists() and store.path("b").exists()
