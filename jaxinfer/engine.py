@@ -28,7 +28,7 @@ from .options import MAX_LOGPROBS, EngineOptions, SamplingParams
 from .parallel.placement import Placement
 from .runtime.buckets import ShapePlan
 from .runtime.compile import CompileCache, CompileCounts, Handle, RecompileEvent, watching
-from .runtime.executor import Executor
+from .runtime.executor import Executor, cache_bytes
 from .runtime.kv import KVManager
 from .runtime.perf import PerfStats
 from .runtime.profiler import profile
@@ -92,10 +92,12 @@ class Engine:
         )
         # A smaller pool is allowed: requests that could never fit are refused at submit.
         tokens = o.kv_cache_tokens or self.max_seq_len * max(o.slots or 1, 1)
+        page_bytes, state_bytes = cache_bytes(placement, draft, o.page_size)
+        self._carries_state = carries_state(placement, draft)
         self.kv_config = KVManager.plan(
             tokens, self.max_seq_len, o.page_size, self.shapes.rows,
             snapshots=o.prefix_snapshots if o.prefix_cache else 0,
-            carries_state=carries_state(placement, draft),
+            carries_state=self._carries_state, page_bytes=page_bytes, state_bytes=state_bytes,
         )  # fmt: skip
         # Chain hashes start from the model's identity (and each request's cache salt).
         self.model_id = repr((name, source, cfg, o.dtype, o.kv_cache_dtype, o.activations))
@@ -128,6 +130,7 @@ class Engine:
         self.kv = KVManager(
             self.kv_config, self.executor.page_bytes, prefix_cache=self.options.prefix_cache,
             model_id=self.model_id, mtp=self.executor.runner.mtp is not None,
+            carries_state=self._carries_state,
         )  # fmt: skip
         return Scheduler(
             self.executor, self.kv, self.shapes, self._perf, self._clock,

@@ -89,8 +89,8 @@ class AttentionKV:
         shape = self.shape(kv)
         return jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype)
 
-    def page_bytes(self, kv: KVConfig) -> int:
-        return 2 * self.n_kv_heads * self.head_dim * kv.page_size * np.dtype(self.dtype).itemsize
+    def page_bytes(self, page_size: int) -> int:
+        return 2 * self.n_kv_heads * self.head_dim * page_size * np.dtype(self.dtype).itemsize
 
 
 @struct.dataclass

@@ -72,29 +72,18 @@ class Executor:
             shapes,
             self._kv_shardings,
         )
-        total = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(shapes))
-        self._check_memory(total)
-        # Linear layers' state per state index (a stage layer holds one per stage); the rest is
-        # pages.
-        runners = (self.runner, draft_runner) if draft_runner else (self.runner,)
-        # each cache entry's layers: a stage layer holds one per stage, a depth-shared unit
-        # position one per repetition
-        copies = [n for r in runners for n in (r.copies or (r.stages,) * len(r.caches))]
-        caches = [c for r in runners for c in r.caches]
-        attention = [c for c in caches if isinstance(c, AttentionKV)]
+        attention = [c for c in self.runner.caches if isinstance(c, AttentionKV)]
         self.kv_dtype = np.dtype(attention[0].dtype).name if attention else None
-        self.bytes_per_state = sum(
-            c.state_bytes() * n
-            for c, n in zip(caches, copies, strict=True)
-            if isinstance(c, RecurrentState)
-        ) + sum(c.state_bytes() for c in self.runner.mtp_caches if isinstance(c, HiddenState))
-        state_bytes = self.bytes_per_state * self.kv_config.n_states
-        self.page_bytes = (total - state_bytes) // self.kv_config.n_pages  # every layer's
+        kv = self.kv_config
+        self.page_bytes, self.bytes_per_state = cache_bytes(placement, draft, kv.page_size)
+        total = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(shapes))
+        assert total == self.page_bytes * kv.n_pages + self.bytes_per_state * kv.n_states
+        self._check_memory(total)
         # What the programs close over besides their arguments: a change here is a recompile.
         # The pools' types stand for the KV dtype and the draft's (or MTP head's) layers.
         pools = tuple((a.shape, a.dtype.name) for a in jax.tree.leaves(shapes))
         static = (self.cfg, str(np.dtype(self.dtype)), self.decode_chunk, self.kv_config,
-                  self.spec, draft is not None, pools)  # fmt: skip
+                  self.spec, draft.cfg if draft else None, pools)  # fmt: skip
         layout = (
             self.layout,
             tuple(self.mesh.shape.items()),
@@ -139,7 +128,15 @@ class Executor:
                 f"the KV page pools need {need / gib:.1f} GiB per device (linear states included) "
                 f"but a device has {limit / gib:.1f} GiB; pass a smaller kv_cache_tokens (now "
                 f"{self.kv_config.usable_pages * self.kv_config.page_size} tokens) or -c"
+                + self._snapshot_hint()
             )
+
+    def _snapshot_hint(self) -> str:
+        kv = self.kv_config
+        if not kv.snapshots:
+            return ""
+        gib = self.bytes_per_state * kv.snapshots / 2.0**30
+        return f", or fewer --prefix-snapshots (now {kv.snapshots}: {gib:.1f} GiB)"
 
     # ---- calls --------------------------------------------------------------------------
 
@@ -213,3 +210,22 @@ class Executor:
     def describe(self, job: CompileJob) -> str:
         """A job's per-call argument shapes, e.g. `chunk.tokens i32[4,128] ...`."""
         return shapes_text(job.fn, job.args, 0 if job.name == "cache" else 2)
+
+
+def cache_bytes(placement: Placement, draft: Placement | None, page_size: int) -> tuple[int, int]:
+    """(bytes of one page, bytes of one state index) over every layer's pools: the model's,
+    then the draft's or the MTP head's. A stage layer holds one cache per stage, a
+    depth-shared unit position one per repetition."""
+    runners = (placement.runner, draft.runner) if draft else (placement.runner,)
+    copies = [n for r in runners for n in (r.copies or (r.stages,) * len(r.caches))]
+    caches = [c for r in runners for c in r.caches]
+    if draft is None:  # the MTP head's caches, unstaged
+        copies += [1] * len(placement.runner.mtp_caches)
+        caches += list(placement.runner.mtp_caches)
+    page = state = 0
+    for c, n in zip(caches, copies, strict=True):
+        if isinstance(c, AttentionKV):
+            page += c.page_bytes(page_size) * n
+        elif isinstance(c, RecurrentState | HiddenState):
+            state += c.state_bytes() * n
+    return page, state

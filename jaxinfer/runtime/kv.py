@@ -48,10 +48,13 @@ class Lease:
 
 class KVManager:
     def __init__(self, config: KVConfig, page_bytes: int, *, prefix_cache: bool, model_id: str,
-                 mtp: bool = False):  # fmt: skip
+                 mtp: bool = False, carries_state: bool = False):  # fmt: skip
         """`page_bytes`: one page of every layer's pools; `model_id` roots every chain hash;
-        `mtp`: a position's row is complete one token late (the MTP head writes it then)."""
+        `mtp`: a position's row is complete one token late (the MTP head writes it then);
+        `carries_state`: a prefix leaves a state besides its pages, so a hit needs a snapshot
+        (with none kept, such a model, or one with an MTP head, takes no hit)."""
         self.config = config
+        self.carries_state = carries_state
         snapshots = Snapshots(config.first_snapshot, config.snapshots) if config.snapshots else None
         self.pool = PagePool(config, page_bytes, snapshots)
         self.prefix_cache = prefix_cache
@@ -61,13 +64,18 @@ class KVManager:
 
     @staticmethod
     def plan(tokens: int, max_seq_len: int, page_size: int, rows: int, *,
-             snapshots: int | None, carries_state: bool) -> KVConfig:  # fmt: skip
+             snapshots: int | None, carries_state: bool, page_bytes: int = 0,
+             state_bytes: int = 0) -> KVConfig:  # fmt: skip
         """The pool for `tokens` positions and `rows` requests at once. Models whose prefixes
         leave a state besides their pages (`carries_state`) and serve a prefix cache keep
-        `snapshots` of it (None: one per page); others keep none (snapshots = 0 or None off)."""
+        `snapshots` of it; None: as many as the pages' bytes hold (`page_bytes` a page,
+        `state_bytes` a snapshot), at most one a page. Others keep none."""
         kept = 0
         if carries_state and snapshots != 0:
-            kept = -(-tokens // page_size) if snapshots is None else snapshots  # None: one a page
+            pages = -(-tokens // page_size)
+            kept = snapshots if snapshots is not None else (
+                min(pages, pages * page_bytes // state_bytes) if state_bytes else pages
+            )  # fmt: skip
         return KVConfig.plan(tokens, max_seq_len, page_size, rows, kept)
 
     @property
@@ -125,6 +133,8 @@ class KVManager:
             hashes.append(parent)
         hits = self.pool.lookup(hashes[: (len(prompt) - 1) // page])
         snapshots = self.pool.snapshots
+        if (self.carries_state or self.mtp) and snapshots is None:
+            hits = []  # no state to start from (the MTP head's row before the hit: steps.py)
         while snapshots and hits and snapshots.find(hashes[len(hits) - 1]) is None:
             hits.pop()
         return hashes, hits

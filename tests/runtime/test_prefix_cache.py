@@ -109,6 +109,34 @@ def _mixed(base: list[int]) -> list[tuple[list[int], int]]:
     return [(a, 10), (b, 14), (c, 6), (a, 10), (b[:60], 8), (base[:33], 12), (a, 10)]
 
 
+@pytest.mark.parametrize("snapshots", [0, None, pytest.param(64, marks=pytest.mark.slow)])
+def test_hybrid_gives_the_cache_off_tokens_at_every_snapshot_count(hybrid, snapshots):
+    """A request that could hit a prefix after another prompt has used its state index: with
+    no snapshot to start its linear layers from (prefix_snapshots=0), it takes no hit and
+    computes the prefix; with snapshots, it hits and resumes from one. Tokens as cache-off."""
+    root, base = hybrid
+    engine = jaxinfer.load(root, prefix_snapshots=snapshots, **OPTS)
+    _greedy(engine, base[:200])
+    _greedy(engine, base[100:180])  # another prompt's state now in the state index
+    prompt = base[:40] + base[210:230]
+    got = _greedy(engine, prompt)
+    assert got.token_ids == _greedy(engine, prompt, cache_prompt=False).token_ids
+    assert (got.cached_tokens > 0) == (snapshots != 0)
+    stats = engine.kv_stats()
+    # the default keeps at most the KV pool's bytes of snapshots (Qwen3-Next's real shapes
+    # would otherwise keep ~25x the pool's bytes)
+    assert snapshots is not None or 0 < stats["snapshot_bytes"] <= stats["bytes_allocated"]
+
+
+def test_the_pool_error_names_the_snapshots():
+    """Snapshots that cannot fit: the one-line error names --prefix-snapshots and their bytes."""
+    root = model_path(FIXTURES["qwen3_5"])
+    with pytest.raises(
+        jaxinfer.JaxinferError, match=r"--prefix-snapshots \(now 10000000: .* GiB\)"
+    ):
+        jaxinfer.load(root, prefix_snapshots=10_000_000, **OPTS)
+
+
 @pytest.mark.slow  # the soak's single-device run (default tier) covers slots, cancels, evictions
 def test_hits_in_four_slots_with_a_cancel_and_eviction(hybrid, engines):
     """Two requests share a prefix then diverge, a third repeats the first, one is
