@@ -237,7 +237,7 @@ class EngineOptions:
     # prefix caching: full pages shared between requests by content (chain hashes)
     prefix_cache: bool = True
     # hybrid models: snapshots of the linear layers' state at page ends, for prefix hits
-    # (None: one per page of the pool)
+    # (None: as many as the KV pool's bytes hold, at most one a page; 0: none, and no hits)
     prefix_snapshots: int | None = None
     # compiles
     compile_cache_size: int | None = None  # executables kept (LRU); None: max(64, the plan)

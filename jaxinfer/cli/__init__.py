@@ -92,8 +92,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument(
         "--prefix-snapshots", type=int, default=None, metavar="N",
-        help="hybrid models: state snapshots kept for prefix hits (default: one per "
-        "KV page)",
+        help="hybrid models: state snapshots kept for prefix hits (default: as many as the KV "
+        "pool's bytes hold, at most one per page; 0: none, and no prefix hits)",
     )  # fmt: skip
     p.add_argument("-v", "--verbose", action="store_true", help="debug logs and tracebacks")
     p.add_argument(
