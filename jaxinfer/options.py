@@ -30,6 +30,7 @@ MAX_DRAFT_TOKENS = 16
 FLOAT32_MAX = 3.4028234663852886e38
 INT32_MAX = 2**31 - 1
 MAX_LOGPROBS = 20  # top log-probabilities per token (vLLM's cap, OpenAI's limit)
+MAX_STOP_LENGTH = 256  # characters of one stop string a server request may give
 
 
 def _is_int(value) -> bool:
@@ -364,6 +365,15 @@ class ServerOptions:
     chat_template: str | None = None  # Jinja source in place of the model's
     slots_endpoint: bool = True  # GET /slots (it shows the prompts being served)
     progress: bool = False  # warmup progress on stderr
+    # Limits: what one request may ask, so that it never costs another more than a bounded
+    # delay (each refusal a one-line error naming the limit; /props lists them).
+    max_body_mib: int = 16  # a request body (413); a 128k-token prompt as JSON is ~1 MiB
+    max_choices: int = 128  # prompts x n of one request (400)
+    max_stop_strings: int = 16  # stop strings of one request, each <= MAX_STOP_LENGTH (400)
+    max_grammar_kib: int = 256  # a JSON schema, grammar or the tools' schemas (400)
+    max_queue: int = 256  # choices waiting for a slot, all requests together (429)
+    n_predict: int = -1  # most tokens a choice generates (-1: no cap), as llama-server's -n
+    timeout: float = 600.0  # seconds a body may take to arrive or a stream wait for its reader
 
     def __post_init__(self):
         if not isinstance(self.host, str) or not self.host:
@@ -376,8 +386,27 @@ class ServerOptions:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise JaxinferError(f"{name} must be a non-empty string or None, not {value!r:.40}")
+        if self.api_key is not None and not self.api_key.isascii():
+            raise JaxinferError(
+                "--api-key must be ASCII (an HTTP header carries it; no client could send this one)"
+            )
+        for name in ("max_body_mib", "max_choices", "max_stop_strings", "max_grammar_kib",
+                     "max_queue"):  # fmt: skip
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise JaxinferError(f"--{name.replace('_', '-')} {value!r} is invalid; use >= 1")
+        if not _is_int(self.n_predict) or self.n_predict < -1:
+            raise JaxinferError(f"-n {self.n_predict!r} is invalid; use -1 (no cap) or >= 0")
+        if not isinstance(self.timeout, int | float) or not self.timeout > 0:
+            raise JaxinferError(f"--timeout {self.timeout!r} is invalid; use seconds > 0")
         object.__setattr__(self, "slots_endpoint", bool(self.slots_endpoint))
         object.__setattr__(self, "progress", bool(self.progress))
+
+    def limits(self) -> dict:
+        """The limits as /props reports them."""
+        names = ("max_body_mib", "max_choices", "max_stop_strings", "max_grammar_kib",
+                 "max_queue", "n_predict", "timeout")  # fmt: skip
+        return {name: getattr(self, name) for name in names} | {"max_stop_length": MAX_STOP_LENGTH}
 
     @staticmethod
     def make(options: ServerOptions | None = None, **overrides) -> ServerOptions:

@@ -14,11 +14,20 @@ import traceback
 from pathlib import Path
 
 from ..errors import JaxinferError
-from ..options import ACTIVATIONS, DTYPES, QUANTIZE, EngineOptions, SamplingParams
+from ..options import (
+    ACTIVATIONS,
+    DTYPES,
+    MAX_STOP_LENGTH,
+    QUANTIZE,
+    EngineOptions,
+    SamplingParams,
+    ServerOptions,
+)
 from ..shardings import BUILTIN
 
 SAMPLING = SamplingParams()  # the defaults of every sampling flag
 ENGINE = EngineOptions()  # the defaults of every engine flag
+SERVER = ServerOptions()  # the defaults of every server flag
 
 
 def _ints(text: str, minimum: int = 1) -> tuple[int, ...]:
@@ -137,6 +146,28 @@ def _serving(p: argparse.ArgumentParser) -> None:
     p.add_argument("-md", "--model-draft", default=None, help="draft model: HF folder or .gguf")
 
 
+def _limits(p: argparse.ArgumentParser) -> None:
+    """The server's limits (ServerOptions), one flag each (their like shapes are boilerplate)."""
+    o = SERVER
+    p.add_argument("--max-body-mib", type=int, default=o.max_body_mib, metavar="MIB",
+                   help=f"largest request body (413 above; {o.max_body_mib})")  # fmt: skip
+    p.add_argument("--max-choices", type=int, default=o.max_choices, metavar="N",
+                   help=f"most choices (prompts x n) in one request ({o.max_choices})")  # fmt: skip
+    p.add_argument("--max-stop-strings", type=int, default=o.max_stop_strings, metavar="N",
+                   help=f"most stop strings in one request ({o.max_stop_strings}, each at most "
+                   f"{MAX_STOP_LENGTH} characters)")  # fmt: skip
+    p.add_argument("--max-grammar-kib", type=int, default=o.max_grammar_kib, metavar="KIB",
+                   help="largest JSON schema, grammar or tool list of a request "
+                   f"({o.max_grammar_kib})")  # fmt: skip
+    p.add_argument("--max-queue", type=int, default=o.max_queue, metavar="N",
+                   help=f"most choices waiting for a slot (429 above; {o.max_queue})")  # fmt: skip
+    p.add_argument("-n", "--n-predict", type=int, default=o.n_predict, metavar="N",
+                   help="most tokens a choice generates: caps max_tokens (-1: none)")  # fmt: skip
+    p.add_argument("-to", "--timeout", type=float, default=o.timeout, metavar="S",
+                   help="seconds a request body may take to arrive, and a stream may wait for "
+                   f"its reader ({o.timeout:g})")  # fmt: skip
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxinfer", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -191,6 +222,7 @@ def _parser() -> argparse.ArgumentParser:
         "--chat-template-file", default=None, metavar="FILE",
         help="a jinja chat template in place of the model's",
     )  # fmt: skip
+    _limits(s)
     _serving(s)
 
     b = sub.add_parser("bench", help="llama-bench style throughput")
@@ -402,7 +434,6 @@ def _generate_run(args) -> None:
 
 
 def _serve(args) -> None:
-    from ..options import ServerOptions
     from ..serve.server import Server
 
     template = None
@@ -422,6 +453,9 @@ def _serve(args) -> None:
     options = ServerOptions(
         host=args.host, port=args.port, api_key=args.api_key, alias=args.alias,
         chat_template=template, slots_endpoint=args.slots_endpoint, progress=True,
+        max_body_mib=args.max_body_mib, max_choices=args.max_choices,
+        max_stop_strings=args.max_stop_strings, max_grammar_kib=args.max_grammar_kib,
+        max_queue=args.max_queue, n_predict=args.n_predict, timeout=args.timeout,
     )  # fmt: skip
     server = Server(lambda: _load(args), options, on_ready=ready)
     print(f"jaxinfer serve: listening on {server.url}; loading {args.model or 'stories260K'} "

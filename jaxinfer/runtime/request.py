@@ -154,8 +154,9 @@ class RequestState:
                 self.finish = "stop"
                 self.text += self.decoder.flush()
                 break
+            before = len(self.text)
             self.text += self.decoder.push([tok])
-            if self._cut_stop_string():
+            if self._cut_stop_string(before):
                 break
             if len(self.token_ids) >= self.budget:
                 self.finish = "length"
@@ -163,9 +164,11 @@ class RequestState:
                 break
         return new_ids
 
-    def _cut_stop_string(self) -> bool:
+    def _cut_stop_string(self, before: int) -> bool:
+        """End the text at the first stop string that the text after position `before` (new
+        this token) completes: each token scans its own text and len(s) - 1 before it."""
         for s in self.stop_strings:
-            at = self.text.find(s, max(0, self.emitted - len(s)))
+            at = self.text.find(s, max(0, before - len(s) + 1))
             if at >= 0:
                 self.text = self.text[:at]
                 self.finish = "stop"

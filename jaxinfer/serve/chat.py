@@ -56,6 +56,12 @@ class ChatTemplate:
             )
         except jinja2.TemplateError as e:
             raise RequestError(f"the chat template failed: {_line(e)}") from None
+        except RecursionError:
+            raise RequestError("the chat template failed: the messages nest too deeply") from None
+        except Exception as e:  # a template's own runtime error on these messages (name: 5)
+            raise RequestError(
+                f"the chat template failed on these messages: {type(e).__name__}: {_line(e)}"
+            ) from None
 
     def encode(self, messages: Sequence[dict], **extra) -> list[int]:
         """Token ids of the rendered messages, with exactly one BOS where the model wants one."""

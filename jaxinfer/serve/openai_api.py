@@ -23,7 +23,7 @@ from typing import Any
 from ..engine import token_ids as engine_token_ids
 from ..errors import RequestError
 from ..formats.tokenizer import Tokenizer
-from ..options import MAX_LOGPROBS, SamplingParams
+from ..options import MAX_LOGPROBS, MAX_STOP_LENGTH, SamplingParams, ServerOptions
 from ..runtime.request import Result, TokenLogprob
 from .chat import ChatTemplate, check_messages
 from .tools import ToolStream, check_tools, grammar, parse, tool_format
@@ -44,7 +44,7 @@ UNSUPPORTED = {
     "suffix": (None, ""),
     "logit_bias": (None, {}),
 }
-MAX_CHOICES = 128
+DEFAULT_LIMITS = ServerOptions()
 
 
 class ContextError(RequestError):
@@ -286,8 +286,11 @@ def _lone_surrogate(body) -> str | None:
     return None
 
 
-def completion_job(body, tokenizer: Tokenizer, n_ctx: int, model: str) -> Job:
-    """POST /v1/completions: prompt is a string, a list of them, token ids or a list of those."""
+def completion_job(
+    body, tokenizer: Tokenizer, n_ctx: int, model: str, limits: ServerOptions = DEFAULT_LIMITS
+) -> Job:
+    """POST /v1/completions: prompt is a string, a list of them, token ids or a list of those;
+    within the server's `limits`."""
     body = _object(body)
     if "prompt" not in body:
         raise RequestError("prompt is required: a string, a list of strings or token ids")
@@ -301,13 +304,20 @@ def completion_job(body, tokenizer: Tokenizer, n_ctx: int, model: str) -> Job:
         texts = prompt
     else:
         raise RequestError("prompt must be a string, a list of strings, token ids or lists of them")
+    _choices(body, len(texts), limits)  # before the prompts are tokenized
     prompts = [_prompt_ids(p, tokenizer, n_ctx, f"prompt[{k}]") for k, p in enumerate(texts)]
-    return _job(body, prompts, n_ctx, model, chat=False, default_max=16)  # OpenAI's default
+    return _job(body, prompts, n_ctx, model, limits, chat=False, default_max=16)  # OpenAI's
 
 
-def chat_job(body, template: ChatTemplate | None, n_ctx: int, model: str) -> Job:
-    """POST /v1/chat/completions: messages rendered with the model's chat template."""
+def chat_job(
+    body, template: ChatTemplate | None, n_ctx: int, model: str,
+    limits: ServerOptions = DEFAULT_LIMITS,
+) -> Job:  # fmt: skip
+    """POST /v1/chat/completions: messages rendered with the model's chat template; within
+    the server's `limits`."""
     body = _object(body)
+    _choices(body, 1, limits)
+    _fits_kib(body.get("tools"), "tools", limits)
     messages = check_messages(body.get("messages"))
     if template is None:
         raise RequestError(
@@ -339,7 +349,7 @@ def chat_job(body, template: ChatTemplate | None, n_ctx: int, model: str) -> Job
     max_tokens = _max_tokens(body, "max_completion_tokens", None)
     body = {**body, "max_tokens": _max_tokens(body, "max_tokens", max_tokens)}
     forced = grammar(tools, fmt)  # tool_choice required / a named function: a call is forced
-    job = _job(body, [ids], n_ctx, model, chat=True, default_max=None, forced=forced)
+    job = _job(body, [ids], n_ctx, model, limits, chat=True, default_max=None, forced=forced)
     if fmt:
         assert tools is not None  # a tool format is only looked for with tools
         job = job.replace(tool_format=fmt, parallel_tool_calls=tools.parallel)
@@ -347,31 +357,29 @@ def chat_job(body, template: ChatTemplate | None, n_ctx: int, model: str) -> Job
 
 
 def _job(
-    body: dict, prompts, n_ctx: int, model: str, *, chat: bool, default_max, forced=None
-) -> Job:
+    body: dict, prompts, n_ctx: int, model: str, limits: ServerOptions, *, chat: bool,
+    default_max, forced=None,
+) -> Job:  # fmt: skip
     for name, allowed in UNSUPPORTED.items():
         if body.get(name) not in allowed:
             raise RequestError(f"{name} is not supported by this server; leave it out")
     n = _get(body, "n", int, 1)
-    if not 1 <= n <= MAX_CHOICES:
-        raise RequestError(f"n = {n} is invalid; it must be in 1..{MAX_CHOICES}")
     best_of = body.get("best_of")
     if best_of is not None and best_of != n:
         raise RequestError("best_of is not supported by this server (only best_of = n)")
     max_tokens = _max_tokens(body, "max_tokens", default_max)
     if max_tokens is None or max_tokens == -1:  # llama.cpp's -1: until the context is full
         max_tokens = n_ctx
-    stop = body.get("stop")
-    if stop is not None and not isinstance(stop, str | list):
-        raise RequestError("stop must be a string or a list of strings")
+    if limits.n_predict >= 0:  # the server's -n caps every choice, as llama-server's does
+        max_tokens = min(max_tokens, limits.n_predict)
     sampling = SamplingParams(
         max_new_tokens=max_tokens,
-        stop=stop or (),  # type: ignore[arg-type]  # __post_init__ makes a str or list a tuple
+        stop=_stop(body.get("stop"), limits),
         ignore_eos=_get(body, "ignore_eos", bool, False),
         cache_salt=_get(body, "cache_salt", str, None),
         cache_prompt=_get(body, "cache_prompt", bool, True),
         logprobs=_logprobs(body, chat),
-        **_constraint(body, forced),
+        **_constraint(body, forced, limits),
         **{kw: body[key] for key, kw in SAMPLING.items() if body.get(key) is not None},
     )
     echo = _get(body, "echo", bool, False)
@@ -406,11 +414,63 @@ def _logprobs(body: dict, chat: bool) -> int | None:
     return k
 
 
-def _constraint(body: dict, forced: str | None) -> dict:
+def _choices(body: dict, prompts: int, limits: ServerOptions) -> None:
+    """Refuse more than max_choices choices (prompts x n) in one request."""
+    n = _get(body, "n", int, 1)
+    if n < 1:
+        raise RequestError(f"n = {n} is invalid; it must be at least 1")
+    if prompts * n > limits.max_choices:
+        raise RequestError(
+            f"{prompts} prompt(s) x n = {n} is {prompts * n} choices, over this server's "
+            f"max_choices ({limits.max_choices}); send fewer prompts or a smaller n"
+        )
+
+
+def _stop(stop, limits: ServerOptions) -> tuple[str, ...]:
+    """Stop strings: at most max_stop_strings, each of at most MAX_STOP_LENGTH characters."""
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise RequestError("stop must be a string or a list of strings")
+    if len(stops) > limits.max_stop_strings:
+        raise RequestError(
+            f"stop has {len(stops)} strings, over this server's max_stop_strings "
+            f"({limits.max_stop_strings})"
+        )
+    if any(len(s) > MAX_STOP_LENGTH for s in stops):
+        longest = max(len(s) for s in stops)
+        raise RequestError(
+            f"a stop string of {longest} characters is over the limit ({MAX_STOP_LENGTH})"
+        )
+    return tuple(stops)
+
+
+def _fits_kib(value, what: str, limits: ServerOptions) -> None:
+    """Refuse a schema, grammar or tool list over max_grammar_kib (as compact JSON)."""
+    if value is None:
+        return
+    try:
+        text = value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
+    except RecursionError:
+        raise RequestError(f"{what} is nested too deeply") from None
+    except (TypeError, ValueError):
+        return  # not JSON-like: the field's own check says what is wrong
+    size = len(text.encode(errors="replace"))
+    if size > limits.max_grammar_kib << 10:
+        raise RequestError(
+            f"{what} is {size / 1024:.0f} KiB, over this server's max_grammar_kib "
+            f"({limits.max_grammar_kib})"
+        )
+
+
+def _constraint(body: dict, forced: str | None, limits: ServerOptions) -> dict:
     """The structured-output keywords of SamplingParams: OpenAI's response_format, or
     llama.cpp's json_schema and grammar (GBNF, or llguidance's Lark after %llguidance); or
     `forced`, the grammar of a tool call tool_choice demands."""
     given = [n for n in ("response_format", "json_schema", "grammar") if body.get(n) is not None]
+    for name in given:
+        _fits_kib(body[name], name, limits)
     if forced is not None:
         if given:
             raise RequestError(f"tool_choice forces a tool call; leave {given[0]} out")

@@ -1,15 +1,18 @@
 """`jaxinfer serve`: an OpenAI-compatible HTTP server (starlette on uvicorn) over the slots.
 
 The HTTP side runs on one asyncio loop; the engine runs on its own thread (`worker.Worker`),
-which loads and warms up while /health answers 503. Handlers check a request, hand it to the
-engine thread and await its pieces. A client that disconnects cancels its requests: the slot
-and pages are free before the next scheduler step. Errors are OpenAI-style JSON bodies, and
-none of them stops the server.
+which loads and warms up while /health answers 503. Handlers read a body (at most
+max_body_mib, within `timeout` seconds), check it and build its job (JSON, tokenizing, the chat
+template) on a small thread pool rather than the loop, hand the job to the engine thread and
+await its pieces. A client that disconnects, or a stream's reader that stops reading for
+`timeout` seconds, cancels its requests: the slot and pages are free before the next
+scheduler step. Errors are OpenAI-style JSON bodies, and none of them stops the server.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hmac
 import json
 import logging
@@ -121,6 +124,8 @@ class _App:
         self.api_key = o.api_key
         self.alias = o.alias
         self.slots_endpoint = o.slots_endpoint  # /slots shows every running prompt: --no-slots
+        self.options = o
+        self.pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="jaxinfer-http")
         self._template_source = o.chat_template  # overrides the model's
         self._template: tuple[ChatTemplate | None, str | None] | None = None
         self.started = int(time.time())
@@ -169,6 +174,10 @@ class _App:
             except ContextError as e:
                 return self.error(str(e), 400, "exceed_context_size_error",
                                   n_prompt_tokens=e.n_prompt_tokens, n_ctx=e.n_ctx)  # fmt: skip
+            except _Refused as e:  # a limit: the body's size or time, the queue
+                response = self.error(str(e), e.code, e.kind)
+                response.headers.update(e.headers)
+                return response
             except JaxinferError as e:  # RequestError and the like: the user's to fix
                 return self.error(str(e), 400)
 
@@ -187,9 +196,39 @@ class _App:
         log.exception("internal error on %s", request.url.path, exc_info=exc)
         return self.error(f"internal error: {type(exc).__name__}: {exc}", 500, "server_error")
 
+    async def read(self, request: HTTPRequest) -> bytes:
+        """The raw body: at most max_body_mib (413, checked while it arrives: Content-Length
+        and a running count), within `timeout` seconds (408)."""
+        limit = self.options.max_body_mib << 20
+        length = request.headers.get("content-length", "")
+        too_large = _Refused(
+            f"the request body is over this server's max_body_mib ({self.options.max_body_mib})",
+            413,
+        )
+        if length.isdigit() and int(length) > limit:
+            raise too_large
+        chunks, size = [], 0
+        try:
+            async with asyncio.timeout(self.options.timeout):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limit:
+                        raise too_large
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise _Refused(
+                f"the request body did not arrive within {self.options.timeout:g} s", 408
+            ) from None
+        return b"".join(chunks)
+
+    async def off_loop(self, fn, *args):
+        """`fn(*args)` on the handlers' thread pool: parsing, tokenizing and templates stay
+        off the event loop (bodies are capped: Python work holds the GIL)."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
     async def body(self, request: HTTPRequest):
         """The parsed JSON body (openai_api.parse_body)."""
-        return parse_body(await request.body())
+        return await self.off_loop(parse_body, await self.read(request))
 
     @property
     def engine(self) -> Engine:
@@ -244,7 +283,7 @@ class _App:
             raise RequestError("content must be a string")
         add_special, with_pieces = flag(body, "add_special"), flag(body, "with_pieces")
         tok = self.engine.tokenizer
-        ids = tok.encode(content)
+        ids = await self.off_loop(tok.encode, content)
         if tok.add_bos and not add_special:  # llama-server's default
             ids = ids[1:]
         if with_pieces:
@@ -257,7 +296,7 @@ class _App:
         body = await self.body(request)
         tokens = body.get("tokens") if isinstance(body, dict) else None
         ids = token_ids(tokens, self.engine.cfg.vocab_size, "tokens")
-        return JSONResponse({"content": self.engine.tokenizer.decode(ids)})
+        return JSONResponse({"content": await self.off_loop(self.engine.tokenizer.decode, ids)})
 
     async def reset_prefix_cache(self, request: HTTPRequest):
         """Empty the prefix cache (vLLM's endpoint); running requests keep their pages."""
@@ -278,6 +317,7 @@ class _App:
             "eos_token": tok.token_text(tok.eos_ids[0] if tok.eos_ids else None),
             "modalities": {"vision": False, "audio": False},
             "endpoint_slots": self.slots_endpoint,
+            "limits": self.options.limits(),
             "build_info": f"jaxinfer {__version__}",
             "is_sleeping": False,
         })  # fmt: skip
@@ -302,14 +342,23 @@ class _App:
         return JSONResponse(slots)
 
     async def completions(self, request: HTTPRequest):
-        e = self.engine
-        job = completion_job(await self.body(request), e.tokenizer, e.max_seq_len, self.model)
-        return await self.serve(request, job)
+        e, raw = self.engine, await self.read(request)
+
+        def job() -> Job:
+            body = parse_body(raw)
+            return completion_job(body, e.tokenizer, e.max_seq_len, self.model, self.options)
+
+        return await self.serve(request, await self.off_loop(job))
 
     async def chat(self, request: HTTPRequest):
-        body = await self.body(request)
-        job = chat_job(body, self.template(), self.engine.max_seq_len, self.model)
-        return await self.serve(request, job)
+        raw = await self.read(request)
+
+        def job() -> Job:
+            body = parse_body(raw)
+            return chat_job(body, self.template(), self.engine.max_seq_len, self.model,
+                            self.options)  # fmt: skip
+
+        return await self.serve(request, await self.off_loop(job))
 
     # ---- one job ------------------------------------------------------------------------
 
@@ -323,8 +372,8 @@ class _App:
         tokens = Tokens(self.engine.vocabulary.token_bytes)
         if job.stream:
             events = self.events(job, handles, inbox, tokens, echoed)
-            return StreamingResponse(events, media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})  # fmt: skip
+            return _Stream(events, self.options.timeout, media_type="text/event-stream",
+                           headers={"Cache-Control": "no-cache"})  # fmt: skip
         collect = asyncio.ensure_future(_results(inbox, len(handles)))
         gone = asyncio.ensure_future(_disconnect(request))
         await asyncio.wait((collect, gone), return_when=asyncio.FIRST_COMPLETED)
@@ -392,6 +441,36 @@ class _App:
             for handle, result in zip(handles, results, strict=True):
                 if result is None:
                     self.worker.cancel(handle)
+
+
+class _Refused(JaxinferError):
+    """A request refused by a limit: its HTTP status, and headers (Retry-After)."""
+
+    def __init__(self, message: str, code: int, headers: dict | None = None):
+        super().__init__(message)
+        self.code, self.headers = code, headers or {}
+        self.kind = "rate_limit_error" if code == 429 else "invalid_request_error"
+
+
+class _Stream(StreamingResponse):
+    """An SSE stream whose reader must take each chunk within `timeout` seconds: one that
+    stops reading ends the stream (closing its events, which cancels its requests) rather
+    than hold a slot while its pieces pile up."""
+
+    def __init__(self, content, timeout: float, **kw):
+        super().__init__(content, **kw)
+        self.timeout = timeout
+
+    async def stream_response(self, send) -> None:
+        async def timed(message) -> None:
+            await asyncio.wait_for(send(message), self.timeout)
+
+        try:
+            await super().stream_response(timed)
+        except TimeoutError:
+            log.info("a stream's reader took no data for %g s; its requests end", self.timeout)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]  # our generator
 
 
 async def _results(inbox: asyncio.Queue, n: int):

@@ -79,9 +79,11 @@ def check_tools(body: dict) -> ToolRequest | None:
     if not isinstance(tools, list):
         raise RequestError('tools must be a list of {"type": "function", "function": {...}}')
     names = [_check_tool(tool, f"tools[{k}]") for k, tool in enumerate(tools)]
+    seen: set[str] = set()
     for k, name in enumerate(names):
-        if name in names[:k]:
+        if name in seen:
             raise RequestError(f"tools[{k}].function.name = {name!r} is given twice")
+        seen.add(name)
     choice, forced = _check_choice(choice, names)
     return ToolRequest(tools, choice, forced, True if parallel is None else parallel)
 

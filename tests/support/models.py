@@ -52,12 +52,12 @@ def stories_chat(tmp_path_factory, template: str) -> Path:
 
 
 @contextlib.contextmanager
-def live_server(load):
-    """A started Server on a free port over `load()`, ready; stopped on leaving (a module
-    fixture yields it from inside)."""
+def live_server(load, **options):
+    """A started Server on a free port over `load()` with ServerOptions `options`, ready;
+    stopped on leaving (a module fixture yields it from inside)."""
     from jaxinfer.serve.server import Server
 
-    srv = Server(load, port=0).start()
+    srv = Server(load, port=0, **options).start()
     try:
         assert srv.worker.wait_ready(600), srv.worker.error
         yield srv

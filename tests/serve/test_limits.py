@@ -1,0 +1,140 @@
+"""One request cannot hurt another: the server's limits (ServerOptions, `serve` flags, /props)
+refuse what would cost other clients more than a bounded delay, each with a one-line error
+naming the limit; bodies are capped while they arrive and must arrive within `timeout`; a
+template's own runtime error and a schema nested too deeply are 400s, not 500s."""
+
+import http.client
+import json
+import socket
+import time
+
+import pytest
+from support.models import live_server, stories_chat
+
+import jaxinfer
+from jaxinfer.serve.tools import check_tools
+
+PLAN = dict(slots=2, prefill_buckets=(32, 128), batch_buckets=(1,))
+# a template that adds a message's name to text: name 5 is a TypeError inside jinja
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m.name %}{{ m.name + ': ' }}{% endif %}"
+    "{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]{% else %} "
+    "{{ m['content'] }}{% endif %}{% endfor %}"
+)
+LIMITS = dict(max_body_mib=1, max_choices=8, max_stop_strings=4, max_grammar_kib=32,
+              n_predict=5, timeout=2.0)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    model = stories_chat(tmp_path_factory, TEMPLATE)
+    with live_server(lambda: jaxinfer.load(model, **PLAN), **LIMITS) as srv:
+        yield srv
+
+
+def post(server, path: str, body, headers=None) -> tuple[int, dict, dict]:
+    """(status, headers, JSON answer) of one POST."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    try:
+        conn.request("POST", path, body=data, headers=headers or {})
+        response = conn.getresponse()
+        return response.status, dict(response.getheaders()), json.loads(response.read())
+    finally:
+        conn.close()
+
+
+def refused(server, body, path="/v1/completions") -> tuple[int, str]:
+    status, _, answer = post(server, path, body)
+    message = answer["error"]["message"]
+    assert "\n" not in message and answer["error"]["code"] == status
+    return status, message
+
+
+def test_a_body_over_max_body_mib_is_a_413_by_length_or_while_it_arrives(server):
+    big = json.dumps({"prompt": "a " * (600 << 10)}).encode()  # 1.2 MiB
+    status, message = refused(server, big)
+    assert status == 413 and "max_body_mib (1)" in message
+    # chunked: no Content-Length, the running count refuses it
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+    sock.sendall(head)
+    try:
+        for k in range(0, len(big), 64 << 10):
+            piece = big[k : k + (64 << 10)]
+            sock.sendall(b"%x\r\n" % len(piece) + piece + b"\r\n")
+    except OSError:
+        pass  # the server answered and closed while the body was still coming
+    answer = sock.recv(4096)
+    sock.close()
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+
+
+def test_a_body_that_trickles_in_is_a_408_within_the_timeout(server):
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+    t0 = time.monotonic()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+    answer = sock.recv(4096)  # the server gives up after `timeout` (2 s)
+    sock.close()
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    assert time.monotonic() - t0 < 2.0 + 5
+
+
+def test_choices_stops_and_grammars_over_their_limits_are_400s(server):
+    cases = [
+        ({"prompt": ["x"] * 9}, "9 choices, over this server's max_choices (8)"),
+        ({"prompt": ["x"] * 3, "n": 3}, "max_choices (8)"),
+        (
+            {"prompt": "x", "stop": list("abcde")},
+            "stop has 5 strings, over this server's max_stop_strings (4)",
+        ),
+        ({"prompt": "x", "stop": ["y" * 257]}, "stop string of 257 characters"),
+        ({"prompt": "x", "grammar": 'root ::= "' + "a" * 40_000 + '"'}, "max_grammar_kib (32)"),
+        ({"prompt": "x", "json_schema": {"enum": ["a" * 40_000]}}, "json_schema is 39 KiB"),
+    ]
+    for body, words in cases:
+        status, message = refused(server, body)
+        assert status == 400 and words in message, (str(body)[:80], message)
+    tools = [{"type": "function", "function": {"name": f"f{k}", "description": "d" * 1000}}
+             for k in range(50)]  # fmt: skip
+    chat = {"messages": [{"role": "user", "content": "hi"}], "tools": tools}
+    status, message = refused(server, chat, "/v1/chat/completions")
+    assert status == 400 and "tools is" in message and "max_grammar_kib (32)" in message
+
+
+def test_n_predict_caps_max_tokens_and_props_lists_the_limits(server):
+    body = {"prompt": "Once upon a time", "max_tokens": 100, "temperature": 0, "ignore_eos": True}
+    status, _, answer = post(server, "/v1/completions", body)
+    assert status == 200 and answer["usage"]["completion_tokens"] == 5
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    conn.request("GET", "/props")
+    limits = json.loads(conn.getresponse().read())["limits"]
+    conn.close()
+    assert limits == {**LIMITS, "max_queue": 256, "max_stop_length": 256}
+
+
+def test_template_runtime_errors_and_deep_schemas_are_400s(server):
+    chat = {"messages": [{"role": "user", "content": "hi", "name": 5}]}
+    status, message = refused(server, chat, "/v1/chat/completions")
+    assert status == 400 and "chat template failed" in message
+    deep = '{"type": "array", "items": ' * 970 + "{}" + "}" * 970
+    status, message = refused(server, b'{"prompt": "x", "json_schema": ' + deep.encode() + b"}")
+    assert status == 400 and ("nested too deeply" in message or "recursion limit" in message)
+    ok = {"prompt": "Once upon a time", "max_tokens": 3, "temperature": 0}
+    assert post(server, "/v1/completions", ok)[0] == 200  # and the server goes on
+
+
+def test_duplicate_tool_names_are_found_in_linear_time():
+    tools = [{"type": "function", "function": {"name": f"f{k}"}} for k in range(60_000)]
+    t0 = time.perf_counter()
+    check_tools({"tools": tools})  # quadratic: minutes
+    assert time.perf_counter() - t0 < 10
+    with pytest.raises(jaxinfer.RequestError, match=r"tools\[2\]\.function\.name = 'f0' is given"):
+        check_tools({"tools": tools[:2] + tools[:1]})
+
+
+def test_a_non_ascii_api_key_is_refused_at_start():
+    with pytest.raises(jaxinfer.JaxinferError, match="--api-key must be ASCII"):
+        jaxinfer.ServerOptions(api_key="clé")
+    with pytest.raises(jaxinfer.JaxinferError, match="--max-queue 0 is invalid"):
+        jaxinfer.ServerOptions(max_queue=0)
