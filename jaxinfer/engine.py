@@ -330,33 +330,34 @@ class Engine:
         context of max_seq_len tokens may be scored). With `prefix_cache`, the forward starts
         after the longest prefix the cache holds (under `cache_salt`), whose rows are NaN."""
         ids = self._ids(list(token_ids), self.max_seq_len)
-        self.kv.check(len(ids), f"scoring {len(ids)} tokens", "load with a larger kv_cache_tokens")
-        while True:
-            with self._watched():
-                out = self._scheduler.score(ids, prefix_cache, cache_salt)
-            if out is not None:
-                return out
-            self.step()  # the running requests hold the pages: let them move on
+        return self._score(ids, cached=prefix_cache, salt=cache_salt)
 
     def prompt_logprobs(self, token_ids: Sequence[int], k: int = 0) -> list:
         """Log-probabilities of each prompt token after the ones before it (None for the
         first), with the k best at its position (TokenLogprob, as generated tokens carry):
-        the log-softmax of the scoring pass's raw logits, in float64 on the host."""
+        the float32 log-softmax of the scoring pass's raw logits, taken per chunk on the
+        device, which returns each token's and the MAX_LOGPROBS best (the host holds O(T),
+        never the [T, V] logits; any k compiles nothing)."""
         if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS:
             raise RequestError(f"k = {k!r} is invalid; it must be an integer in 0..{MAX_LOGPROBS}")
-        ids = list(token_ids)
-        logits = self.logits(ids)[:-1].astype(np.float64)  # [T - 1, V]: each predicts the next
-        lp = logits - logits.max(axis=-1, keepdims=True)
-        lp -= np.log(np.exp(lp).sum(axis=-1, keepdims=True))
-        k = min(k, lp.shape[-1])
-        best = np.argpartition(-lp, k - 1, axis=-1)[:, :k] if k else np.zeros((len(lp), 0), int)
-        order = np.argsort(-np.take_along_axis(lp, best, axis=-1), axis=-1, kind="stable")
-        best = np.take_along_axis(best, order, axis=-1)  # [T - 1, k], best first
+        ids = self._ids(list(token_ids), self.max_seq_len)
+        lp = self._score(ids, logprobs=True)  # Logprobs [T - 1] of ids[1:]
+        tops = zip(lp.ids[:, :k].tolist(), lp.values[:, :k].tolist(), strict=True)
         out: list = [None]
-        for t, row in enumerate(lp):
-            top = tuple((int(i), float(row[i])) for i in best[t])
-            out.append(TokenLogprob(ids[t + 1], float(row[ids[t + 1]]), top))
+        for i, value, (best, values) in zip(ids[1:], lp.token.tolist(), tops, strict=True):
+            out.append(TokenLogprob(i, value, tuple(zip(best, values, strict=True))))
         return out
+
+    def _score(self, ids: list[int], **how):
+        """Scheduler.score of checked `ids` (`how`: its options), stepping the running
+        requests while they hold the pages it needs."""
+        self.kv.check(len(ids), f"scoring {len(ids)} tokens", "load with a larger kv_cache_tokens")
+        while True:
+            with self._watched():
+                out = self._scheduler.score(ids, **how)
+            if out is not None:
+                return out
+            self.step()  # the running requests hold the pages: let them move on
 
     def perf_stats(self) -> PerfStats:
         cc = self.compile_cache

@@ -165,8 +165,14 @@ class Logprobs:
 def logprobs(logits, tokens, rows: SamplingRows) -> Logprobs:
     """logits [B, ..., V] float32, tokens [B, ...] (negative: none) -> their Logprobs [B, ...];
     zeros unless some row wants them (so a batch without such rows pays nothing)."""
+    return token_logprobs(logits, tokens, jnp.any(rows.ints[:, _C["logprobs"]] >= 0))
+
+
+def token_logprobs(logits, tokens, want) -> Logprobs:
+    """logits [..., V] float32, tokens [...] (negative: none) -> their Logprobs [...] where
+    `want` (a traced bool), else zeros. Always the MAX_LOGPROBS best: one static width, so
+    that the k a caller shows (a host slice) compiles nothing."""
     V = logits.shape[-1]
-    want = rows.ints[:, _C["logprobs"]] >= 0
 
     def compute(_):
         lp = jax.nn.log_softmax(logits, axis=-1)
@@ -175,7 +181,7 @@ def logprobs(logits, tokens, rows: SamplingRows) -> Logprobs:
         return Logprobs(jnp.take_along_axis(lp, at, axis=-1)[..., 0], ids.astype(jnp.int32), values)
 
     empty = Logprobs.empty(tokens.shape, V)
-    return jax.lax.cond(jnp.any(want), compute, lambda _: empty, None)
+    return jax.lax.cond(want, compute, lambda _: empty, None)
 
 
 def _col(rows: jax.Array, name: str) -> jax.Array:

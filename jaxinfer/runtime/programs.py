@@ -61,7 +61,7 @@ def programs(
         "verify": Program(partial(verify, setup), loop_inputs, ("kv",) + ("rep",) * 4),
         "score": Program(
             partial(steps.score, setup),
-            lambda B, T, NB: (Chunk.abstract(B, T, NB, snaps),),
-            ("kv", "rep"),
+            lambda B, T, NB: (Chunk.abstract(B, T, NB, snaps), abstract(B, T)),
+            ("kv", "rep", "rep"),
         ),
     }

@@ -321,10 +321,15 @@ class Scheduler:
 
     # ---- scoring ------------------------------------------------------------------------
 
-    def score(self, ids: list[int], cached: bool = False, salt: str | None = None):
-        """Float32 logits [T, V] at every position of `ids`, or None while the pool lacks the
-        pages (the caller steps the running requests until they free some). `cached`: start
-        after the longest prefix the cache holds (under `salt`), whose rows are NaN."""
+    def score(
+        self, ids: list[int], cached: bool = False, salt: str | None = None, logprobs: bool = False
+    ):
+        """Float32 logits [T, V] at every position of `ids` or, with `logprobs`, the host
+        Logprobs [T - 1] of ids[1:], each given the ids before it (its log-probability and
+        the MAX_LOGPROBS best at its position, from the device: the host holds O(T), never
+        [T, V]); None while the pool lacks the pages (the caller steps the running requests
+        until they free some). `cached`: start after the longest prefix the cache holds
+        (under `salt`), whose rows are NaN (ids -1)."""
         lease = self.kv.admit(ids, len(ids), cache=cached, salt=salt)
         if lease is None:
             return None
@@ -337,18 +342,34 @@ class Scheduler:
                 seg = ids[offset : offset + T]
                 tokens = np.zeros((1, T), np.int32)
                 tokens[0, : len(seg)] = seg
+                following = np.full((1, T), -1, np.int32)  # none: the program skips logprobs
+                if logprobs:
+                    after = ids[offset + 1 : offset + T + 1]
+                    following[0, : len(after)] = after
                 self.kv.grow(lease, offset + len(seg))
                 at, length = np.array([offset], np.int32), np.array([len(seg)], np.int32)
                 view = self.kv.view([lease], 1, at, length, state_index)
                 chunk = Chunk(tokens, view)  # type: ignore[arg-type]  # host rows, put later
-                (logits,) = self.executor.run("score", chunk)
-                out.append(np.asarray(logits)[0, : len(seg)])
+                logits, lp = self.executor.run("score", chunk, following)
+                real = np.s_[0, : len(seg)]
+                if logprobs:  # [T] and [T, K] come back; the logits stay on the device
+                    out.append(jax.tree.map(lambda a, real=real: a[real], jax.device_get(lp)))
+                else:
+                    out.append(np.asarray(logits)[real])
                 offset += len(seg)
                 self.kv.started(lease)
         finally:
             self.kv.release(lease)
-        skipped = np.full((lease.cached_tokens, out[0].shape[1]), np.nan, np.float32)
-        return np.concatenate([skipped, *out], axis=0)
+
+        def joined(*chunks):  # the rows the prefix cache held were not computed
+            first = chunks[0]
+            fill = np.nan if first.dtype.kind == "f" else -1
+            skipped = np.full((lease.cached_tokens, *first.shape[1:]), fill, first.dtype)
+            return np.concatenate([skipped, *chunks], axis=0)
+
+        if not logprobs:
+            return joined(*out)
+        return jax.tree.map(lambda *a: joined(*a)[:-1], *out)  # the last predicts no id
 
 
 def _row(lp, b: int, take):

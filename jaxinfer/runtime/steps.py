@@ -3,7 +3,7 @@
   cache()                                            -> kv                 zeroed page pools
   prefill(params, kv, chunk, window, sampling)       -> kv, tokens [B], lp  one prompt chunk per row
   decode(params, kv, state, table, sampling, steps[, snaps]) -> kv, state, out [B, decode_chunk], lp
-  score(params, kv, chunk)                           -> kv, logits [B, T, V]
+  score(params, kv, chunk, following)                -> kv, logits [B, T, V], lp [B, T]
 
 The page pools and linear-layer states `kv` are donated. With prefix snapshots (hybrid models
 under prefix caching), the state indices past the requests' ones are snapshots: the linear
@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from ..model import gdn
 from ..model.gdn import RecurrentState
 from ..model.kvcache import KVConfig, KVView
-from ..ops.sampling import Logprobs, SamplingRows, logprobs, sample
+from ..ops.sampling import Logprobs, SamplingRows, logprobs, sample, token_logprobs
 from ..parallel.placement import Runner
 from .inputs import I32, Chunk, DecodeState, ring_put
 
@@ -233,7 +233,13 @@ def decode(
     return put_states(setup, pools, kv, state.state_index) + draft_kv, state, out, lp
 
 
-def score(setup: Setup, params, kv, chunk: Chunk):
+def score(setup: Setup, params, kv, chunk: Chunk, following):
+    """following [B, T]: the token after each position (negative: none) -> kv, logits
+    [B, T, V] and the Logprobs [B, T] of `following` under them (the log-softmax and its
+    MAX_LOGPROBS best, per chunk on the device: echo's prompt logprobs never bring [T, V]
+    to the host); zeros when no position has one (Engine.logits pays nothing for them)."""
     params, kv, _, draft_kv = setup.split(params, kv)
     h, kv = setup.runner.forward(params, chunk.tokens, chunk.view, kv)
-    return kv + draft_kv, setup.runner.head(params, h)  # [B, T, V]
+    logits = setup.runner.head(params, h)  # [B, T, V]
+    lp = token_logprobs(logits, following, jnp.any(following >= 0))
+    return kv + draft_kv, logits, lp
