@@ -36,7 +36,7 @@ from .runtime.request import Request, RequestState, StreamPiece, TokenLogprob
 from .runtime.scheduler import Scheduler
 from .runtime.speculative import SpecConfig
 from .runtime.store import ExecutableStore
-from .runtime.structured import Constraint, Vocabulary
+from .runtime.structured import Constraint, Vocabulary, grammar_key
 
 
 @dataclass(frozen=True)
@@ -213,7 +213,9 @@ class Engine:
             )
         return ids
 
-    def _state(self, prompt, params: SamplingParams, stream: bool) -> RequestState:
+    def _state(
+        self, prompt, params: SamplingParams, stream: bool, constraint: Constraint | None = None
+    ) -> RequestState:
         """A checked request: any bad value raises here, before anything runs."""
         ids = self._ids(prompt, self.max_seq_len - 1)
         stop_ids = token_ids("stop_tokens", list(params.stop_tokens), self.cfg.vocab_size)
@@ -230,11 +232,26 @@ class Engine:
             decoder=self.tokenizer.stream(context=ids[-4:]),
             sampling=SamplingRows.row(params, seed, stop_ids),
             interactive=stream or bool(params.stop),
-            constraint=Constraint.of(self.vocabulary, params),
+            constraint=self._constraint(params, constraint),
             logprobs=None if params.logprobs is None else [],
         )
         self._scheduler.check(state)
+        if state.constraint is not None:
+            state.constraint.taken = True
         return state
+
+    def _constraint(self, params: SamplingParams, given: Constraint | None) -> Constraint | None:
+        """The request's matcher: `given` (checked) or a new one."""
+        if given is None:
+            return Constraint.of(self.vocabulary, params)
+        if given.vocabulary is not self.vocabulary or given.key != grammar_key(params):
+            raise RequestError(
+                "the constraint was compiled for another grammar or engine; pass "
+                "constraint=engine.constraint(sampling) of this request's sampling"
+            )
+        if given.taken:
+            raise RequestError("the constraint already serves a request; pass its .copy()")
+        return given
 
     def _seed(self, params: SamplingParams, ids: list[int]) -> int:
         """The request's seed. Without one, a fresh random seed; on several processes every
@@ -287,13 +304,30 @@ class Engine:
         return results if many else results[0]
 
     def submit(
-        self, prompt, *, sampling: SamplingParams | None = None, stream: bool = False, **overrides
+        self,
+        prompt,
+        *,
+        sampling: SamplingParams | None = None,
+        stream: bool = False,
+        constraint: Constraint | None = None,
+        **overrides,
     ) -> Request:
         """Queue one request (sampling as in `generate`); it is checked at once, and a bad one
         raises without disturbing the others. `Request.result()`, `.stream()` and `.cancel()`
-        drive or stop it."""
+        drive or stop it.
+
+        A constrained request (json_schema, grammar or regex) compiles its grammar here,
+        unless `constraint` brings it compiled: one that `constraint(sampling)` made for the
+        same grammar, one per request (give each the `.copy()` of one compiled once)."""
         params = SamplingParams.make(sampling, **overrides)
-        return self._queue(self._state(prompt, params, stream))
+        return self._queue(self._state(prompt, params, stream, constraint))
+
+    def constraint(self, sampling: SamplingParams) -> Constraint | None:
+        """The compiled grammar of `sampling` (None without json_schema, grammar or regex)
+        for `submit(constraint=...)`; a bad one is a RequestError. It reads only the
+        vocabulary (built once, under a lock), so another thread may compile it while this
+        one drives the engine."""
+        return Constraint.of(self.vocabulary, sampling)
 
     def _queue(self, state: RequestState) -> Request:
         self._scheduler.submit(state)

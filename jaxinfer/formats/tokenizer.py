@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -259,6 +260,12 @@ class Tokenizer:
         """Text of `ids` (any int sequence, e.g. a numpy row); special tokens are skipped."""
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=True)
 
+    @cached_property
+    def special_ids(self) -> frozenset[int]:
+        """The special tokens' ids, which `decode` skips."""
+        added = self.backend.get_added_tokens_decoder()
+        return frozenset(i for i, token in added.items() if token.special)
+
     def stream(self, context: Sequence[int] = ()) -> StreamDecoder:
         """A fresh incremental decoder for one generated sequence.
 
@@ -278,45 +285,83 @@ class StreamDecoder:
     that is not valid UTF-8 decodes to one U+FFFD per byte as a whole, so characters already
     streamed from its valid beginning differ from `decode`. Byte-level vocabularies have no
     such case.
+
+    Each id costs bounded work: only a short window of recent ids is decoded (TGI/vLLM style),
+    and a tail held back for more than `HOLD` ids (a run of bytes that never completes a
+    character, which a grammar can force) is given up as far as its characters are final,
+    so invalid bytes stream as U+FFFD, as `decode` spells them, instead of being held (and
+    decoded again) to the end.
     """
 
+    HOLD = 8  # ids a tail may be held back before a push gives up what is final of it
+
     def __init__(self, tokenizer: Tokenizer, context: Sequence[int] = ()) -> None:
-        self._tokenizer = tokenizer
+        self._decode_ids = tokenizer.decode
+        self._special = tokenizer.special_ids
         self._reset()
         self._ids: list[int] = [int(i) for i in context]
         self._read = len(self._ids)
         self._emitted = len(tokenizer.decode(self._ids))
+        self._prefix = self._emitted
 
     def _reset(self) -> None:
-        # Only a short window of recent ids is decoded each time (TGI/vLLM style), starting
-        # at a token boundary where all earlier text was complete: ids[_start:_read] are the
-        # tokens of the last returned chunk, whose text is cut off the window's text. Starting
-        # the window one chunk back keeps context-dependent decoding (the leading-space strip,
-        # byte runs) the same as in a full decode.
+        # The window ids[_start:] starts one chunk back: ids[_start:_read] are the tokens of
+        # the last returned chunk, whose text (_prefix characters of the window's) is cut off
+        # the window's text. Starting one chunk back keeps context-dependent decoding (the
+        # leading-space strip, byte runs) the same as in a full decode.
         self._ids = []
         self._start = 0
         self._read = 0
+        self._prefix = 0  # len(decode(ids[_start:_read]))
         self._emitted = 0  # characters returned so far
+
+    def _decode(self, end: int) -> str:
+        return self._decode_ids(self._ids[self._start : end])
 
     def push(self, ids) -> str:
         """Adds newly generated ids; returns the text they complete (possibly "")."""
-        self._ids.extend(int(i) for i in ids)
-        decode = self._tokenizer.decode
-        prefix = decode(self._ids[self._start : self._read])
-        text = decode(self._ids[self._start :])
-        if len(text) <= len(prefix) or text.endswith("\ufffd"):
+        held = len(self._ids) - self._read  # ids held back before these
+        # decode skips special ids: leaving them out changes no text, and a run of them no
+        # longer widens the window
+        self._ids.extend(i for i in map(int, ids) if i not in self._special)
+        end = len(self._ids)
+        text = self._decode(end)
+        if len(text) > self._prefix and not text.endswith("\ufffd"):
+            # With valid UTF-8, `text` extends the last chunk's. Otherwise (see the class
+            # docstring) the returned text cannot be taken back; go on after as many characters.
+            return self._advance(end, text[self._prefix :])
+        if held < self.HOLD:
             return ""  # nothing new, or the last character is still incomplete
-        # With valid UTF-8, `text` extends `prefix`. Otherwise (see the class docstring) the
-        # already-returned text cannot be taken back; go on after the same number of characters.
-        chunk = text[len(prefix) :]
-        self._start, self._read = self._read, len(self._ids)
+        return self._give_up(text)
+
+    def _give_up(self, text: str) -> str:
+        """The held tail is long: return what a push per id would have returned by now, or
+        else every character of `text` (the window's) but its last, the only one later bytes
+        can change (an incomplete character is at most 3 bytes, so 3 ids back suffice)."""
+        end = len(self._ids)
+        cuts = [(j, self._decode(j)) for j in range(end - 1, max(self._read, end - 4), -1)]
+        for j, done in cuts:
+            if len(done) > self._prefix and not done.endswith("\ufffd"):
+                return self._advance(j, done[self._prefix :])
+        for j, done in cuts:
+            # ids[:j] decode to the window's text up to a last character that later bytes
+            # complete or break: that character as `text` has it is final too
+            if self._prefix < len(done) < len(text) and done[:-1] == text[: len(done) - 1]:
+                return self._advance(j, text[self._prefix : len(done)])
+        # neither (ids that add no text): give the tail up as decoded so far
+        return self._advance(end - 1, self._decode(end - 1)[self._prefix :])
+
+    def _advance(self, read: int, chunk: str) -> str:
+        """`chunk`, the text of ids[_read:read]; the next window starts at _read."""
+        self._start, self._read = self._read, read
+        self._prefix = len(self._decode(read))
         self._emitted += len(chunk)
         return chunk
 
     def flush(self) -> str:
         """Returns the held-back rest (an unfinished character decodes as U+FFFD) and starts
         a new sequence."""
-        rest = self._tokenizer.decode(self._ids)[self._emitted :]
+        rest = self._decode_ids(self._ids)[self._emitted :]
         self._reset()
         return rest
 

@@ -12,7 +12,7 @@ a newline and at most 20 spaces or tabs), so a weak model cannot spend its budge
 from __future__ import annotations
 
 import json
-from functools import cached_property
+import threading
 from typing import TYPE_CHECKING
 
 import llguidance
@@ -37,15 +37,31 @@ class Vocabulary:
 
     def __init__(self, tokenizer: Tokenizer, vocab: int):
         self.tokenizer, self.vocab = tokenizer, vocab  # vocab: the logits' width
+        self._ll: llguidance.LLTokenizer | None = None
+        self._lock = threading.Lock()  # a server compiles grammars on its handlers' threads
 
-    @cached_property
+    @property
     def ll(self) -> llguidance.LLTokenizer:
-        tok = self.tokenizer
-        eos = list(tok.eos_ids) or None
-        return llguidance.LLTokenizer(tok.backend.to_str(), n_vocab=self.vocab, eos_token=eos)
+        if self._ll is None:
+            with self._lock:
+                if self._ll is None:
+                    tok = self.tokenizer
+                    eos = list(tok.eos_ids) or None
+                    self._ll = llguidance.LLTokenizer(
+                        tok.backend.to_str(), n_vocab=self.vocab, eos_token=eos
+                    )
+        return self._ll
 
     def token_bytes(self, token: int) -> bytes:
         return self.ll.decode_bytes([token])
+
+
+def grammar_key(params: SamplingParams) -> tuple | None:
+    """What a request's constraint is compiled from (None: free): requests with equal keys can
+    share one compiled grammar (`Constraint.copy`)."""
+    if not params.constrained:
+        return None
+    return (params.json_schema, params.regex, params.grammar)
 
 
 def grammar_text(params: SamplingParams) -> str | None:
@@ -69,24 +85,39 @@ def grammar_text(params: SamplingParams) -> str | None:
 
 
 class Constraint:
-    """One request's matcher: `mask()` for its next token, `consume(token)` after it."""
+    """One request's matcher: `mask()` for its next token, `consume(token)` after it.
 
-    def __init__(self, vocabulary: Vocabulary, grammar: str, what: str):
-        self.matcher = llguidance.LLMatcher(vocabulary.ll, grammar, log_level=0)
-        if self.matcher.is_error():
-            raise RequestError(f"the {what} is invalid: {_line(self.matcher.get_error())}")
+    Compiling a grammar (`of`) takes up to seconds for a large schema and a large vocabulary;
+    `copy()` gives another request the same grammar in microseconds (llguidance shares the
+    compiled grammar between copies), so n choices of one job compile it once."""
+
+    def __init__(self, vocabulary: Vocabulary, matcher: llguidance.LLMatcher, key: tuple):
+        self.vocabulary, self.matcher, self.key = vocabulary, matcher, key
+        self.taken = False  # a request follows this matcher (Engine.submit sets it)
         self._mask = np.empty(mask_words(vocabulary.vocab), np.int32)
 
     @staticmethod
     def of(vocabulary: Vocabulary, params: SamplingParams) -> Constraint | None:
-        """The request's constraint (None: free); a bad schema or grammar is a RequestError."""
+        """The request's constraint (None: free); a bad schema or grammar is a RequestError.
+        Any thread may compile one (the engine's need not wait for it)."""
+        key = grammar_key(params)
         grammar = grammar_text(params)
-        if grammar is None:
+        if key is None or grammar is None:
             return None
-        what = "json_schema" if params.json_schema is not None else (
-            "regex" if params.regex is not None else "grammar"
-        )  # fmt: skip
-        return Constraint(vocabulary, grammar, what)
+        matcher = llguidance.LLMatcher(vocabulary.ll, grammar, log_level=0)
+        if matcher.is_error():
+            what = "json_schema" if params.json_schema is not None else (
+                "regex" if params.regex is not None else "grammar"
+            )  # fmt: skip
+            raise RequestError(f"the {what} is invalid: {_line(matcher.get_error())}")
+        return Constraint(vocabulary, matcher, key)
+
+    def copy(self) -> Constraint:
+        """A new constraint of the same grammar, at its start, for another request (a
+        matcher that a token broke has broken copies)."""
+        matcher = self.matcher.deep_copy()
+        matcher.reset()  # at the start even if this one has consumed tokens
+        return Constraint(self.vocabulary, matcher, self.key)
 
     def mask(self) -> np.ndarray:
         """[mask_words(V)] int32, the tokens the grammar allows next (EOS once complete)."""

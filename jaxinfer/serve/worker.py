@@ -2,12 +2,13 @@
 scheduler loop; other threads (the HTTP handlers) hand it work and get results back, through
 one queue (llama-server's task queue is the shape).
 
-Handlers never touch the engine. `call(fn)` runs `fn(engine)` on the engine thread between two
-steps; `open(task)` runs a `Task` there: it submits the task's requests (all or none) and then
-feeds the task each StreamPiece they produce and finally each Result (or the exception that
-ended them), which the handler awaits on its own event loop; `cancel(request)` frees its slot
-and pages before the next step. While requests run the thread steps without pause; idle, it
-sleeps on its inbox.
+Handlers never touch the engine but to compile grammars (which reads its tokenizer only).
+`call(fn)` runs `fn(engine)` on the engine thread between two steps; `open(task)` runs a `Task`
+there: it submits the task's requests (all or none) and then feeds the task each StreamPiece
+they produce and finally each Result (or the exception that ended them), which the handler
+awaits on its own event loop (`await submit(task)` compiles the task's grammars on a thread
+pool first, and opens it); `cancel(request)` frees its slot and pages before the next step.
+While requests run the thread steps without pause; idle, it sleeps on its inbox.
 """
 
 from __future__ import annotations
@@ -17,17 +18,23 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Executor, Future
 from functools import partial
 
 from ..engine import Engine
+from ..errors import RequestError
 from ..options import SamplingParams
 from ..runtime.request import Request, Result
+from ..runtime.structured import Constraint, grammar_key
 
 log = logging.getLogger(__name__)
 
 Sink = Callable[[int, object], None]  # (index, StreamPiece...), then Result or an exception
 _STOP = object()
+
+
+class QueueFull(RequestError):
+    """A task refused because too many choices already wait for a slot (HTTP 429)."""
 
 
 class Task:
@@ -45,23 +52,53 @@ class Task:
         echo: Sequence[Sequence[int]] = (),
         logprobs: int | None = None,
         on_result: Callable[[Result], None] | None = None,
+        max_queue: int | None = None,
     ):
         self.submissions, self.stream = submissions, stream
+        self.max_queue = max_queue  # most choices waiting for a slot, with this task's
         self.echo, self.logprobs, self.on_result = echo, logprobs, on_result
         self.loop = asyncio.get_running_loop()
         self.inbox: asyncio.Queue = asyncio.Queue()
         self.echoed: list[tuple[str, list | None]] = []  # per echoed prompt: text, logprobs
+        self.constraints: dict[tuple | None, Constraint | None] | None = None  # grammar_key
+
+    def prepare(self, engine: Engine) -> None:
+        """Compile the job's grammars, each once (its n choices, seeds apart, share one),
+        so that `submit` only copies them: a large schema takes seconds, which the engine
+        thread, serving every client, must not spend. Call it on another thread (a handler's
+        thread pool) before `Worker.open`; a bad schema or grammar is a RequestError here."""
+        if self.constraints is not None:
+            return
+        constraints: dict[tuple | None, Constraint | None] = {}
+        for _, sampling in self.submissions:
+            key = grammar_key(sampling)
+            if key is not None and key not in constraints:
+                constraints[key] = engine.constraint(sampling)
+        self.constraints = constraints
 
     def submit(self, engine: Engine) -> list[Request]:
         """On the engine thread: every request, or none (a refusal cancels those made)."""
         made: list[Request] = []
+        if self.max_queue is not None:
+            waiting = engine.activity()["queued"]
+            if waiting + len(self.submissions) > self.max_queue:
+                raise QueueFull(
+                    f"{waiting} choices wait for a slot and this request adds "
+                    f"{len(self.submissions)}, over this server's max_queue ({self.max_queue}); "
+                    "retry later"
+                )
         try:
+            self.prepare(engine)  # unless done already: then here, still once per grammar
+            constraints = self.constraints or {}
             for ids in self.echo:
                 k = self.logprobs
                 lps = None if k is None else engine.prompt_logprobs(ids, k)
                 self.echoed.append((engine.detokenize(ids), lps))
             for ids, sampling in self.submissions:
-                made.append(engine.submit(list(ids), sampling=sampling, stream=self.stream))
+                compiled = constraints.get(grammar_key(sampling))
+                constraint = None if compiled is None else compiled.copy()
+                made.append(engine.submit(list(ids), sampling=sampling, stream=self.stream,
+                                          constraint=constraint))  # fmt: skip
         except BaseException:
             for r in made:
                 r.cancel()
@@ -126,10 +163,31 @@ class Worker:
 
     def open(self, task: Task) -> Future:
         """Submit the task's requests on the engine thread (the Future holds them, or the
-        RequestError that refused them) and feed the task everything each produces."""
+        RequestError that refused them) and feed the task everything each produces. A
+        Future cancelled before the engine thread comes to it submits nothing."""
         future: Future = Future()
         self._inbox.put((task.submit, future, task.sink))
         return future
+
+    async def submit(self, task: Task, pool: Executor | None = None) -> list[Request]:
+        """A handler's way in (on its event loop): compile the task's grammars on `pool` (the
+        loop's default without one; `Task.prepare`), then `open` it; its requests, or the
+        RequestError that refused them. Cancelled (a client gone), it leaves nothing running:
+        a task the engine thread had not begun is skipped; the requests of one it had begun
+        are cancelled."""
+        if self.engine is not None:
+            await asyncio.get_running_loop().run_in_executor(pool, task.prepare, self.engine)
+        future = self.open(task)
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            future.add_done_callback(self._cancel_made)  # runs at once if it was skipped
+            raise
+
+    def _cancel_made(self, future: Future) -> None:
+        if not future.cancelled() and future.exception() is None:
+            for request in future.result():
+                self.cancel(request)
 
     def cancel(self, request: Request) -> None:
         self.call(lambda engine: self._cancel(request))
@@ -173,6 +231,8 @@ class Worker:
             if item is _STOP:
                 return False
             fn, future, sink = item
+            if not future.set_running_or_notify_cancel():
+                continue  # its caller gave up waiting (asyncio cancels the Future): skip it
             try:
                 value = fn(self.engine)
             except Exception as e:  # a refused request, a failed call: theirs alone
@@ -213,5 +273,5 @@ class Worker:
                 item = self._inbox.get(block=False)
             except queue.Empty:
                 return
-            if item is not _STOP:
+            if item is not _STOP and item[1].set_running_or_notify_cancel():
                 item[1].set_exception(error)

@@ -3,6 +3,7 @@
 import json
 import random
 import shutil
+import time
 from pathlib import Path
 
 import gguf
@@ -11,7 +12,7 @@ from tokenizers import pre_tokenizers
 
 from jaxinfer.errors import CheckpointError, UnsupportedModelError
 from jaxinfer.formats import gguf_file
-from jaxinfer.formats.tokenizer import Tokenizer
+from jaxinfer.formats.tokenizer import StreamDecoder, Tokenizer
 
 MODELS = Path(__file__).resolve().parents[2].parent / "shared" / "models"
 GGUF_PATH = MODELS / "stories260K-gguf" / "stories260K.gguf"
@@ -262,6 +263,68 @@ def test_stream_byte_level_matches_decode_on_any_ids():
     for _ in range(300):
         ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randint(1, 20))]
         assert "".join(stream_one_by_one(tok, ids)) == tok.decode(ids), ids
+
+
+def test_stream_long_invalid_runs_match_a_lossy_decode_of_their_bytes():
+    """Runs of bytes that never complete a character (longer than the decoder holds a tail)
+    mixed with valid characters, pushed 1-4 ids at a time: the stream equals `decode`, which
+    for byte-level vocabularies is Python's errors="replace" decode of the bytes."""
+    tok = Tokenizer.byte_level()
+    rng = random.Random(5)
+    pieces = [
+        b"\x80",
+        b"\xe6",
+        b"\xe6\x97",
+        b"\xf0\x9f",
+        b"\xc3",
+        b"a",
+        " 世".encode(),
+        "é".encode(),
+    ]
+    for _ in range(200):
+        data = b"".join(rng.choice(pieces) for _ in range(rng.randint(1, 120)))
+        ids = [3 + b for b in data]
+        stream, out, i = tok.stream(), [], 0
+        while i < len(ids):
+            step = rng.randint(1, 4)
+            out.append(stream.push(ids[i : i + step]))
+            i += step
+        text = "".join(out) + stream.flush()
+        assert text == tok.decode(ids) == data.decode("utf-8", "replace"), data
+
+
+def _stream_timed(tok: Tokenizer, token: int, n: int) -> tuple[float, list[str]]:
+    stream = tok.stream()
+    t0 = time.perf_counter()
+    pushed = [stream.push([token]) for _ in range(n)]
+    return time.perf_counter() - t0, [*pushed, stream.flush()]
+
+
+@pytest.mark.parametrize("kind", ["stories260K", "byte-level"])
+@pytest.mark.parametrize("byte", [0x80, 0xE6])  # a lone continuation byte; a lead byte
+def test_stream_cost_is_linear_in_a_run_of_incomplete_bytes(kind, byte):
+    """A grammar can force thousands of byte tokens that never make a character: each push
+    must cost bounded work (a quadratic decoder takes 16x as long for 4x the tokens), the run
+    streams as U+FFFD (not held to the end) and equals the lossy decode of its bytes."""
+    if kind == "stories260K":
+        if not GGUF_PATH.is_file():
+            pytest.skip(f"{GGUF_PATH} is missing")
+        tok = gguf_tokenizer(GGUF_PATH)  # SentencePiece byte fallback: <0x80> ...
+        token = tok.backend.token_to_id(f"<0x{byte:02X}>")
+    else:
+        tok = Tokenizer.byte_level()
+        token = 3 + byte
+    _stream_timed(tok, token, 200)  # warm
+    small = min(_stream_timed(tok, token, 1000)[0] for _ in range(3))
+    large, chunks = min(_stream_timed(tok, token, 4000) for _ in range(3))
+    assert large / small < 8, (small, large)
+    assert (
+        "".join(chunks)
+        == tok.decode([token] * 4000)
+        == bytes([byte] * 4000).decode("utf-8", "replace")
+    )
+    held = len(chunks[-1])  # what only flush returned
+    assert held <= 2 * StreamDecoder.HOLD, held
 
 
 # ---- byte-level BPE GGUF ("gpt2", Qwen2 / Llama 3 style) -----------------------------------

@@ -7,8 +7,11 @@ forced by tool_choice (streamed and not), logprobs and echo."""
 
 import json
 import re
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
+import llguidance
 import numpy as np
 import pytest
 from support.models import STORIES_HF, client_of, live_server, model_path, with_chat_template
@@ -17,6 +20,7 @@ from test_logprobs import LOGPROB_ATOL, log_softmax64
 
 import jaxinfer
 from jaxinfer.errors import RequestError
+from jaxinfer.options import SamplingParams
 
 openai = pytest.importorskip("openai")
 
@@ -112,6 +116,53 @@ def test_constrained_rows_do_not_draft_and_match_a_plain_engine(engines):
     assert re.fullmatch(r"The ((cat|dog|sun) )+\.?", held.result().text)
     free.result()
     assert spec.perf_stats().accepted_tokens > 0
+
+
+@pytest.fixture
+def compiled(monkeypatch):
+    """The name of the thread of each grammar compile (each llguidance matcher made from a
+    grammar; copies are not compiles), counted as they pass through to llguidance."""
+    real, names = llguidance.LLMatcher, []
+
+    class Counting:
+        grammar_from_json_schema = staticmethod(real.grammar_from_json_schema)
+        grammar_from_regex = staticmethod(real.grammar_from_regex)
+        grammar_from_lark = staticmethod(real.grammar_from_lark)
+
+        def __new__(cls, *args, **kwargs):
+            names.append(threading.current_thread().name)
+            return real(*args, **kwargs)
+
+    monkeypatch.setattr(llguidance, "LLMatcher", Counting)
+    return names
+
+
+def test_a_compiled_schema_serves_many_requests_through_copies(engines, compiled):
+    """engine.constraint compiles once (on any thread); each request gets its copy, and every
+    output holds the schema. The same copy twice, or one of another grammar, is refused."""
+    engine = engines(model_path(STORIES_HF), **OPTS)
+    params = SamplingParams(max_new_tokens=120, json_schema=PERSON, **SAMPLED)
+    with ThreadPoolExecutor(1, thread_name_prefix="handler") as pool:  # as a server's
+        constraint = pool.submit(engine.constraint, params).result()
+    requests = [
+        engine.submit("Tell me about a person.", sampling=params.replace(seed=i),
+                      constraint=constraint.copy())
+        for i in range(6)
+    ]  # fmt: skip
+    results = [r.result() for r in requests]
+    assert compiled == ["handler_0"]
+    for r in results:
+        assert r.finish_reason == "stop", r.text
+        jsonschema.validate(json.loads(r.text), PERSON)
+    taken = requests[0].state.constraint
+    with pytest.raises(RequestError, match="already serves a request"):
+        engine.submit("Once", sampling=params, constraint=taken)
+    with pytest.raises(RequestError, match="another grammar"):
+        engine.submit("Once", regex="[a-z]+", constraint=constraint.copy())
+    with pytest.raises(RequestError, match="another grammar"):
+        engine.submit("Once", max_new_tokens=4, constraint=constraint.copy())
+    assert engine.generate("Once", max_new_tokens=30, regex="[a-z]{2,5}", seed=0).text
+    assert len(compiled) == 2  # without a constraint, submit compiles its own as before
 
 
 def test_bad_schemas_and_grammars_are_one_line_errors(engines):
