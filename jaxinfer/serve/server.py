@@ -48,7 +48,7 @@ from .openai_api import (
     token_ids,
 )
 from .openai_api import finish_reason as openai_finish
-from .worker import Task, Worker
+from .worker import QueueFull, Task, Worker
 
 log = logging.getLogger(__name__)
 PUBLIC = ("/health", "/v1/health", "/metrics")  # answered without the API key, as in vLLM
@@ -366,8 +366,12 @@ class _App:
         task = Task(
             job.submissions(), stream=job.stream, echo=job.prompts if job.echo else (),
             logprobs=job.sampling.logprobs, on_result=self.metrics.finished,
+            max_queue=self.options.max_queue,
         )  # fmt: skip
-        handles = await asyncio.wrap_future(self.worker.open(task))
+        try:
+            handles = await self.worker.submit(task, self.pool)  # grammars compiled on the pool
+        except QueueFull as e:
+            raise _Refused(str(e), 429, {"Retry-After": "1"}) from None
         inbox, echoed = task.inbox, task.echoed
         tokens = Tokens(self.engine.vocabulary.token_bytes)
         if job.stream:

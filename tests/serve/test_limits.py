@@ -9,10 +9,11 @@ import socket
 import time
 
 import pytest
-from support.models import live_server, stories_chat
+from support.models import STORIES, live_server, model_path, stories_chat
 
 import jaxinfer
 from jaxinfer.serve.tools import check_tools
+from jaxinfer.serve.worker import QueueFull, Task
 
 PLAN = dict(slots=2, prefill_buckets=(32, 128), batch_buckets=(1,))
 # a template that adds a message's name to text: name 5 is a TypeError inside jinja
@@ -21,7 +22,7 @@ TEMPLATE = (
     "{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]{% else %} "
     "{{ m['content'] }}{% endif %}{% endfor %}"
 )
-LIMITS = dict(max_body_mib=1, max_choices=8, max_stop_strings=4, max_grammar_kib=32,
+LIMITS = dict(max_body_mib=1, max_choices=8, max_stop_strings=4, max_grammar_kib=32, max_queue=4,
               n_predict=5, timeout=2.0)  # fmt: skip
 
 
@@ -110,7 +111,7 @@ def test_n_predict_caps_max_tokens_and_props_lists_the_limits(server):
     conn.request("GET", "/props")
     limits = json.loads(conn.getresponse().read())["limits"]
     conn.close()
-    assert limits == {**LIMITS, "max_queue": 256, "max_stop_length": 256}
+    assert limits == {**LIMITS, "max_stop_length": 256}
 
 
 def test_template_runtime_errors_and_deep_schemas_are_400s(server):
@@ -138,3 +139,30 @@ def test_a_non_ascii_api_key_is_refused_at_start():
         jaxinfer.ServerOptions(api_key="clé")
     with pytest.raises(jaxinfer.JaxinferError, match="--max-queue 0 is invalid"):
         jaxinfer.ServerOptions(max_queue=0)
+
+
+def test_over_max_queue_is_a_429_with_retry_after(server):
+    status, headers, answer = post(server, "/v1/completions", {"prompt": "x", "n": 5})
+    assert status == 429 and headers["retry-after"] == "1"
+    assert "over this server's max_queue (4)" in answer["error"]["message"]
+
+
+def test_a_task_is_refused_when_the_engine_queue_is_full():
+    """Choices already queued on the engine (submitted, not yet admitted) count: a task
+    that would pass max_queue is refused whole, and nothing of it is submitted."""
+    import asyncio
+
+    engine = jaxinfer.load(model_path(STORIES), max_seq_len=64, slots=1)
+    waiting = [engine.submit([1, 2, 3], max_new_tokens=2) for _ in range(3)]
+
+    async def task(n):
+        return Task([([1, 2], jaxinfer.SamplingParams(max_new_tokens=2))] * n, stream=False,
+                    max_queue=4)  # fmt: skip
+
+    with pytest.raises(QueueFull, match=r"3 choices wait .* adds 2, over .* max_queue \(4\)"):
+        asyncio.run(task(2)).submit(engine)
+    assert engine.activity()["queued"] == 3
+    made = asyncio.run(task(1)).submit(engine)
+    assert len(made) == 1 and engine.activity()["queued"] == 4
+    for r in [*waiting, *made]:
+        r.cancel()
