@@ -1,6 +1,7 @@
 """The server's front door, fuzzed: hypothesis sends 2,000 generated requests (1,450+
 distinct: wrong types, missing and extra fields, huge and negative numbers, NaN, bad UTF-8,
-lone surrogates, deep nesting, non-object JSON, empty bodies, wrong methods) to every route as
+lone surrogates, deep nesting, non-object JSON, empty bodies, wrong methods, bodies at and
+just past each limit) to every route as
 raw HTTP, and a sweep sets every field of both completion routes to each of 24 extreme values.
 Each answer is a 200 or a 4xx OpenAI-style error with a one-line message, within a timeout;
 after them the same greedy completion comes back and no slot or KV page is held. Then
@@ -194,6 +195,33 @@ MESSAGE = either(weighted(
                               optional={"name": TEXT, "tool_calls": JUNK, "tool_call_id": TEXT})),
 ), junk=1)  # fmt: skip
 DEPTHS = [10, 500, 900, 990, 1000, 2000, 100_000]
+MIB = 1 << 20  # the default limits: 16 MiB bodies, 128 choices, 16 stop strings of 256, 256 KiB
+
+
+def _near_limits() -> list[bytes]:
+    """Bodies at and just past each default limit (ServerOptions): the big ones padded with
+    JSON whitespace, so that they cost the server reading, not tokenizing."""
+
+    def body(fields: dict, pad: int = 0) -> bytes:
+        return json.dumps(fields).encode()[:-1] + b" " * pad + b"}"
+
+    schema = lambda kib: {"enum": ["a" * (kib * 1024 - 16)]}  # noqa: E731
+    return [
+        body({"prompt": "x", "max_tokens": 1}, 16 * MIB - 64),
+        body({"prompt": "x", "max_tokens": 1}, 16 * MIB + 1),
+        body({"prompt": ["x"] * 128, "max_tokens": 1}),
+        body({"prompt": ["x"] * 129}),
+        body({"prompt": ["x"] * 64, "n": 2, "max_tokens": 1}),
+        body({"prompt": "x", "n": 129}),
+        body({"prompt": "x", "stop": ["y" * 256] * 16, "max_tokens": 1}),
+        body({"prompt": "x", "stop": ["y"] * 17}),
+        body({"prompt": "x", "stop": ["y" * 257]}),
+        body({"prompt": "x", "json_schema": schema(255), "max_tokens": 1}),
+        body({"prompt": "x", "json_schema": schema(257)}),
+        body({"prompt": "x", "grammar": 'root ::= "' + "a" * (257 << 10) + '"'}),
+    ]
+
+
 RAW = st.one_of(
     st.sampled_from([
         b"", b"{", b"null", b"[]", b'"x"', b"1e999", b"NaN", b"\xff\xfe{}", "{}".encode("utf-16"),
@@ -207,6 +235,7 @@ RAW = st.one_of(
         lambda d: b'{"messages": [{"role": "user", "content": ' + b"[" * d + b"]" * d + b"}]}"
     ),
     st.sampled_from(DEPTHS).map(lambda d: b'{"content": ' + b'{"a": ' * d + b"1" + b"}" * d + b"}"),
+    st.sampled_from(_near_limits()),
 )  # fmt: skip
 
 

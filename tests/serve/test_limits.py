@@ -9,7 +9,7 @@ import socket
 import time
 
 import pytest
-from support.models import STORIES, live_server, model_path, stories_chat
+from support.models import STORIES, live_server, model_path, stories_chat, wait_for
 
 import jaxinfer
 from jaxinfer.serve.tools import check_tools
@@ -166,3 +166,89 @@ def test_a_task_is_refused_when_the_engine_queue_is_full():
     assert len(made) == 1 and engine.activity()["queued"] == 4
     for r in [*waiting, *made]:
         r.cancel()
+
+
+@pytest.mark.slow
+def test_with_every_abusive_request_at_once_health_answers_within_a_second(tmp_path_factory):
+    """Each abusive request of issue 47 in a loop on its own thread, all at once, for 20 s:
+    /health answers within 1 s throughout; afterwards nothing is held (metrics and kv_stats)
+    and a greedy completion is what it was before."""
+    import threading
+
+    model = stories_chat(tmp_path_factory, TEMPLATE)
+    with live_server(lambda: jaxinfer.load(model, slots=4), timeout=3.0) as srv:
+        port = srv.port
+        quiet = {"prompt": "Once upon a time", "max_tokens": 16, "temperature": 0}
+        before = post(srv, "/v1/completions", quiet)[2]["choices"][0]["text"]
+
+        def raw(head: bytes, wait: float) -> None:
+            sock = socket.create_connection(("127.0.0.1", port))
+            sock.sendall(head)
+            time.sleep(wait)  # a trickle that stops, or a stream never read
+            sock.close()
+
+        stream = json.dumps({"prompt": "Once", "max_tokens": 400, "n": 4, "stream": True,
+                             "ignore_eos": True}).encode()  # fmt: skip
+        abusive = [
+            lambda: post(srv, "/v1/completions", {"prompt": list(range(3, 503)), "echo": True,
+                                                  "logprobs": 5, "max_tokens": 1}),
+            lambda: post(srv, "/v1/completions", {"prompt": ["Once"] * 8, "n": 16,
+                                                  "max_tokens": 16}),
+            lambda: post(srv, "/v1/completions", {"prompt": "{", "n": 32, "max_tokens": 8,
+                                                  "json_schema": {"type": "object", "properties":
+                                                  {f"p{k}": {"type": "string"}
+                                                   for k in range(100)}}}),
+            lambda: post(srv, "/v1/completions", {"prompt": "Once", "max_tokens": 64,
+                                                  "stop": ["z" * 256] * 16}),
+            lambda: post(srv, "/v1/completions", {"prompt": "Once", "max_tokens": 300,
+                                                  "grammar": "root ::= [\\x80-\\xbf]*"}),
+            lambda: post(srv, "/tokenize", {"content": "Once upon a time. " * (800 << 10)}),
+            lambda: post(srv, "/v1/completions", {"prompt": ["x"] * 100, "n": 128}),
+            lambda: post(srv, "/v1/completions", b'{"prompt": ' + b"[" * 10**5 + b"]" * 10**5
+                         + b"}"),
+            lambda: raw(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 50\r\n"
+                        b"\r\n{", 4),
+            lambda: raw(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
+                        % len(stream) + stream, 4),
+        ]  # fmt: skip
+        stop, failures = threading.Event(), []
+
+        def loop(fn):
+            while not stop.is_set():
+                try:
+                    fn()
+                except Exception as e:  # a refusal is an answer; an exception is not
+                    failures.append(repr(e))
+
+        threads = [threading.Thread(target=loop, args=(fn,), daemon=True) for fn in abusive]
+        for t in threads:
+            t.start()
+        slowest, deadline = 0.0, time.monotonic() + 20
+        while time.monotonic() < deadline:
+            t0 = time.monotonic()
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+            conn.request("GET", "/health")
+            assert conn.getresponse().status == 200
+            conn.close()
+            slowest = max(slowest, time.monotonic() - t0)
+            time.sleep(0.1)
+        stop.set()
+        for t in threads:
+            t.join(120)
+        assert slowest < 1.0 and not failures, (slowest, failures[:3])
+
+        def idle() -> bool:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+            conn.request("GET", "/metrics")
+            text = conn.getresponse().read().decode()
+            conn.close()
+            values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+                      if line and not line.startswith("#")}  # fmt: skip
+            names = ("jaxinfer:slots_busy", "jaxinfer:requests_deferred",
+                     "jaxinfer:kv_cache_pages_used")  # fmt: skip
+            return all(values[n] == 0 for n in names)
+
+        assert wait_for(idle, 60)
+        stats = srv.worker.call(lambda engine: engine.kv_stats()).result(60)
+        assert stats.get("snapshots_in_use", 0) == 0 and stats["pages_in_use"] == 0
+        assert post(srv, "/v1/completions", quiet)[2]["choices"][0]["text"] == before
