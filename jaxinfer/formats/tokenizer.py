@@ -261,6 +261,22 @@ class Tokenizer:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=True)
 
     @cached_property
+    def max_token_bytes(self) -> int:
+        """At least the bytes of text any one token stands for: its vocabulary string's UTF-8
+        bytes (byte-level, Metaspace and <0xNN> spellings all take at least as many)."""
+        return max((len(s.encode()) for s in self.backend.get_vocab()), default=1)
+
+    def too_long(self, text: str, tokens: int) -> int:
+        """0 when `text` may encode to at most `tokens` tokens, or is short enough (64 Ki
+        characters) to count exactly; else a count it surely exceeds, known without encoding
+        it (a 15 MB text takes seconds and gigabytes to encode). Twice the margin, for
+        normalizers that drop characters."""
+        if len(text) <= 1 << 16:
+            return 0
+        at_least = len(text) // (2 * self.max_token_bytes)
+        return at_least if at_least > tokens else 0
+
+    @cached_property
     def special_ids(self) -> frozenset[int]:
         """The special tokens' ids, which `decode` skips."""
         added = self.backend.get_added_tokens_decoder()

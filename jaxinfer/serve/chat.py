@@ -20,7 +20,7 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from ..errors import RequestError
+from ..errors import ContextError, RequestError
 from ..formats.tokenizer import Tokenizer
 from ..options import json_object
 
@@ -63,10 +63,13 @@ class ChatTemplate:
                 f"the chat template failed on these messages: {type(e).__name__}: {_line(e)}"
             ) from None
 
-    def encode(self, messages: Sequence[dict], **extra) -> list[int]:
-        """Token ids of the rendered messages, with exactly one BOS where the model wants one."""
+    def encode(self, messages: Sequence[dict], limit: int | None = None, **extra) -> list[int]:
+        """Token ids of the rendered messages, with exactly one BOS where the model wants one;
+        text that surely holds more than `limit` tokens is a ContextError, not encoded."""
         text = self.render(messages, **extra)
         tok = self.tokenizer
+        if limit is not None and (at_least := tok.too_long(text, limit)):
+            raise ContextError(at_least, limit + 1, at_least=True)
         bos = tok.token_text(tok.bos_id)
         if tok.add_bos and bos and text.startswith(bos):  # llama.cpp: no double BOS
             text = text[len(bos) :]

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..engine import token_ids as engine_token_ids
-from ..errors import RequestError
+from ..errors import ContextError, RequestError
 from ..formats.tokenizer import Tokenizer
 from ..options import MAX_LOGPROBS, MAX_STOP_LENGTH, SamplingParams, ServerOptions
 from ..runtime.request import Result, TokenLogprob
@@ -45,17 +45,6 @@ UNSUPPORTED = {
     "logit_bias": (None, {}),
 }
 DEFAULT_LIMITS = ServerOptions()
-
-
-class ContextError(RequestError):
-    """A prompt longer than the context (llama-server's exceed_context_size_error)."""
-
-    def __init__(self, n_prompt_tokens: int, n_ctx: int):
-        super().__init__(
-            f"request ({n_prompt_tokens} tokens) exceeds the available context size ({n_ctx} "
-            "tokens), try increasing it (-c)"
-        )
-        self.n_prompt_tokens, self.n_ctx = n_prompt_tokens, n_ctx
 
 
 @dataclass(frozen=True)
@@ -343,8 +332,9 @@ def chat_job(
             )
     generation = _get(body, "add_generation_prompt", bool, True)
     ids = template.encode(
-        messages, add_generation_prompt=generation, tools=tools.tools if tools else None, **extra
-    )
+        messages, limit=n_ctx - 1, add_generation_prompt=generation,
+        tools=tools.tools if tools else None, **extra,
+    )  # fmt: skip
     _fits(len(ids), n_ctx)
     max_tokens = _max_tokens(body, "max_completion_tokens", None)
     body = {**body, "max_tokens": _max_tokens(body, "max_tokens", max_tokens)}
@@ -511,6 +501,8 @@ def _prompt_ids(prompt, tokenizer: Tokenizer, n_ctx: int, where: str) -> list[in
     if isinstance(prompt, str):
         if not prompt:
             raise RequestError(f"{where} is empty; pass some text or token ids")
+        if at_least := tokenizer.too_long(prompt, n_ctx - 1):
+            raise ContextError(at_least, n_ctx, at_least=True)
         ids = tokenizer.encode(prompt)
     else:
         ids = token_ids(prompt, tokenizer.vocab_size, where)

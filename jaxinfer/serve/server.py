@@ -282,7 +282,12 @@ class _App:
         if not isinstance(content, str):
             raise RequestError("content must be a string")
         add_special, with_pieces = flag(body, "add_special"), flag(body, "with_pieces")
-        tok = self.engine.tokenizer
+        tok, n_ctx = self.engine.tokenizer, self.engine.max_seq_len
+        if at_least := tok.too_long(content, n_ctx):  # seconds and gigabytes to encode
+            raise RequestError(
+                f"content holds more than {at_least} tokens, past the context ({n_ctx}); "
+                "/tokenize takes what a prompt could hold: send it in parts"
+            )
         ids = await self.off_loop(tok.encode, content)
         if tok.add_bos and not add_special:  # llama-server's default
             ids = ids[1:]
