@@ -310,6 +310,7 @@ class Engine:
         sampling: SamplingParams | None = None,
         stream: bool = False,
         constraint: Constraint | None = None,
+        group: object = None,
         **overrides,
     ) -> Request:
         """Queue one request (sampling as in `generate`); it is checked at once, and a bad one
@@ -318,9 +319,13 @@ class Engine:
 
         A constrained request (json_schema, grammar or regex) compiles its grammar here,
         unless `constraint` brings it compiled: one that `constraint(sampling)` made for the
-        same grammar, one per request (give each the `.copy()` of one compiled once)."""
+        same grammar, one per request (give each the `.copy()` of one compiled once).
+        Requests given one `group` (a server job's choices) share the slots as one client: a
+        free slot goes to the queued request whose group runs the fewest, oldest first."""
         params = SamplingParams.make(sampling, **overrides)
-        return self._queue(self._state(prompt, params, stream, constraint))
+        state = self._state(prompt, params, stream, constraint)
+        state.group = group
+        return self._queue(state)
 
     def constraint(self, sampling: SamplingParams) -> Constraint | None:
         """The compiled grammar of `sampling` (None without json_schema, grammar or regex)
@@ -364,7 +369,7 @@ class Engine:
         context of max_seq_len tokens may be scored). With `prefix_cache`, the forward starts
         after the longest prefix the cache holds (under `cache_salt`), whose rows are NaN."""
         ids = self._ids(list(token_ids), self.max_seq_len)
-        return self._score(ids, cached=prefix_cache, salt=cache_salt)
+        return self._drive(self._scoring(ids, cached=prefix_cache, salt=cache_salt))
 
     def prompt_logprobs(self, token_ids: Sequence[int], k: int = 0) -> list:
         """Log-probabilities of each prompt token after the ones before it (None for the
@@ -372,26 +377,44 @@ class Engine:
         the float32 log-softmax of the scoring pass's raw logits, taken per chunk on the
         device, which returns each token's and the MAX_LOGPROBS best (the host holds O(T),
         never the [T, V] logits; any k compiles nothing)."""
+        return self._drive(self.prompt_logprobs_steps(token_ids, k))
+
+    def prompt_logprobs_steps(self, token_ids: Sequence[int], k: int = 0):
+        """`prompt_logprobs` as a generator, for a server that runs steps between its chunks:
+        each next() runs one prompt chunk (False), or finds the pool short of pages (True:
+        step the running requests); its return value is prompt_logprobs'. One at a time."""
         if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS:
             raise RequestError(f"k = {k!r} is invalid; it must be an integer in 0..{MAX_LOGPROBS}")
         ids = self._ids(list(token_ids), self.max_seq_len)
-        lp = self._score(ids, logprobs=True)  # Logprobs [T - 1] of ids[1:]
+        lp = yield from self._scoring(ids, logprobs=True)  # Logprobs [T - 1] of ids[1:]
         tops = zip(lp.ids[:, :k].tolist(), lp.values[:, :k].tolist(), strict=True)
         out: list = [None]
         for i, value, (best, values) in zip(ids[1:], lp.token.tolist(), tops, strict=True):
             out.append(TokenLogprob(i, value, tuple(zip(best, values, strict=True))))
         return out
 
-    def _score(self, ids: list[int], **how):
-        """Scheduler.score of checked `ids` (`how`: its options), stepping the running
-        requests while they hold the pages it needs."""
+    def _scoring(self, ids: list[int], **how):
+        """Scheduler.scoring of checked `ids` (`how`: its options), its compiles watched."""
         self.kv.check(len(ids), f"scoring {len(ids)} tokens", "load with a larger kv_cache_tokens")
+        chunks = self._scheduler.scoring(ids, **how)
         while True:
             with self._watched():
-                out = self._scheduler.score(ids, **how)
-            if out is not None:
-                return out
-            self.step()  # the running requests hold the pages: let them move on
+                try:
+                    waiting = next(chunks)
+                except StopIteration as done:
+                    return done.value
+            yield waiting
+
+    def _drive(self, steps):
+        """Run a scoring generator to its value, stepping the running requests while they
+        hold the pages it needs."""
+        while True:
+            try:
+                waiting = next(steps)
+            except StopIteration as done:
+                return done.value
+            if waiting:
+                self.step()
 
     def perf_stats(self) -> PerfStats:
         cc = self.compile_cache

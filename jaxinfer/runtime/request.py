@@ -64,6 +64,7 @@ class RequestState:
     sampling: tuple  # its packed sampling row (SamplingRows.row), checked at submit
     interactive: bool = False  # streamed or with stop strings: the host wakes more often
     constraint: Any = None  # structured.Constraint: the grammar its tokens follow
+    group: object = None  # requests that share slots fairly as one (a server job's choices)
     cached_tokens: int = 0  # prompt tokens its admission found in the prefix cache
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None  # a list where params.logprobs asks for them

@@ -22,7 +22,7 @@ come back from the device only when a row in the call asked for them.
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -129,15 +129,32 @@ class Scheduler:
 
     def _admit(self) -> None:
         while self.queue and len(self.running) < self.shapes.rows:
-            state = self.queue[0]
+            state = self._next()
             salt = state.cache_salt
             lease = self.kv.admit(state.prompt, state.need, cache=state.cache_prompt, salt=salt)
             if lease is None:
                 return  # it waits for pages (or for a page a running prompt fills to hit it)
-            self.queue.popleft()
+            self.queue.remove(state)
             state.admitted_at = time.perf_counter()
             state.cached_tokens = lease.cached_tokens
             self.running.append(_Active(state, self._free_states.pop(), lease, lease.cached_tokens))
+
+    def _next(self) -> RequestState:
+        """The queued request a free slot goes to: the oldest of those whose group runs the
+        fewest requests (a request without a group is a group of its own), so that a job of
+        128 choices delays another client's request by one choice, not by all of them."""
+        running = Counter(a.state.group for a in self.running if a.state is not None)
+        best = self.queue[0]
+        if best.group is None or not running[best.group]:
+            return best
+        fewest = running[best.group]
+        for state in self.queue:  # at most the server's max_queue
+            load = 0 if state.group is None else running[state.group]
+            if load < fewest:
+                best, fewest = state, load
+                if not load:
+                    break
+        return best
 
     def _register(self, active: _Active, filled: int) -> None:
         """Name the request's pages wholly below position `filled`."""
@@ -321,18 +338,19 @@ class Scheduler:
 
     # ---- scoring ------------------------------------------------------------------------
 
-    def score(
+    def scoring(
         self, ids: list[int], cached: bool = False, salt: str | None = None, logprobs: bool = False
     ):
-        """Float32 logits [T, V] at every position of `ids` or, with `logprobs`, the host
-        Logprobs [T - 1] of ids[1:], each given the ids before it (its log-probability and
-        the MAX_LOGPROBS best at its position, from the device: the host holds O(T), never
-        [T, V]); None while the pool lacks the pages (the caller steps the running requests
-        until they free some). `cached`: start after the longest prefix the cache holds
-        (under `salt`), whose rows are NaN (ids -1)."""
-        lease = self.kv.admit(ids, len(ids), cache=cached, salt=salt)
-        if lease is None:
-            return None
+        """A scoring pass, one prompt chunk per next(): it yields True while the pool lacks
+        the pages (the caller steps the running requests until they free some), False after
+        each chunk, and returns float32 logits [T, V] at every position of `ids` or, with
+        `logprobs`, the host Logprobs [T - 1] of ids[1:], each given the ids before it (its
+        log-probability and the MAX_LOGPROBS best at its position, from the device: the host
+        holds O(T), never [T, V]). `cached`: start after the longest prefix the cache holds
+        (under `salt`), whose rows are NaN (ids -1). One pass at a time (it has one state
+        index); steps may run between its chunks."""
+        while (lease := self.kv.admit(ids, len(ids), cache=cached, salt=salt)) is None:
+            yield True
         # The scoring pass has a state index of its own, past the requests' ones.
         state_index = np.array([self.kv.config.first_snapshot - 1], np.int32)
         offset, out = lease.cached_tokens, []
@@ -358,6 +376,7 @@ class Scheduler:
                     out.append(np.asarray(logits)[real])
                 offset += len(seg)
                 self.kv.started(lease)
+                yield False
         finally:
             self.kv.release(lease)
 

@@ -7,16 +7,20 @@ Handlers never touch the engine but to compile grammars (which reads its tokeniz
 there: it submits the task's requests (all or none) and then feeds the task each StreamPiece
 they produce and finally each Result (or the exception that ended them), which the handler
 awaits on its own event loop (`await submit(task)` compiles the task's grammars on a thread
-pool first, and opens it); `cancel(request)` frees its slot and pages before the next step.
-While requests run the thread steps without pause; idle, it sleeps on its inbox.
+pool first, and opens it); a task's echoed prompts are scored one chunk per loop, between the
+other requests' steps, so that a long echo delays them by a chunk, not by the whole prompt.
+`cancel(request)` frees its slot and pages before the next step. While requests run the
+thread steps without pause; idle, it sleeps on its inbox.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import queue
 import threading
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future
 from functools import partial
@@ -78,6 +82,19 @@ class Task:
 
     def submit(self, engine: Engine) -> list[Request]:
         """On the engine thread: every request, or none (a refusal cancels those made)."""
+        steps = self.steps(engine)
+        while True:
+            try:
+                waiting = next(steps)
+            except StopIteration as done:
+                return done.value
+            if waiting:  # a scoring pass waits for the pages running requests hold
+                engine.step()
+
+    def steps(self, engine: Engine):
+        """`submit` as a generator whose next() does a bounded piece (an echoed prompt's
+        scoring chunk), so that the worker steps the other requests between them; returns
+        the requests."""
         made: list[Request] = []
         if self.max_queue is not None:
             waiting = engine.activity()["queued"]
@@ -92,13 +109,13 @@ class Task:
             constraints = self.constraints or {}
             for ids in self.echo:
                 k = self.logprobs
-                lps = None if k is None else engine.prompt_logprobs(ids, k)
+                lps = None if k is None else (yield from engine.prompt_logprobs_steps(ids, k))
                 self.echoed.append((engine.detokenize(ids), lps))
             for ids, sampling in self.submissions:
                 compiled = constraints.get(grammar_key(sampling))
                 constraint = None if compiled is None else compiled.copy()
                 made.append(engine.submit(list(ids), sampling=sampling, stream=self.stream,
-                                          constraint=constraint))  # fmt: skip
+                                          constraint=constraint, group=self))  # fmt: skip
         except BaseException:
             for r in made:
                 r.cancel()
@@ -133,6 +150,7 @@ class Worker:
         self.compiles_at_ready = 0  # compile-cache programs + untracked compiles at ready
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[Request, Callable[[object], None]] = {}
+        self._tasks: deque = deque()  # (generator, future, sink) of tasks run in pieces
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="jaxinfer-engine", daemon=True)
 
@@ -166,7 +184,7 @@ class Worker:
         RequestError that refused them) and feed the task everything each produces. A
         Future cancelled before the engine thread comes to it submits nothing."""
         future: Future = Future()
-        self._inbox.put((task.submit, future, task.sink))
+        self._inbox.put((task.steps, future, task.sink))
         return future
 
     async def submit(self, task: Task, pool: Executor | None = None) -> list[Request]:
@@ -212,12 +230,16 @@ class Worker:
         self._ready.set()
         if self._on_ready:
             self._on_ready()
-        while self._drain(block=not self._live):
+        while self._drain(block=not self._live and not self._tasks):
+            if self._tasks:
+                self._advance()
             if self._live:
                 self._step()
             self._deliver()
         for request in list(self._live):
             self._cancel(request)
+        for steps, _, _ in self._tasks:
+            steps.close()  # a scoring pass gives its pages back
         self.status = "stopped"
 
     def _drain(self, block: bool) -> bool:
@@ -238,9 +260,30 @@ class Worker:
             except Exception as e:  # a refused request, a failed call: theirs alone
                 future.set_exception(e)
                 continue
-            for index, request in enumerate(value if sink is not None else ()):
-                self._live[request] = partial(sink, index)
-            future.set_result(value)
+            if inspect.isgenerator(value):  # a task: its pieces run between steps (_advance)
+                self._tasks.append((value, future, sink))
+                continue
+            self._settle(value, future, sink)
+
+    def _advance(self) -> None:
+        """Run the tasks in order until one has done a piece (a scoring chunk: one task at
+        a time, as a scoring pass has one state index); those done go live."""
+        while self._tasks:
+            steps, future, sink = self._tasks[0]
+            try:
+                next(steps)  # True while its pages are held by running requests: they step
+                return
+            except StopIteration as done:
+                self._tasks.popleft()
+                self._settle(done.value, future, sink)
+            except Exception as e:
+                self._tasks.popleft()
+                future.set_exception(e)
+
+    def _settle(self, value, future: Future, sink) -> None:
+        for index, request in enumerate(value if sink is not None else ()):
+            self._live[request] = partial(sink, index)
+        future.set_result(value)
 
     def _step(self) -> None:
         assert self.engine is not None  # steps run only once the engine is ready (_run)

@@ -252,3 +252,29 @@ def test_with_every_abusive_request_at_once_health_answers_within_a_second(tmp_p
         stats = srv.worker.call(lambda engine: engine.kv_stats()).result(60)
         assert stats.get("snapshots_in_use", 0) == 0 and stats["pages_in_use"] == 0
         assert post(srv, "/v1/completions", quiet)[2]["choices"][0]["text"] == before
+
+
+def test_an_echoed_prompt_is_scored_one_chunk_at_a_time():
+    """A task's echo runs in pieces (Task.steps), one prompt chunk each, so that the worker
+    steps other requests between them; the pieces' answer equals prompt_logprobs'."""
+    import asyncio
+
+    engine = jaxinfer.load(model_path(STORIES), max_seq_len=512, prefill_buckets=(32, 128))
+    ids = list(range(3, 400))  # 397 tokens: four chunks of at most 128
+
+    async def task():
+        return Task([(ids, jaxinfer.SamplingParams(max_new_tokens=1))], stream=False,
+                    echo=[ids], logprobs=3)  # fmt: skip
+
+    t = asyncio.run(task())
+    steps, pieces = t.steps(engine), 0
+    while True:
+        try:
+            next(steps)
+            pieces += 1
+        except StopIteration as done:
+            made = done.value
+            break
+    assert pieces >= 4 and len(made) == 1
+    assert t.echoed[0][1] == engine.prompt_logprobs(ids, 3)
+    made[0].cancel()

@@ -167,10 +167,10 @@ def test_a_job_whose_client_left_while_it_was_submitted_is_cancelled(worker):
     began, gate = threading.Event(), threading.Event()
 
     class SlowTask(Task):
-        def submit(self, engine):
+        def steps(self, engine):  # what the engine thread runs of a task
             began.set()
             gate.wait(WAIT)
-            return super().submit(engine)
+            return (yield from super().steps(engine))
 
     async def main():
         task = SlowTask(person_job(worker, 4), stream=True)
