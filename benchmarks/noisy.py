@@ -13,7 +13,8 @@ can send within the server's default limits (the refused ones are refused within
 - n 32 under a large JSON schema (200 properties): the grammar compiled per job;
 - 16 stop strings of 256 characters that never match;
 - a grammar that forces runs of incomplete UTF-8 (byte tokens) for 400 tokens;
-- a 15 MiB /tokenize body (just under max_body_mib), and a 17 MiB one (413);
+- a 15 MiB /tokenize body (just under max_body_mib; 400: past what the context holds), and
+  a 17 MiB one (413);
 - a body that trickles in (1 byte a second), and a stream that is never read;
 - 100 prompts x n 128 and a JSON body nested 100,000 deep (both refused: 400).
 
@@ -70,7 +71,8 @@ def abusive(port: int, vocab_text: str) -> dict:
     long_prompt = list(range(100, 3100))  # 3,000 token ids
 
     def post(body, path="/v1/completions"):
-        return lambda: call(port, "POST", path, body)[0]
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()  # encoded once
+        return lambda: call(port, "POST", path, data)[0]
 
     def trickle():
         sock = socket.create_connection(("127.0.0.1", port))
@@ -105,13 +107,13 @@ def abusive(port: int, vocab_text: str) -> dict:
                 "prompt": "Once",
                 "max_tokens": 64,
                 "ignore_eos": True,
-                "stop": [f"{k}" + "z" * 255 for k in range(16)],
+                "stop": [f"{k:02d}" + "z" * 254 for k in range(16)],
             }
         ),
         "incomplete UTF-8 runs": post(
             {"prompt": "Once", "max_tokens": 400, "grammar": "root ::= [\\x80-\\xbf]*"}
         ),
-        "15 MiB /tokenize": post(
+        "15 MiB /tokenize (400)": post(
             {"content": vocab_text * ((15 << 20) // len(vocab_text))}, "/tokenize"
         ),
         "17 MiB body (413)": post(b'{"content": "' + b"a " * (17 << 19) + b'"}', "/tokenize"),
