@@ -184,7 +184,8 @@ class Worker:
         RequestError that refused them) and feed the task everything each produces. A
         Future cancelled before the engine thread comes to it submits nothing."""
         future: Future = Future()
-        self._inbox.put((task.steps, future, task.sink))
+        run = task.steps if task.echo else task.submit  # an echo is scored in pieces
+        self._inbox.put((run, future, task.sink))
         return future
 
     async def submit(self, task: Task, pool: Executor | None = None) -> list[Request]:

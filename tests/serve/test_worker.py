@@ -167,10 +167,10 @@ def test_a_job_whose_client_left_while_it_was_submitted_is_cancelled(worker):
     began, gate = threading.Event(), threading.Event()
 
     class SlowTask(Task):
-        def steps(self, engine):  # what the engine thread runs of a task
+        def submit(self, engine):  # what the engine thread runs of a task without echo
             began.set()
             gate.wait(WAIT)
-            return (yield from super().steps(engine))
+            return super().submit(engine)
 
     async def main():
         task = SlowTask(person_job(worker, 4), stream=True)
