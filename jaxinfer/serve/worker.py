@@ -7,8 +7,9 @@ Handlers never touch the engine but to compile grammars (which reads its tokeniz
 there: it submits the task's requests (all or none) and then feeds the task each StreamPiece
 they produce and finally each Result (or the exception that ended them), which the handler
 awaits on its own event loop (`await submit(task)` compiles the task's grammars on a thread
-pool first, and opens it); a task's echoed prompts are scored one chunk per loop, between the
-other requests' steps, so that a long echo delays them by a chunk, not by the whole prompt.
+pool first, and opens it); a task's echoed prompts are scored one chunk at a time, between the
+other requests' steps and in at most half the thread's time while they run, so that a long
+echo delays them by a bounded share, not by the whole prompt.
 `cancel(request)` frees its slot and pages before the next step. While requests run the
 thread steps without pause; idle, it sleeps on its inbox.
 """
@@ -20,6 +21,7 @@ import inspect
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future
@@ -132,6 +134,12 @@ class Task:
             pass
 
 
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
 class Worker:
     def __init__(
         self,
@@ -231,11 +239,16 @@ class Worker:
         self._ready.set()
         if self._on_ready:
             self._on_ready()
+        spent = {"tasks": 0.0, "steps": 0.0}  # engine-thread seconds while tasks wait
         while self._drain(block=not self._live and not self._tasks):
-            if self._tasks:
-                self._advance()
+            # Pieces of tasks take at most half the thread while requests run: a scoring
+            # chunk costs many single-token steps (grammars), so it cannot go every loop.
+            if self._tasks and (not self._live or spent["tasks"] <= spent["steps"]):
+                spent["tasks"] += _timed(self._advance)
             if self._live:
-                self._step()
+                spent["steps"] += _timed(self._step)
+            if not self._tasks:
+                spent["tasks"] = spent["steps"] = 0.0
             self._deliver()
         for request in list(self._live):
             self._cancel(request)
