@@ -9,6 +9,7 @@ if "JAXINFER_COMPILE_CACHE_DIR" not in os.environ:  # keep the user's cache dir 
 
     os.environ["JAXINFER_COMPILE_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxinfer-xla-")
 
+import threading  # noqa: E402
 from collections import OrderedDict, namedtuple  # noqa: E402
 
 import pytest  # noqa: E402
@@ -86,3 +87,24 @@ def tiny(tmp_path_factory):
         return written[key]
 
     return get
+
+
+@pytest.fixture
+def compiled(monkeypatch):
+    """The name of the thread of each grammar compile (each llguidance matcher made from a
+    grammar; copies are not compiles), counted as they pass through to llguidance."""
+    import llguidance
+
+    real, names = llguidance.LLMatcher, []
+
+    class Counting:
+        grammar_from_json_schema = staticmethod(real.grammar_from_json_schema)
+        grammar_from_regex = staticmethod(real.grammar_from_regex)
+        grammar_from_lark = staticmethod(real.grammar_from_lark)
+
+        def __new__(cls, *args, **kwargs):
+            names.append(threading.current_thread().name)
+            return real(*args, **kwargs)
+
+    monkeypatch.setattr(llguidance, "LLMatcher", Counting)
+    return names

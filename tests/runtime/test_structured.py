@@ -7,14 +7,13 @@ forced by tool_choice (streamed and not), logprobs and echo."""
 
 import json
 import re
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
-import llguidance
 import numpy as np
 import pytest
 from support.models import STORIES_HF, client_of, live_server, model_path, with_chat_template
+from support.schemas import PERSON
 from support.templates import QWEN25
 from test_logprobs import LOGPROB_ATOL, log_softmax64
 
@@ -26,18 +25,6 @@ openai = pytest.importorskip("openai")
 
 OPTS = dict(max_seq_len=512, prefill_buckets=(32, 128), batch_buckets=(1, 4))
 QWEN3_MOE = "tiny-random/qwen3_moe_e8k2_bpe"  # byte-level BPE: any text is some token path
-# Bounded everywhere, so that even random weights finish inside max_tokens.
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 6},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "pets": {"type": "array", "items": {"enum": ["cat", "dog"]}, "maxItems": 2},
-        "tall": {"type": "boolean"},
-    },
-    "required": ["name", "age", "pets", "tall"],
-    "additionalProperties": False,
-}
 SAMPLED = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)  # the whole distribution
 
 
@@ -116,25 +103,6 @@ def test_constrained_rows_do_not_draft_and_match_a_plain_engine(engines):
     assert re.fullmatch(r"The ((cat|dog|sun) )+\.?", held.result().text)
     free.result()
     assert spec.perf_stats().accepted_tokens > 0
-
-
-@pytest.fixture
-def compiled(monkeypatch):
-    """The name of the thread of each grammar compile (each llguidance matcher made from a
-    grammar; copies are not compiles), counted as they pass through to llguidance."""
-    real, names = llguidance.LLMatcher, []
-
-    class Counting:
-        grammar_from_json_schema = staticmethod(real.grammar_from_json_schema)
-        grammar_from_regex = staticmethod(real.grammar_from_regex)
-        grammar_from_lark = staticmethod(real.grammar_from_lark)
-
-        def __new__(cls, *args, **kwargs):
-            names.append(threading.current_thread().name)
-            return real(*args, **kwargs)
-
-    monkeypatch.setattr(llguidance, "LLMatcher", Counting)
-    return names
 
 
 def test_a_compiled_schema_serves_many_requests_through_copies(engines, compiled):

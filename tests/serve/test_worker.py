@@ -10,9 +10,9 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
-import llguidance
 import pytest
 from support.models import STORIES_HF, model_path
+from support.schemas import PERSON
 
 import jaxinfer
 from jaxinfer.options import SamplingParams
@@ -20,16 +20,6 @@ from jaxinfer.runtime.request import Result
 from jaxinfer.serve.worker import Task, Worker
 
 OPTS = dict(slots=4, max_seq_len=512, prefill_buckets=(32, 128), batch_buckets=(1, 4))
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 6},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "pets": {"type": "array", "items": {"enum": ["cat", "dog"]}, "maxItems": 2},
-    },
-    "required": ["name", "age", "pets"],
-    "additionalProperties": False,
-}
 SAMPLED = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)  # the whole distribution
 WAIT = 60  # seconds: a dead engine thread fails a test instead of hanging it
 
@@ -41,25 +31,6 @@ def worker():
     assert w.wait_ready(600), w.error
     yield w
     w.stop()
-
-
-@pytest.fixture
-def compiled(monkeypatch):
-    """The name of the thread of each grammar compile (each llguidance matcher made from a
-    grammar; copies are not compiles), counted as they pass through to llguidance."""
-    real, names = llguidance.LLMatcher, []
-
-    class Counting:
-        grammar_from_json_schema = staticmethod(real.grammar_from_json_schema)
-        grammar_from_regex = staticmethod(real.grammar_from_regex)
-        grammar_from_lark = staticmethod(real.grammar_from_lark)
-
-        def __new__(cls, *args, **kwargs):
-            names.append(threading.current_thread().name)
-            return real(*args, **kwargs)
-
-    monkeypatch.setattr(llguidance, "LLMatcher", Counting)
-    return names
 
 
 def person_job(worker: Worker, n: int) -> list[tuple[list[int], SamplingParams]]:
