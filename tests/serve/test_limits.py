@@ -278,3 +278,32 @@ def test_an_echoed_prompt_is_scored_one_chunk_at_a_time():
     assert pieces >= 4 and len(made) == 1
     assert t.echoed[0][1] == engine.prompt_logprobs(ids, 3)
     made[0].cancel()
+
+
+def test_a_stream_whose_reader_stops_ends_and_closes_its_events():
+    """A send that never completes (a client that stopped reading, its socket full) ends the
+    stream after `timeout` and closes its events generator, whose `finally` cancels the
+    stream's requests in the server."""
+    import asyncio
+
+    from jaxinfer.serve.server import _Stream
+
+    closed = []
+
+    async def events():
+        try:
+            while True:
+                yield "data: {}\n\n"
+        finally:
+            closed.append(True)
+
+    async def stalled(message):
+        if message["type"] == "http.response.body":
+            await asyncio.sleep(3600)
+
+    async def main():
+        t0 = time.monotonic()
+        await _Stream(events(), 0.3, media_type="text/event-stream").stream_response(stalled)
+        return time.monotonic() - t0
+
+    assert asyncio.run(main()) < 5 and closed == [True]
