@@ -80,9 +80,8 @@ class Scheduler:
         self.always_interactive = always_interactive
         self.queue: deque[RequestState] = deque()
         self.running: list[_Active] = []  # in admission order
-        self._free_states = list(
-            range(shapes.rows, NULL_STATE, -1)
-        )  # free state indices, lowest last
+        # free state indices, lowest last
+        self._free_states = list(range(shapes.rows, NULL_STATE, -1))
         # The last decode call's rows, device state and sampling rows, and (host, device) table.
         self._last: tuple = ((), None, None, (None, None))
         self._step_arrays: dict[int, object] = {}
