@@ -136,6 +136,7 @@ class Engine:
             self.executor, self.kv, self.shapes, self._perf, self._clock,
             decode_chunk=self.decode_chunk, stream_chunk=self.stream_chunk,
             always_interactive=self.slots is not None,
+            time_slice=self.options.time_slice_ms / 1e3,
         )  # fmt: skip
 
     # ---- what the executor holds --------------------------------------------------------
@@ -287,6 +288,9 @@ class Engine:
         prompts = list(prompt) if many else [prompt]
         # Every request is checked before any is queued: a bad one changes nothing.
         states = [self._state(p, params, stream) for p in prompts]
+        batch = object()  # one client: its prompts share the rows and never preempt each other
+        for state in states:
+            state.group = batch
         requests = [self._queue(s) for s in states]
         if stream:
             return self._stream(requests[0], profile_dir)
@@ -321,7 +325,9 @@ class Engine:
         unless `constraint` brings it compiled: one that `constraint(sampling)` made for the
         same grammar, one per request (give each the `.copy()` of one compiled once).
         Requests given one `group` (a server job's choices) share the slots as one client: a
-        free slot goes to the queued request whose group runs the fewest, oldest first."""
+        free slot goes to the queued request whose group runs the fewest, oldest first, and
+        with every slot busy a request of a group that runs fewer takes the slot of one that
+        has decoded for its time slice (EngineOptions.time_slice_ms), which resumes later."""
         params = SamplingParams.make(sampling, **overrides)
         state = self._state(prompt, params, stream, constraint)
         state.group = group

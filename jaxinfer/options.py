@@ -231,6 +231,9 @@ class EngineOptions:
     batch_buckets: tuple[int, ...] = (1, 2, 4, 8)  # rows per call (without slots)
     decode_chunk: int = 64  # most decode steps in one compiled call
     stream_chunk: int = 16  # steps per call while streaming, with stop strings or slots
+    # fairness: a request decodes this long (or 4x its prefill, if longer) before another
+    # client's waiting request may take its row; it resumes later where it was (0: never)
+    time_slice_ms: int = 250
     # the KV page pool
     kv_cache_tokens: int | None = None  # pool size; None: max_seq_len x max(slots, 1)
     page_size: int = 128  # one of PAGE_SIZES
@@ -297,6 +300,8 @@ class EngineOptions:
         for name in ("decode_chunk", "stream_chunk"):
             if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
                 bad(name, "an integer >= 1")
+        if not _is_int(self.time_slice_ms) or self.time_slice_ms < 0:
+            bad("time_slice_ms", "an integer >= 0 (0: a request keeps its row to the end)")
         for name in ("prefill_buckets", "batch_buckets"):
             values = getattr(self, name)
             values = tuple(values) if isinstance(values, list | tuple) else ()

@@ -144,6 +144,11 @@ def _serving(p: argparse.ArgumentParser) -> None:
         help=f"drafts per step ({ENGINE.draft_tokens})",
     )
     p.add_argument("-md", "--model-draft", default=None, help="draft model: HF folder or .gguf")
+    p.add_argument(
+        "--time-slice-ms", type=int, default=ENGINE.time_slice_ms, metavar="MS",
+        help="with every slot busy, a request decodes this long before another client's "
+        f"waiting request takes its slot; it resumes later (0: never; {ENGINE.time_slice_ms})",
+    )  # fmt: skip
 
 
 def _limits(p: argparse.ArgumentParser) -> None:
@@ -268,6 +273,8 @@ def _options(args, **overrides) -> EngineOptions:
         kw["prefill_buckets"] = args.ubatch_size
     if getattr(args, "parallel", None) and args.command in ("generate", "serve"):
         kw["slots"] = args.parallel
+    if getattr(args, "time_slice_ms", None) is not None:
+        kw["time_slice_ms"] = args.time_slice_ms
     if args.no_compile_cache:
         kw["compile_cache_dir"] = None
     elif args.compile_cache_dir:

@@ -37,6 +37,7 @@ class PerfStats:
     draft_tokens: int = 0  # drafts proposed
     accepted_tokens: int = 0  # of them, accepted
     spec_steps: int = 0  # verify steps, summed over rows (each makes 1 + its accepted drafts)
+    preempted: int = 0  # requests sent back to the queue after their time slice
 
     def host_share(self) -> float:
         """Share of decode wall time spent on the host outside compiled code."""

@@ -49,11 +49,14 @@ class _Active:
     state: RequestState
     state_index: int  # its state index in the linear layers (one per running request)
     kv: Lease
-    offset: int = 0  # prompt tokens prefilled
+    context: list[int]  # the ids its prefill computes: the prompt and, resumed, what it made
+    offset: int = 0  # context tokens prefilled
     decoding: bool = False
     token: int = 0  # the next input token
     pos: int = 0  # its position
     left: int = 0  # tokens still allowed
+    admitted: float = 0.0  # clock at admission
+    since: float = 0.0  # clock at its first decoded token: its time slice starts
 
 
 class Scheduler:
@@ -68,6 +71,7 @@ class Scheduler:
         decode_chunk: int,
         stream_chunk: int,
         always_interactive: bool,
+        time_slice: float = 0.0,
     ):
         self.executor = executor
         self.kv = kv
@@ -78,6 +82,9 @@ class Scheduler:
         self.stream_chunk = stream_chunk
         # Slots serve requests that arrive between steps: always wake every `stream_chunk`.
         self.always_interactive = always_interactive
+        # Seconds a request decodes before another client's waiting request may take its row
+        # (0: never; `_preempt`).
+        self.time_slice = time_slice
         self.queue: deque[RequestState] = deque()
         self.running: list[_Active] = []  # in admission order
         # free state indices, lowest last
@@ -127,33 +134,70 @@ class Scheduler:
                 deliver(out)
 
     def _admit(self) -> None:
-        while self.queue and len(self.running) < self.shapes.rows:
+        while self.queue:
             state = self._next()
+            if len(self.running) >= self.shapes.rows and not self._preempt(state):
+                return
+            # A preempted request resumes by computing what it made too (its full pages are
+            # prefix hits where the cache is on); its next token is then sampled at the
+            # position it would have been, with the same key (seed, position).
+            context = state.prompt + state.token_ids
             salt = state.cache_salt
-            lease = self.kv.admit(state.prompt, state.need, cache=state.cache_prompt, salt=salt)
+            lease = self.kv.admit(context, state.need, cache=state.cache_prompt, salt=salt)
             if lease is None:
                 return  # it waits for pages (or for a page a running prompt fills to hit it)
             self.queue.remove(state)
-            state.admitted_at = time.perf_counter()
-            state.cached_tokens = lease.cached_tokens
-            self.running.append(_Active(state, self._free_states.pop(), lease, lease.cached_tokens))
+            if state.admitted_at is None:
+                state.admitted_at = time.perf_counter()
+                state.cached_tokens = lease.cached_tokens
+            active = _Active(state, self._free_states.pop(), lease, context, lease.cached_tokens)
+            active.admitted = self.clock()
+            self.running.append(active)
 
     def _next(self) -> RequestState:
         """The queued request a free slot goes to: the oldest of those whose group runs the
         fewest requests (a request without a group is a group of its own), so that a job of
         128 choices delays another client's request by one choice, not by all of them."""
-        running = Counter(a.state.group for a in self.running if a.state is not None)
+        running = Counter(_group(a.state) for a in self.running)
         best = self.queue[0]
-        if best.group is None or not running[best.group]:
+        fewest = running[_group(best)]
+        if not fewest:
             return best
-        fewest = running[best.group]
         for state in self.queue:  # at most the server's max_queue
-            load = 0 if state.group is None else running[state.group]
+            load = running[_group(state)]
             if load < fewest:
                 best, fewest = state, load
                 if not load:
                     break
         return best
+
+    def _preempt(self, waiting: RequestState) -> bool:
+        """Free a row for `waiting` when every row is taken: the running request of the group
+        that runs the most (more than `waiting`'s group), among those that have decoded for
+        their time slice, goes back to the queue's end (vLLM's recompute preemption: its pages
+        are given back, and its resumption computes its prompt and tokens again, the cached
+        full pages excepted). A slice is `time_slice` or four times the request's last
+        prefill, whichever is longer, so that recomputing costs it at most a fifth of its
+        time. A request's wait for a row is thus bounded by about one slice, however long the
+        others generate; a job's own choices never preempt each other."""
+        if not self.time_slice:
+            return False
+        now = self.clock()
+        running = Counter(_group(a.state) for a in self.running)
+        mine = running[_group(waiting)]
+
+        def due(a: _Active) -> bool:
+            return now - a.since >= max(self.time_slice, 4 * (a.since - a.admitted))
+
+        ripe = [a for a in self.running if a.decoding and running[_group(a.state)] > mine
+                and due(a)]  # fmt: skip
+        if not ripe:
+            return False
+        victim = max(ripe, key=lambda a: (running[_group(a.state)], now - a.since))
+        self._retire(victim)
+        self.queue.append(victim.state)
+        self.perf.preempted += 1
+        return True
 
     def _register(self, active: _Active, filled: int) -> None:
         """Name the request's pages wholly below position `filled`."""
@@ -168,7 +212,7 @@ class Scheduler:
         rows = [a for a in self.running if not a.decoding]
         if not rows:
             return
-        left = [len(a.state.prompt) - a.offset for a in rows]
+        left = [len(a.context) - a.offset for a in rows]
 
         def taken(T: int) -> tuple[int, int]:
             return sum(min(n, T) for n in left[: self.shapes.rows_for(T)]), T
@@ -181,17 +225,16 @@ class Scheduler:
         start, length, state_index = (np.zeros(B, np.int32) for _ in range(3))
         window = np.full((B, PENALTY_WINDOW), -1, np.int32)
         for b, active in enumerate(rows):
-            prompt = active.state.prompt
+            prompt = active.context
             seg = prompt[active.offset : active.offset + T]
             tokens[b, : len(seg)] = seg
             start[b], length[b], state_index[b] = active.offset, len(seg), active.state_index
             self.kv.grow(active.kv, active.offset + len(seg))
             if active.offset + len(seg) == len(prompt):  # the chunk that samples a token
                 window[b] = recent_window(prompt)
-        upto = [min(a.offset + T, len(a.state.prompt)) for a in rows]
+        upto = [min(a.offset + T, len(a.context)) for a in rows]
         view = self.kv.view([a.kv for a in rows], B, start, length, state_index, upto)
-        sampling = self._sampling(rows, B, [active.offset + T >= len(active.state.prompt)
-                                            for active in rows])  # fmt: skip
+        sampling = self._sampling(rows, B, [a.offset + T >= len(a.context) for a in rows])
         t0 = self.clock()
         chunk = Chunk(tokens, view)  # type: ignore[arg-type]  # host rows, put later
         first, lp = self.executor.run("prefill", chunk, window, sampling)
@@ -203,15 +246,16 @@ class Scheduler:
             self.kv.started(active.kv)
             self._register(active, active.offset)
             state = active.state
-            if active.offset < len(state.prompt):
+            if active.offset < len(active.context):
                 continue
             token = int(first[b])  # the prompt is in: its first new token
             out.append((state, state.accept([token], _row(lp, b, None))))
             if state.finish:
                 self._retire(active)
                 continue
-            active.decoding = True
-            active.token, active.pos, active.left = token, len(state.prompt), state.budget - 1
+            active.decoding, active.since = True, self.clock()
+            active.token, active.pos = token, len(active.context)
+            active.left = state.budget - len(state.token_ids)
 
     def _decode(self, out: list[Delivery]) -> None:
         rows = tuple(a for a in self.running if a.decoding)
@@ -388,6 +432,11 @@ class Scheduler:
         if not logprobs:
             return joined(*out)
         return jax.tree.map(lambda *a: joined(*a)[:-1], *out)  # the last predicts no id
+
+
+def _group(state: RequestState) -> object:
+    """The client a request shares rows with: its group, or itself."""
+    return state if state.group is None else state.group
 
 
 def _row(lp, b: int, take):

@@ -44,6 +44,7 @@ def engine_snapshot(engine: Engine, compiles_at_ready: int) -> dict:
         "decode_tokens": stats.eval_tokens,
         "spec_draft_tokens": stats.draft_tokens,
         "spec_accepted_tokens": stats.accepted_tokens,
+        "requests_preempted": stats.preempted,
     }
 
 
@@ -124,6 +125,7 @@ class _EngineCollector:
             ("decode_tokens", "decode_tokens", "Tokens produced by decode calls"),
             ("spec_draft_tokens", "spec_draft_tokens", "Speculative draft tokens verified"),
             ("spec_accepted_tokens", "spec_accepted_tokens", "Speculative drafts accepted"),
+            ("requests_preempted", "requests_preempted", "Requests preempted (resumed later)"),
             (
                 "prefix_cache_queries",
                 "prefix_cache_queries",
