@@ -32,6 +32,7 @@ from .runtime.executor import Executor, cache_bytes
 from .runtime.kv import KVManager
 from .runtime.perf import PerfStats
 from .runtime.profiler import profile
+from .runtime.reasoning import Reasoning, Thoughts
 from .runtime.request import Request, RequestState, StreamPiece, TokenLogprob
 from .runtime.scheduler import Scheduler
 from .runtime.speculative import SpecConfig
@@ -215,14 +216,17 @@ class Engine:
         return ids
 
     def _state(
-        self, prompt, params: SamplingParams, stream: bool, constraint: Constraint | None = None
-    ) -> RequestState:
+        self, prompt, params: SamplingParams, stream: bool, constraint: Constraint | None = None,
+        reasoning: Reasoning | None = None,
+    ) -> RequestState:  # fmt: skip
         """A checked request: any bad value raises here, before anything runs."""
         ids = self._ids(prompt, self.max_seq_len - 1)
         stop_ids = token_ids("stop_tokens", list(params.stop_tokens), self.cfg.vocab_size)
         if not params.ignore_eos:
             stop_ids += [t for t in self.tokenizer.eos_ids if t not in stop_ids]
         seed = self._seed(params, ids)
+        thoughts = self._thoughts(reasoning, params)
+        guided = thoughts is not None and thoughts.guides  # no drafts: its tokens are counted
         state = RequestState(
             prompt=ids,
             params=params,
@@ -231,15 +235,28 @@ class Engine:
             stop_strings=list(params.stop),
             budget=min(params.max_new_tokens, self.max_seq_len - len(ids)),
             decoder=self.tokenizer.stream(context=ids[-4:]),
-            sampling=SamplingRows.row(params, seed, stop_ids),
+            sampling=SamplingRows.row(params, seed, stop_ids, guided),
             interactive=stream or bool(params.stop),
             constraint=self._constraint(params, constraint),
+            thoughts=thoughts,
             logprobs=None if params.logprobs is None else [],
         )
         self._scheduler.check(state)
         if state.constraint is not None:
             state.constraint.taken = True
         return state
+
+    def _thoughts(self, reasoning: Reasoning | None, params: SamplingParams) -> Thoughts | None:
+        """What follows a request's reasoning: where a budget bounds it, or a grammar waits
+        for its end. A grammar holds from the first token unless the prompt opened the
+        reasoning (llama.cpp's rule): an answer that may or may not think has no grammar
+        that could tell."""
+        if reasoning is None or (params.constrained and not reasoning.opened):
+            return None
+        end = self.tokenizer.encode(reasoning.end)
+        if self.tokenizer.add_bos and end[:1] == [self.tokenizer.bos_id]:
+            end = end[1:]
+        return Thoughts(reasoning, end, self.cfg.vocab_size)
 
     def _constraint(self, params: SamplingParams, given: Constraint | None) -> Constraint | None:
         """The request's matcher: `given` (checked) or a new one."""
@@ -315,6 +332,7 @@ class Engine:
         stream: bool = False,
         constraint: Constraint | None = None,
         group: object = None,
+        reasoning: Reasoning | None = None,
         **overrides,
     ) -> Request:
         """Queue one request (sampling as in `generate`); it is checked at once, and a bad one
@@ -329,7 +347,7 @@ class Engine:
         with every slot busy a request of a group that runs fewer takes the slot of one that
         has decoded for its time slice (EngineOptions.time_slice_ms), which resumes later."""
         params = SamplingParams.make(sampling, **overrides)
-        state = self._state(prompt, params, stream, constraint)
+        state = self._state(prompt, params, stream, constraint, reasoning)
         state.group = group
         return self._queue(state)
 

@@ -70,8 +70,10 @@ class SamplingRows:
         def replace(self, **updates: Any) -> SamplingRows: ...
 
     @staticmethod
-    def row(params: SamplingParams, seed: int, stop_ids: list[int]) -> tuple:
-        """One request's packed row; checked here, so a bad request fails at submit."""
+    def row(params: SamplingParams, seed: int, stop_ids: list[int], guided: bool = False) -> tuple:
+        """One request's packed row; checked here, so a bad request fails at submit. A row
+        under a grammar (or `guided`: by a reasoning budget) is given no speculative drafts:
+        the host looks at each of its tokens, or counts them."""
         if len(stop_ids) > N_STOP_IDS:
             raise RequestError(
                 f"at most {N_STOP_IDS} stop tokens per request (EOS ids included), got "
@@ -82,7 +84,7 @@ class SamplingRows:
         return (
             np.array([getattr(params, name) for name in FLOATS], np.float32),
             np.array([params.top_k, seed, -1 if params.logprobs is None else params.logprobs,
-                      params.constrained], np.int32),
+                      params.constrained or guided], np.int32),
             stops,
         )  # fmt: skip
 

@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from ..formats.tokenizer import StreamDecoder
 from ..options import SamplingParams
 
@@ -40,6 +42,8 @@ class Result:
     prompt_ms: float = 0.0  # from admission to the first new token (prefill)
     decode_ms: float = 0.0  # from the first new token to the last
     logprobs: list[TokenLogprob] | None = None  # one per generated token, where asked for
+    stop_string: str | None = None  # the stop string that ended the text, if one did
+    reasoning_tokens: int = 0  # of token_ids, those written inside the reasoning tags
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,7 @@ class RequestState:
     sampling: tuple  # its packed sampling row (SamplingRows.row), checked at submit
     interactive: bool = False  # streamed or with stop strings: the host wakes more often
     constraint: Any = None  # structured.Constraint: the grammar its tokens follow
+    thoughts: Any = None  # reasoning.Thoughts: its reasoning budget (a grammar starts after)
     group: object = None  # requests that share slots fairly as one (a server job's choices)
     cached_tokens: int = 0  # prompt tokens its admission found in the prefix cache
     token_ids: list[int] = field(default_factory=list)
@@ -71,6 +76,7 @@ class RequestState:
     text: str = ""
     emitted: int = 0  # characters of `text` already streamed
     finish: str | None = None
+    stop_string: str | None = None  # the stop string that ended it (cut from `text`)
     pieces: deque = field(default_factory=deque)  # delivered, not yet streamed
     submitted_at: float = field(default_factory=time.perf_counter)
     admitted_at: float | None = None
@@ -90,6 +96,21 @@ class RequestState:
         """KV positions it can ever write: the prompt and every generated token but the last
         (which is never fed back)."""
         return len(self.prompt) + max(self.budget, 1) - 1
+
+    def steps(self) -> int | None:
+        """The most tokens the next call may make for it before the host looks (None: any):
+        one under a grammar, the rest of its reasoning budget while it thinks."""
+        grammar = self.constraint is not None
+        if self.thoughts is not None and not self.thoughts.done:
+            return self.thoughts.steps(grammar)
+        return 1 if grammar else None
+
+    def mask(self) -> np.ndarray | None:
+        """[mask_words(V)] int32, the tokens it may take next (None: any): the end of its
+        reasoning while it is forced, then its grammar's."""
+        if self.thoughts is not None and not self.thoughts.done:
+            return self.thoughts.mask()
+        return None if self.constraint is None else self.constraint.mask()
 
     def end(self, reason: str) -> None:
         self.finish = reason
@@ -119,10 +140,11 @@ class RequestState:
 
     def _accept(self, ids: list[int]) -> StreamPiece:
         over = False
-        if self.constraint is not None:  # one token per call; its grammar may end with it
-            ids = ids[:1]
+        thinking = self.thoughts is not None and not self.thoughts.done
+        if self.constraint is not None and not thinking:  # one token per call; its grammar
+            ids = ids[:1]  # may end with it
             over = not self.constraint.consume(ids[0])
-        if self.stop_strings:
+        if self.stop_strings or thinking:
             new_ids = self._accept_each(ids)
         else:  # the device already stopped at stop tokens: take the chunk whole
             new_ids = ids[: self.budget - len(self.token_ids)]
@@ -157,6 +179,8 @@ class RequestState:
                 break
             before = len(self.text)
             self.text += self.decoder.push([tok])
+            if self.thoughts is not None and not self.thoughts.done:
+                self.thoughts.saw(tok, self.text)
             if self._cut_stop_string(before):
                 break
             if len(self.token_ids) >= self.budget:
@@ -172,7 +196,7 @@ class RequestState:
             at = self.text.find(s, max(0, before - len(s) + 1))
             if at >= 0:
                 self.text = self.text[:at]
-                self.finish = "stop"
+                self.finish, self.stop_string = "stop", s
                 return True
         return False
 
@@ -190,6 +214,8 @@ class RequestState:
             prompt_ms=ms(self.admitted_at, self.first_token_at),
             decode_ms=ms(self.first_token_at, self.finished_at),
             logprobs=None if self.logprobs is None else list(self.logprobs),
+            stop_string=self.stop_string,
+            reasoning_tokens=0 if self.thoughts is None else self.thoughts.count,
         )
 
 

@@ -91,6 +91,7 @@ class Scheduler:
         self._free_states = list(range(shapes.rows, NULL_STATE, -1))
         # The last decode call's rows, device state and sampling rows, and (host, device) table.
         self._last: tuple = ((), None, None, (None, None))
+        self._guided = False  # the last decode call's masks guided a row
         self._step_arrays: dict[int, object] = {}
 
     # ---- requests -----------------------------------------------------------------------
@@ -313,8 +314,11 @@ class Scheduler:
             state, sampling, tables = self.executor.put((state, sampling, new_tables))
         elif any(not np.array_equal(a, b) for a, b in zip(new_tables, host_tables, strict=True)):
             host_tables, tables = new_tables, self.executor.put(new_tables)
-        if rows == last_rows and any(a.state.constraint is not None for a in rows):
+        # masks change each call while a row is guided, and once more when none is any longer
+        guided = any(a.state.steps() is not None for a in rows)
+        if rows == last_rows and (guided or self._guided):
             sampling = sampling.replace(mask=self.executor.put(self._masks(rows, batch)))
+        self._guided = guided
         self._last = (rows, state, sampling, (host_tables, tables))
         return state, sampling, tables
 
@@ -324,12 +328,15 @@ class Scheduler:
         return rows_.replace(mask=self._masks(rows, batch, sampled))
 
     def _masks(self, rows, batch: int, sampled=None) -> np.ndarray:
-        """[batch, W] the token masks of the constrained rows a call samples for (`sampled`
-        [row]: whether it does; every row by default), every token allowed elsewhere."""
+        """[batch, W] the token masks of the rows a call samples for (`sampled` [row]: whether
+        it does; every row by default) that a grammar or a reasoning budget guides, every
+        token allowed elsewhere."""
         masks = free_mask(batch, self.executor.cfg.vocab_size)
         for b, active in enumerate(rows):
-            if active.state.constraint is not None and (sampled is None or sampled[b]):
-                masks[b] = active.state.constraint.mask()
+            if sampled is None or sampled[b]:
+                mask = active.state.mask()
+                if mask is not None:
+                    masks[b] = mask
         return masks
 
     def _logprobs(self, rows, lp):
@@ -346,12 +353,12 @@ class Scheduler:
 
     def _decode_chunk(self, rows) -> int:
         """Fewer tokens per call while anyone streams, has stop strings or waits to start;
-        one while a grammar holds a row (each of its tokens needs the host's matcher)."""
-        if any(a.state.constraint is not None for a in rows):
-            return 1
+        one while a grammar holds a row (each of its tokens needs the host's matcher), and at
+        most the tokens left of a thinking row's reasoning budget."""
         waiting = bool(self.queue) or any(not a.decoding for a in self.running)
         interactive = self.always_interactive or waiting or any(a.state.interactive for a in rows)
-        return self.stream_chunk if interactive else self.decode_chunk
+        n = self.stream_chunk if interactive else self.decode_chunk
+        return min([n, *(s for a in rows if (s := a.state.steps()) is not None)])
 
     def _host_state(self, rows, batch: int) -> DecodeState:
         """The decode state of `rows` from their host copies; padding rows start done."""
