@@ -303,8 +303,13 @@ class Engine:
         if stream and many:
             raise RequestError("stream=True takes a single prompt; call it once per prompt")
         prompts = list(prompt) if many else [prompt]
-        # Every request is checked before any is queued: a bad one changes nothing.
-        states = [self._state(p, params, stream) for p in prompts]
+        # Every request is checked before any is queued: a bad one changes nothing. A grammar
+        # compiles once (seconds for a large schema), each prompt following a copy.
+        grammar = self.constraint(params)
+        states = [
+            self._state(p, params, stream, None if grammar is None else grammar.copy())
+            for p in prompts
+        ]
         batch = object()  # one client: its prompts share the rows and never preempt each other
         for state in states:
             state.group = batch

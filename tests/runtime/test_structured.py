@@ -131,6 +131,9 @@ def test_a_compiled_schema_serves_many_requests_through_copies(engines, compiled
         engine.submit("Once", max_new_tokens=4, constraint=constraint.copy())
     assert engine.generate("Once", max_new_tokens=30, regex="[a-z]{2,5}", seed=0).text
     assert len(compiled) == 2  # without a constraint, submit compiles its own as before
+    many = engine.generate(["Once", "The dog", "A cat"], max_new_tokens=30, regex="[a-z]{2,5}")
+    assert len(compiled) == 3  # a generate() list compiles its grammar once
+    assert all(re.fullmatch("[a-z]{2,5}", r.text) for r in many)
 
 
 def test_bad_schemas_and_grammars_are_one_line_errors(engines):
