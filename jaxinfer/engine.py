@@ -24,7 +24,7 @@ from .errors import JaxinferError, RecompileError, RequestError
 from .formats.tokenizer import Tokenizer
 from .model.gdn import RecurrentState
 from .ops.sampling import SamplingRows
-from .options import MAX_LOGPROBS, EngineOptions, SamplingParams
+from .options import MAX_LOGPROBS, POOLING, EngineOptions, SamplingParams
 from .parallel.placement import Placement
 from .runtime.buckets import ShapePlan
 from .runtime.compile import CompileCache, CompileCounts, Handle, RecompileEvent, watching
@@ -88,9 +88,12 @@ class Engine:
         self.stream_chunk = min(o.stream_chunk, o.decode_chunk)
         self.spec = spec  # speculative decoding: `verify` serves in place of `decode`
         loop = "verify" if spec else "decode"
+        # Pooled passes (embeddings, rerank): several texts a call, one on linear layers.
+        pool = 1 if carries_state(placement, draft) else o.slots or max(o.batch_buckets)
         self.shapes = ShapePlan.make(
-            o.prefill_buckets, o.batch_buckets, o.slots, self.max_seq_len, loop
-        )
+            o.prefill_buckets, o.batch_buckets, o.slots, self.max_seq_len, loop,
+            pool if o.embeddings else 0,
+        )  # fmt: skip
         # A smaller pool is allowed: requests that could never fit are refused at submit.
         tokens = o.kv_cache_tokens or self.max_seq_len * max(o.slots or 1, 1)
         page_bytes, state_bytes = cache_bytes(placement, draft, o.page_size)
@@ -444,6 +447,75 @@ class Engine:
                 return done.value
             if waiting:
                 self.step()
+
+    # ---- embeddings and rerank ----------------------------------------------------------
+
+    def embed(self, texts, pooling: str = "last") -> np.ndarray:
+        """Float32 [len(texts), d_model]: each text's final-normed hidden states (the output
+        of the model's last norm, before the LM head) pooled ("last": at its last token, as
+        Qwen3-Embedding wants; "mean": their average; "cls": at its first token) and
+        L2-normalized. A text is a string (encoded with the EOS its tokenizer's metadata
+        appends, add_eos_token) or token ids (taken as given); one string is one text. A
+        prefill-only pass over prompt chunks (the `pool` programs: several texts a call,
+        one at a time on linear layers), whose KV pages are given back as each text ends."""
+        return self._drive(self.embed_steps(texts, pooling))
+
+    def embed_steps(self, texts, pooling: str = "last"):
+        """`embed` as a generator of calls (as `prompt_logprobs_steps`)."""
+        if pooling not in POOLING:
+            raise RequestError(f"pooling {pooling!r} is invalid; use one of {', '.join(POOLING)}")
+        ids = self._texts(texts, add_eos=True)
+        pooled, _ = yield from self._pooling(ids, (0, 0))  # [N, 3, D]: last, sum, first
+        lengths = np.array([len(t) for t in ids], np.float64)[:, None]
+        vectors = {"last": pooled[:, 0], "mean": pooled[:, 1] / lengths, "cls": pooled[:, 2]}
+        v = vectors[pooling].astype(np.float64)
+        norm = np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-12)
+        return (v / norm).astype(np.float32)
+
+    def yes_probability(self, prompts, yes: int, no: int) -> np.ndarray:
+        """Float32 [len(prompts)]: P(yes) after each prompt, the softmax over the logits of
+        the tokens `yes` and `no` at its last position (how Qwen3-Reranker scores a query and
+        document written into its template). Prompts as `embed`'s texts, strings without
+        EOS; the same pooled pass."""
+        return self._drive(self.yes_probability_steps(prompts, yes, no))
+
+    def yes_probability_steps(self, prompts, yes: int, no: int):
+        """`yes_probability` as a generator of calls (as `prompt_logprobs_steps`)."""
+        pick = token_ids("the yes and no tokens", [yes, no], self.cfg.vocab_size)
+        ids = self._texts(prompts, add_eos=False)
+        _, picked = yield from self._pooling(ids, pick)  # [N, 2] float32 logits
+        odds = picked[:, 1].astype(np.float64) - picked[:, 0]  # no - yes
+        return (1.0 / (1.0 + np.exp(odds))).astype(np.float32)
+
+    def _texts(self, texts, add_eos: bool) -> list[list[int]]:
+        """Checked ids of a text or a list of them (strings or token ids), each within the
+        context and the KV pool."""
+        if isinstance(texts, str) or (
+            isinstance(texts, list | tuple) and texts and isinstance(texts[0], int | np.integer)
+        ):
+            texts = [texts]  # one text
+        if not isinstance(texts, list | tuple) or not texts:
+            raise RequestError("texts must be a string, token ids or a non-empty list of them")
+        out = []
+        for text in texts:
+            if isinstance(text, str) and text:
+                text = self.tokenizer.encode(text, add_eos=add_eos)
+            ids = self._ids(text, self.max_seq_len)
+            self.kv.check(len(ids), f"a text of {len(ids)} tokens", "load with a larger "
+                          "kv_cache_tokens")  # fmt: skip
+            out.append(ids)
+        return out
+
+    def _pooling(self, texts: list[list[int]], pick):
+        """Scheduler.pooling of checked texts, its compiles watched (as `_scoring`)."""
+        steps = self._scheduler.pooling(texts, pick)
+        while True:
+            with self._watched():
+                try:
+                    waiting = next(steps)
+                except StopIteration as done:
+                    return done.value
+            yield waiting
 
     def perf_stats(self) -> PerfStats:
         cc = self.compile_cache

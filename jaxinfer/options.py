@@ -31,6 +31,11 @@ FLOAT32_MAX = 3.4028234663852886e38
 INT32_MAX = 2**31 - 1
 MAX_LOGPROBS = 20  # top log-probabilities per token (vLLM's cap, OpenAI's limit)
 MAX_STOP_LENGTH = 256  # characters of one stop string a server request may give
+# the rows of serve/tool_formats.py's table: how a chat template's model writes tool calls
+TOOL_CALL_FORMATS = ("hermes", "llama3_json", "qwen3_coder", "glm45", "mistral", "mistral_v11",
+                     "deepseek_v3", "deepseek_v31")  # fmt: skip
+REASONING_FORMATS = ("auto", "none", "deepseek", "deepseek-legacy")  # llama-server's
+POOLING = ("last", "mean", "cls")  # how Engine.embed pools a text's hidden states
 
 
 def _is_int(value) -> bool:
@@ -258,6 +263,9 @@ class EngineOptions:
     # speculative decoding: "ngram", "mtp", or a draft model (a path or a ModelConfig)
     speculative: Any = None
     draft_tokens: int = 4  # K drafts per step, 1..MAX_DRAFT_TOKENS
+    # the pooled pass of Engine.embed and rerank (serve --embedding / --rerank) in the compile
+    # plan: pool[B, T] at prefill's shapes (without it, its first call compiles)
+    embeddings: bool = False
 
     def __post_init__(self):
         def bad(name, want):
@@ -315,7 +323,7 @@ class EngineOptions:
                 f"page_size = {self.page_size!r} is invalid; use one of "
                 f"{', '.join(map(str, PAGE_SIZES))}"
             )
-        for name in ("strict", "graph_reuse", "prefix_cache", "shared_layers"):
+        for name in ("strict", "graph_reuse", "prefix_cache", "shared_layers", "embeddings"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "True or False")
         spec = self.speculative
@@ -368,8 +376,24 @@ class ServerOptions:
     api_key: str | None = None  # every route but /health and /metrics asks "Bearer <key>"
     alias: str | None = None  # the model's name in answers and /v1/models (default: its own)
     chat_template: str | None = None  # Jinja source in place of the model's
+    # how tool calls are written and read (TOOL_CALL_FORMATS); "auto": as the template teaches
+    tool_call_format: str = "auto"
+    # defaults of a request's chat_template_kwargs (the request's own win), e.g.
+    # {"enable_thinking": false} or {"preserve_thinking": true}
+    chat_template_kwargs: Any = None
+    # thinking models, as llama-server's --reasoning-format / --reasoning-budget: how answers
+    # are split into reasoning_content and content (serve.thinking.FORMATS), and the tokens a
+    # request may think unless it says (thinking_budget; -1: no limit, 0: no thinking)
+    reasoning_format: str = "auto"
+    reasoning_budget: int = -1
     slots_endpoint: bool = True  # GET /slots (it shows the prompts being served)
     progress: bool = False  # warmup progress on stderr
+    # retrieval, as llama-server's --embedding / --rerank / --pooling (chat stays on): POST
+    # /v1/embeddings pooled `pooling` way (POOLING), and POST /v1/rerank (a model whose
+    # vocabulary has single "yes" and "no" tokens: Qwen3-Reranker)
+    embedding: bool = False
+    rerank: bool = False
+    pooling: str = "last"
     # Limits: what one request may ask, so that it never costs another more than a bounded
     # delay (each refusal a one-line error naming the limit; /props lists them).
     max_body_mib: int = 16  # a request body (413); a 128k-token prompt as JSON is ~1 MiB
@@ -391,6 +415,25 @@ class ServerOptions:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise JaxinferError(f"{name} must be a non-empty string or None, not {value!r:.40}")
+        kwargs = self.chat_template_kwargs
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise JaxinferError("--chat-template-kwargs must be a JSON object")
+        object.__setattr__(self, "chat_template_kwargs", dict(kwargs or {}))
+        if self.reasoning_format not in REASONING_FORMATS:
+            raise JaxinferError(
+                f"--reasoning-format {self.reasoning_format!r} is not supported; use one of "
+                f"{', '.join(REASONING_FORMATS)}"
+            )
+        if not _is_int(self.reasoning_budget) or self.reasoning_budget < -1:
+            raise JaxinferError(
+                f"--reasoning-budget {self.reasoning_budget!r} is invalid; use -1 (no limit), 0 "
+                "(no thinking) or a number of tokens"
+            )
+        if self.tool_call_format not in ("auto", *TOOL_CALL_FORMATS):
+            raise JaxinferError(
+                f"--tool-call-format {self.tool_call_format!r:.40} is not supported; use auto or "
+                f"one of {', '.join(TOOL_CALL_FORMATS)}"
+            )
         if self.api_key is not None and not self.api_key.isascii():
             raise JaxinferError(
                 "--api-key must be ASCII (an HTTP header carries it; no client could send this one)"
@@ -404,7 +447,13 @@ class ServerOptions:
             raise JaxinferError(f"-n {self.n_predict!r} is invalid; use -1 (no cap) or >= 0")
         if not isinstance(self.timeout, int | float) or not self.timeout > 0:
             raise JaxinferError(f"--timeout {self.timeout!r} is invalid; use seconds > 0")
+        if self.pooling not in POOLING:
+            raise JaxinferError(
+                f"--pooling {self.pooling!r} is not supported; use one of {', '.join(POOLING)}"
+            )
         object.__setattr__(self, "slots_endpoint", bool(self.slots_endpoint))
+        object.__setattr__(self, "embedding", bool(self.embedding))
+        object.__setattr__(self, "rerank", bool(self.rerank))
         object.__setattr__(self, "progress", bool(self.progress))
 
     def limits(self) -> dict:

@@ -7,6 +7,7 @@ to stdout as it is produced; perf stats go to stderr.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import time
@@ -18,7 +19,10 @@ from ..options import (
     ACTIVATIONS,
     DTYPES,
     MAX_STOP_LENGTH,
+    POOLING,
     QUANTIZE,
+    REASONING_FORMATS,
+    TOOL_CALL_FORMATS,
     EngineOptions,
     SamplingParams,
     ServerOptions,
@@ -45,6 +49,16 @@ def _ints(text: str, minimum: int = 1) -> tuple[int, ...]:
 
 def _int_list(text: str) -> tuple[int, ...]:
     return _ints(text, 1)
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, not {text!r:.60}: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r:.60}")
+    return value
 
 
 def _int_list0(text: str) -> tuple[int, ...]:
@@ -227,6 +241,29 @@ def _parser() -> argparse.ArgumentParser:
         "--chat-template-file", default=None, metavar="FILE",
         help="a jinja chat template in place of the model's",
     )  # fmt: skip
+    s.add_argument("--tool-call-format", choices=("auto", *TOOL_CALL_FORMATS),
+                   default=SERVER.tool_call_format, metavar="FORMAT",
+                   help="how the model writes tool calls: auto (as its chat template teaches), "
+                   f"or one of {', '.join(TOOL_CALL_FORMATS)} (auto)")  # fmt: skip
+    s.add_argument("--chat-template-kwargs", type=_json_object, default=None, metavar="JSON",
+                   help='defaults of requests\' chat_template_kwargs, e.g. '
+                   '\'{"enable_thinking": false}\'')  # fmt: skip
+    s.add_argument("--reasoning-format", choices=REASONING_FORMATS,
+                   default=SERVER.reasoning_format,
+                   help="thinking models: auto/deepseek put the reasoning in "
+                   "reasoning_content, deepseek-legacy keeps it in content too, none splits "
+                   "nothing (auto)")  # fmt: skip
+    s.add_argument("--reasoning-budget", type=int, default=SERVER.reasoning_budget, metavar="N",
+                   help="tokens a request may think unless it says (thinking_budget): -1 no "
+                   "limit, 0 no thinking (-1)")  # fmt: skip
+    s.add_argument("--embedding", "--embeddings", action="store_true",
+                   help="serve POST /v1/embeddings too (chat stays on)")  # fmt: skip
+    s.add_argument("--rerank", "--reranking", action="store_true",
+                   help="serve POST /v1/rerank too, scored as Qwen3-Reranker (a model with "
+                   'single "yes" and "no" tokens)')  # fmt: skip
+    s.add_argument("--pooling", choices=POOLING, default=SERVER.pooling,
+                   help="how /v1/embeddings pools a text's hidden states: at its last token "
+                   f"(Qwen3-Embedding), their mean or at its first ({SERVER.pooling})")  # fmt: skip
     _limits(s)
     _serving(s)
 
@@ -275,6 +312,8 @@ def _options(args, **overrides) -> EngineOptions:
         kw["slots"] = args.parallel
     if getattr(args, "time_slice_ms", None) is not None:
         kw["time_slice_ms"] = args.time_slice_ms
+    if getattr(args, "embedding", False) or getattr(args, "rerank", False):
+        kw["embeddings"] = True  # the pooled pass in the compile plan
     if args.no_compile_cache:
         kw["compile_cache_dir"] = None
     elif args.compile_cache_dir:
@@ -459,10 +498,14 @@ def _serve(args) -> None:
 
     options = ServerOptions(
         host=args.host, port=args.port, api_key=args.api_key, alias=args.alias,
-        chat_template=template, slots_endpoint=args.slots_endpoint, progress=True,
+        chat_template=template, tool_call_format=args.tool_call_format,
+        slots_endpoint=args.slots_endpoint, progress=True,
         max_body_mib=args.max_body_mib, max_choices=args.max_choices,
         max_stop_strings=args.max_stop_strings, max_grammar_kib=args.max_grammar_kib,
         max_queue=args.max_queue, n_predict=args.n_predict, timeout=args.timeout,
+        embedding=args.embedding, rerank=args.rerank, pooling=args.pooling,
+        chat_template_kwargs=args.chat_template_kwargs, reasoning_format=args.reasoning_format,
+        reasoning_budget=args.reasoning_budget,
     )  # fmt: skip
     server = Server(lambda: _load(args), options, on_ready=ready)
     print(f"jaxinfer serve: listening on {server.url}; loading {args.model or 'stories260K'} "

@@ -59,6 +59,7 @@ class Tokenizer:
         eos_ids: tuple[int, ...],
         add_bos: bool,
         chat_template: str | None = None,
+        eos_append: int | None = None,
     ) -> None:
         self.backend = backend
         self.kind = kind
@@ -68,6 +69,10 @@ class Tokenizer:
         # Without a BOS id there is nothing to prepend, whatever the metadata asks for.
         self.add_bos = add_bos and bos_id is not None
         self.chat_template = chat_template  # jinja source (tokenizer_config.json / GGUF)
+        # The id the metadata says to append to a text (add_eos_token, or a post-processor
+        # that appends one: Qwen3-Embedding's <|endoftext|>); None: nothing. `encode` appends
+        # it only when asked (a text to embed): a prompt to continue must not end in EOS.
+        self.eos_append = eos_append
 
     def token_text(self, token_id: int | None) -> str:
         """The text of one token (e.g. "<s>"), "" for None."""
@@ -133,6 +138,14 @@ class Tokenizer:
         add_bos = prepended is not None and prepended == bos_id
         if isinstance(tok_cfg.get("add_bos_token"), bool):
             add_bos = tok_cfg["add_bos_token"]  # an explicit setting overrides the template
+        # Likewise a trailing id only "with" has is the EOS it appends.
+        appended = probe_with[-1] if probe_with[-1:] != probe_without[-1:] else None
+        if isinstance(tok_cfg.get("add_eos_token"), bool):
+            eos = token_id(tok_cfg.get("eos_token"))
+            if not tok_cfg["add_eos_token"]:
+                appended = None
+            elif appended is None:
+                appended = eos if eos is not None else next(iter(eos_ids), None)
 
         return cls(
             backend,
@@ -142,6 +155,7 @@ class Tokenizer:
             eos_ids=eos_ids,
             add_bos=add_bos,
             chat_template=_hf_chat_template(folder, tok_cfg),
+            eos_append=appended,
         )
 
     @classmethod
@@ -178,6 +192,7 @@ class Tokenizer:
             )
         )
         add_bos = meta.get("tokenizer.ggml.add_bos_token")
+        add_eos = bool(meta.get("tokenizer.ggml.add_eos_token"))
 
         # The first occurrence wins if a (broken) vocabulary repeats a piece.
         vocab: dict[str, int] = {}
@@ -215,6 +230,7 @@ class Tokenizer:
         return cls(
             backend, kind=kind, vocab_size=n, bos_id=bos_id, eos_ids=eos_ids, add_bos=add_bos,
             chat_template=template if isinstance(template, str) and template else None,
+            eos_append=meta.token_id("tokenizer.ggml.eos_token_id", n) if add_eos else None,
         )  # fmt: skip
 
     @classmethod
@@ -247,12 +263,15 @@ class Tokenizer:
 
     # ---- encode / decode ---------------------------------------------------------------
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text`, with BOS first iff `add_bos`. Special-token text (e.g.
+    def encode(self, text: str, *, add_eos: bool = False) -> list[int]:
+        """Token ids of `text`, with BOS first iff `add_bos`, and with `add_eos` the id the
+        metadata appends (`eos_append`, if any) last. Special-token text (e.g.
         "<|im_start|>" from a chat template) becomes the special id."""
         # BOS is added here rather than by the tokenizer.json post-processor, so that one rule
         # (add_bos) holds for every kind and templates that also append EOS are ignored.
         ids = self.backend.encode(text, add_special_tokens=False).ids
+        if add_eos and self.eos_append is not None:
+            ids.append(self.eos_append)
         # add_bos implies a BOS id (__init__)
         return [self.bos_id, *ids] if self.add_bos and self.bos_id is not None else ids
 

@@ -5,7 +5,8 @@ tables), so the plan is small and known before serving: `cache`, `decode[B]` (wi
 speculation `verify[B]` in its place) per batch bucket, `prefill[B, T]` per batch bucket and
 chunk within the prompt token budget (B x T at most the largest chunk, as llama.cpp's n_ubatch
 bounds the tokens of one prompt pass), and `score[1, T]` per chunk but the smallest (a short
-text pads to the next one: scoring is for evaluation, not latency). `why()` says what each
+text pads to the next one: scoring is for evaluation, not latency); when embeddings or rerank
+are served, `pool[B, T]` at prefill's shapes, up to `pool` rows a call. `why()` says what each
 program is for (`jaxinfer info` lists them).
 """
 
@@ -21,9 +22,12 @@ class ShapePlan:
     chunks: tuple[int, ...]  # prompt chunk lengths T, ascending
     batches: tuple[int, ...]  # batch sizes B, ascending; the last is the most rows at once
     loop: str = "decode"  # the decode program: "decode", or "verify" with speculation
+    pool: int = 0  # most rows of a pooled pass (embeddings, rerank) a call; 0: none planned
 
     @staticmethod
-    def make(chunks, batches, slots: int | None, max_seq_len: int, loop="decode") -> ShapePlan:
+    def make(
+        chunks, batches, slots: int | None, max_seq_len: int, loop="decode", pool: int = 0
+    ) -> ShapePlan:
         """Chunks never longer than the context; batch buckets up to the rows served at once
         (the slots, else the largest batch bucket), that number itself included."""
         for name, values in (("prefill_buckets", chunks), ("batch_buckets", batches)):
@@ -37,7 +41,7 @@ class ShapePlan:
         rows = slots or max(batches)
         chunks = tuple(sorted({min(c, max_seq_len) for c in chunks}))
         batches = tuple(sorted({b for b in batches if b < rows} | {rows}))
-        return ShapePlan(chunks, batches, loop)
+        return ShapePlan(chunks, batches, loop, pool)
 
     @property
     def rows(self) -> int:
@@ -77,6 +81,9 @@ class ShapePlan:
         jobs += [("prefill", B, T) for B in self.batches for T in self.chunks
                  if B <= self.rows_for(T)]  # fmt: skip
         jobs += [("score", 1, T) for T in self.score_chunks]
+        if self.pool:
+            jobs += [("pool", B, T) for B in self.batches for T in self.chunks
+                     if B <= self.rows_for(T) and B <= self.batch_for(self.pool)]  # fmt: skip
         return jobs
 
     def why(self, name: str, B: int, T: int) -> str:
@@ -88,6 +95,7 @@ class ShapePlan:
             "verify": f"drafts and verifies {B} row(s) at once (speculative decoding)",
             "prefill": f"prompt chunks of up to {T} tokens for {B} row(s) ({B}x{T} <= {budget})",
             "score": f"logits at every position, {T} tokens a pass (Engine.logits)",
+            "pool": f"pooled hidden states of {B} text(s), {T} tokens a call (embed, rerank)",
         }[name]
 
 

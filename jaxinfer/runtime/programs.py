@@ -2,7 +2,7 @@
 per-call inputs (for warmup and serving alike), output shardings and donated arguments.
 
 The functions are pure functions of arrays: the plain ones in steps.py (`cache`, `prefill`,
-`decode`, `score`), speculative decoding's `verify` in speculative.py. A speculative engine
+`decode`, `score`, `pool`), speculative decoding's `verify` in speculative.py. A speculative engine
 serves `verify[B]` where a plain one serves `decode[B]`.
 """
 
@@ -62,6 +62,11 @@ def programs(
         "score": Program(
             partial(steps.score, setup),
             lambda B, T, NB: (Chunk.abstract(B, T, NB, snaps), abstract(B, T)),
+            ("kv", "rep", "rep"),
+        ),
+        "pool": Program(
+            partial(steps.pool, setup),
+            lambda B, T, NB: (Chunk.abstract(B, T, NB, snaps), abstract(steps.PICK)),
             ("kv", "rep", "rep"),
         ),
     }

@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
 import numpy as np
@@ -439,6 +439,82 @@ class Scheduler:
         if not logprobs:
             return joined(*out)
         return jax.tree.map(lambda *a: joined(*a)[:-1], *out)  # the last predicts no id
+
+    # ---- pooled passes ------------------------------------------------------------------
+
+    def pooling(self, texts: list[list[int]], pick):
+        """A pooled pass over `texts` (embeddings, rerank), one call per next(): it yields
+        True while the pool lacks the next text's pages and no text is in the pass (the
+        caller steps the running requests until they free some), False after each call, and
+        returns pooled [N, 3, D] float64 (each text's final-normed hidden state at its last
+        token, their sum over its tokens, and at its first) and picked [N, P] float32 (the
+        logits of `pick` [P] after its last token). Texts go in calls of prefill's shapes,
+        several rows a call as prompts do, each with a KV lease given back as it ends
+        (nothing is kept); with linear layers one row a call, in the scoring pass's state
+        index. One pass (pooled or scoring) at a time."""
+        pick = np.asarray(pick, np.int32)
+        scoring = self.kv.config.first_snapshot - 1  # (a model without linear layers reads none)
+        cap = 1 if self.kv.carries_state else self.shapes.rows
+        pooled: list = [None] * len(texts)
+        picked: list = [None] * len(texts)
+        waiting, rows = deque(range(len(texts))), list[_Text]()
+        try:
+            while waiting or rows:
+                while waiting and len(rows) < cap:
+                    ids = texts[waiting[0]]
+                    lease = self.kv.admit(ids, len(ids))
+                    if lease is None:
+                        break
+                    rows.append(_Text(waiting.popleft(), ids, lease))
+                if not rows:
+                    yield True
+                    continue
+                left = [len(r.ids) - r.offset for r in rows]
+
+                def taken(T: int, left=left) -> tuple[int, int]:
+                    return sum(min(n, T) for n in left[: min(self.shapes.rows_for(T), cap)]), T
+
+                T = self.shapes.chunk_for(left[0])
+                T = max((c for c in self.shapes.chunks if c <= T), key=taken)
+                batch = rows[: min(self.shapes.rows_for(T), cap)]
+                B = self.shapes.batch_for(len(batch))
+                tokens = np.zeros((B, T), np.int32)
+                start, length, state_index = (np.zeros(B, np.int32) for _ in range(3))
+                for b, r in enumerate(batch):
+                    seg = r.ids[r.offset : r.offset + T]
+                    tokens[b, : len(seg)] = seg
+                    start[b], length[b], state_index[b] = r.offset, len(seg), scoring
+                    self.kv.grow(r.kv, r.offset + len(seg))
+                view = self.kv.view([r.kv for r in batch], B, start, length, state_index)
+                chunk = Chunk(tokens, view)  # type: ignore[arg-type]  # host rows, put later
+                out, logits = (np.asarray(a) for a in self.executor.run("pool", chunk, pick))
+                for b, r in enumerate(batch):  # out [B, 3, D]: last, sum, first of the chunk
+                    if r.offset == 0:
+                        r.first = out[b, 2]
+                    r.total = r.total + out[b, 1]  # float64 over a long text's chunks
+                    r.offset += int(length[b])
+                    if r.offset == len(r.ids):
+                        pooled[r.index] = np.stack([out[b, 0], r.total, r.first])
+                        picked[r.index] = logits[b]
+                        self.kv.release(r.kv)
+                        rows.remove(r)
+                yield False
+        finally:
+            for r in rows:
+                self.kv.release(r.kv)
+        return np.stack(pooled), np.stack(picked)
+
+
+@dataclass(eq=False)
+class _Text:
+    """A text of a pooled pass: its ids, KV lease and progress, and what its chunks pooled."""
+
+    index: int  # its place among the pass's texts
+    ids: list[int]
+    kv: Lease
+    offset: int = 0  # tokens computed
+    first: np.ndarray = field(default_factory=lambda: np.zeros(0))  # [D] at its first token
+    total: np.ndarray = field(default_factory=lambda: np.zeros((), np.float64))  # [D] their sum
 
 
 def _group(state: RequestState) -> object:

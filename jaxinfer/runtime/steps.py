@@ -4,6 +4,7 @@
   prefill(params, kv, chunk, window, sampling)       -> kv, tokens [B], lp  one prompt chunk per row
   decode(params, kv, state, table, sampling, steps[, snaps]) -> kv, state, out [B, decode_chunk], lp
   score(params, kv, chunk, following)                -> kv, logits [B, T, V], lp [B, T]
+  pool(params, kv, chunk, pick)                      -> kv, pooled [B, 3, D], picked [B, P]
 
 The page pools and linear-layer states `kv` are donated. With prefix snapshots (hybrid models
 under prefix caching), the state indices past the requests' ones are snapshots: the linear
@@ -243,3 +244,24 @@ def score(setup: Setup, params, kv, chunk: Chunk, following):
     logits = setup.runner.head(params, h)  # [B, T, V]
     lp = token_logprobs(logits, following, jnp.any(following >= 0))
     return kv + draft_kv, logits, lp
+
+
+PICK = 2  # P: the tokens whose logits a pooled pass returns (rerank's "yes" and "no")
+
+
+def pool(setup: Setup, params, kv, chunk: Chunk, pick):
+    """The pooled pass of embeddings and rerank: a prompt chunk per row, whose final-normed
+    hidden states leave pooled three ways, float32 -> kv, pooled [B, 3, D] (each row's
+    state at its last real token, their sum over its real tokens, and at the chunk's first
+    token) and picked [B, P], the logits of the tokens `pick` [P] at its last real token.
+    The head runs on one position per row: no [T, V] logits are made. The host adds the
+    chunks' sums of a text longer than one chunk; its KV pages are given back after."""
+    params, kv, _, draft_kv = setup.split(params, kv)
+    B, T = chunk.tokens.shape
+    h, kv = setup.runner.forward(params, chunk.tokens, chunk.view, kv)  # [B, T, D]
+    last = h[jnp.arange(B), jnp.clip(chunk.view.length - 1, 0, T - 1)]  # [B, D]
+    real = jnp.arange(T)[None, :] < chunk.view.length[:, None]  # [B, T]
+    total = jnp.sum(jnp.where(real[..., None], h.astype(jnp.float32), 0.0), axis=1)  # [B, D]
+    pooled = jnp.stack([last.astype(jnp.float32), total, h[:, 0].astype(jnp.float32)], axis=1)
+    logits = setup.runner.head(params, last)  # [B, V]
+    return kv + draft_kv, pooled, jnp.take(logits, pick, axis=1)  # [B, 3, D], [B, P]

@@ -66,7 +66,10 @@ class ChatTemplate:
     def encode(self, messages: Sequence[dict], limit: int | None = None, **extra) -> list[int]:
         """Token ids of the rendered messages, with exactly one BOS where the model wants one;
         text that surely holds more than `limit` tokens is a ContextError, not encoded."""
-        text = self.render(messages, **extra)
+        return self.tokenize(self.render(messages, **extra), limit)
+
+    def tokenize(self, text: str, limit: int | None = None) -> list[int]:
+        """Token ids of a rendered prompt (as `encode`)."""
         tok = self.tokenizer
         if limit is not None and (at_least := tok.too_long(text, limit)):
             raise ContextError(at_least, limit + 1, at_least=True)

@@ -23,10 +23,18 @@ from typing import Any
 from ..engine import token_ids as engine_token_ids
 from ..errors import ContextError, RequestError
 from ..formats.tokenizer import Tokenizer
-from ..options import MAX_LOGPROBS, MAX_STOP_LENGTH, SamplingParams, ServerOptions
+from ..options import (
+    MAX_LOGPROBS,
+    MAX_STOP_LENGTH,
+    REASONING_FORMATS,
+    SamplingParams,
+    ServerOptions,
+)
+from ..runtime.reasoning import Reasoning
 from ..runtime.request import Result, TokenLogprob
 from .chat import ChatTemplate, check_messages
-from .tools import ToolStream, check_tools, grammar, parse, tool_format
+from .thinking import ReasoningSplit, opened, split, thinking_tags
+from .tools import ToolRequest, ToolStream, check_tools, grammar, parse, tool_format
 
 # llama.cpp's extras next to OpenAI's own fields: body key -> SamplingParams field
 SAMPLING = {
@@ -60,7 +68,12 @@ class Job:
     model: str
     echo: bool = False  # completions: the prompt's text (and logprobs) before each choice's
     tool_format: str | None = None  # chat with tools: how the model's calls are read back
+    # thinking models (chat): the reasoning's tags and budget, and how answers are split
+    # (serve.thinking; "none": not at all)
+    reasoning: Reasoning | None = None
+    reasoning_format: str = "none"
     parallel_tool_calls: bool = True  # False: an answer's first call only
+    tool_request: ToolRequest | None = None  # its tools' schemas type XML formats' values
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -96,16 +109,24 @@ class Job:
         choices = []
         for i, r in enumerate(results):
             choice: dict[str, Any]  # its message or text and logprobs are set below
-            choice = {"index": i, "logprobs": None, "finish_reason": finish_reason(r)}
+            choice = {
+                "index": i,
+                "logprobs": None,
+                "finish_reason": finish_reason(r),
+                "stop_reason": r.stop_string,
+            }  # vLLM's: the stop string that ended it
             if self.chat:
-                choice["message"] = {"role": "assistant", "content": r.text}
+                reasoning, said = self.split(r.text)  # a call inside the reasoning is none
+                message: dict[str, Any] = {"role": "assistant", "content": said}
                 if self.tool_format:
-                    content, calls = parse(r.text, self.tool_format)
+                    content, calls = parse(said, self.tool_format, self.tool_request)
                     calls = self.kept_calls(calls)
                     if calls:
-                        choice["message"] = {"role": "assistant", "content": content,
-                                             "tool_calls": calls}  # fmt: skip
+                        message = {"role": "assistant", "content": content, "tool_calls": calls}
                         choice["finish_reason"] = "tool_calls"
+                if reasoning is not None:  # vLLM's and llama-server's name, and the newer one
+                    message |= {"reasoning_content": reasoning, "reasoning": reasoning}
+                choice["message"] = message
                 if r.logprobs is not None:
                     choice["logprobs"] = tokens.chat(r.logprobs)
             else:
@@ -120,29 +141,51 @@ class Job:
         return {**answer, "timings": timings(results[0])}
 
     def chunk(
-        self, index: int, text: str | None, finish: str | None = None, logprobs=None, calls=()
-    ) -> dict:
-        """One streamed chunk of choice `index`: new text, or (text None) its end, with the
-        logprobs of its tokens (`logprobs`: Tokens.chat / Tokens.completion's object, or
-        None) or the tool calls it makes. A chat stream opens each choice with its role
-        (`opening`)."""
+        self, index: int, text: str | None, finish: str | None = None, logprobs=None, calls=(),
+        stop_reason: str | None = None, reasoning: str | None = None,
+    ) -> dict:  # fmt: skip
+        """One streamed chunk of choice `index`: new text (and new `reasoning`), or (text
+        None) its end, with the logprobs of its tokens (`logprobs`: Tokens.chat /
+        Tokens.completion's object, or None) or the tool calls it makes; its end carries the
+        stop string that ended it (`stop_reason`). A chat stream opens each choice with its
+        role (`opening`)."""
+        end = {} if finish is None else {"stop_reason": stop_reason}
         if self.chat:
             delta: dict[str, Any] = {} if text is None else {"content": text}
+            if reasoning:
+                delta |= {"reasoning_content": reasoning, "reasoning": reasoning}
             if calls:
                 delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-            return {**self._head("chat.completion.chunk"), "choices": [choice]}
+            return {**self._head("chat.completion.chunk"), "choices": [{**choice, **end}]}
         choice = {"index": index, "text": text or "", "logprobs": logprobs,
-                  "finish_reason": finish}  # fmt: skip
+                  "finish_reason": finish, **end}  # fmt: skip
         return {**self._head("text_completion"), "choices": [choice]}
 
     def kept_calls(self, calls: list[dict]) -> list[dict]:
         """The calls an answer returns: the first alone without parallel_tool_calls."""
         return calls if self.parallel_tool_calls else calls[:1]
 
+    def split(self, text: str) -> tuple[str | None, str]:
+        """(reasoning, content) of a whole answer (reasoning None: it did not think, or the
+        reasoning format is "none")."""
+        r = self.reasoning
+        if r is None or self.reasoning_format == "none":
+            return None, text
+        return split(text, (r.start, r.end), r.opened, self.reasoning_format)
+
+    def reasoning_stream(self) -> ReasoningSplit | None:
+        """A choice's splitter of reasoning from content while it streams (None: no split)."""
+        r = self.reasoning
+        if r is None or self.reasoning_format == "none":
+            return None
+        return ReasoningSplit((r.start, r.end), r.opened, self.reasoning_format)
+
     def tool_stream(self) -> ToolStream | None:
         """A choice's reader of tool calls while it streams (None: no tools)."""
-        return ToolStream(self.tool_format) if self.tool_format else None
+        if not self.tool_format:
+            return None
+        return ToolStream(self.tool_format, self.tool_request)
 
     def opening(self, index: int) -> dict | None:
         if not self.chat:
@@ -201,9 +244,13 @@ def usage(job: Job, results: Sequence[Result]) -> dict:
     completion = sum(len(r.token_ids) for r in results)
     # prompt tokens the prefix cache held: each prompt once (its first choice's)
     cached = sum(r.cached_tokens for r in results[:: job.n])
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
+    out = {"prompt_tokens": prompt, "completion_tokens": completion,
+           "total_tokens": prompt + completion,
+           "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
+    if job.reasoning is not None:
+        thought = sum(r.reasoning_tokens for r in results)
+        out["completion_tokens_details"] = {"reasoning_tokens": thought}
+    return out
 
 
 def timings(result: Result) -> dict:
@@ -320,21 +367,27 @@ def chat_job(
     reserved = {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"} & set(extra)
     if reserved:
         raise RequestError(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}")
+    extra = {**limits.chat_template_kwargs, **extra}  # the server's defaults under the request's
+    tags = thinking_tags(template.source)
+    budget = _thinking_budget(body, limits)
+    if budget == 0 and tags and "enable_thinking" not in extra:
+        extra["enable_thinking"] = False  # Qwen3's templates then write an empty reasoning
     tools = check_tools(body)
     fmt = None
     if tools is not None and tools.choice != "none":
-        fmt = tool_format(template.source)
+        fmt = limits.tool_call_format
+        fmt = tool_format(template.source) if fmt == "auto" else fmt  # or --tool-call-format
         if fmt is None:
             raise RequestError(
-                "this model's chat template has no tool-call format jaxinfer reads (Hermes/Qwen "
-                "<tool_call> or Llama 3.1 JSON); pass a template that has one with "
-                "--chat-template-file, or leave tools out"
+                "this model's chat template has no tool-call format jaxinfer reads (docs/"
+                "serving.md lists them); name the model's with --tool-call-format, pass a "
+                "template that has one with --chat-template-file, or leave tools out"
             )
     generation = _get(body, "add_generation_prompt", bool, True)
-    ids = template.encode(
-        messages, limit=n_ctx - 1, add_generation_prompt=generation,
-        tools=tools.tools if tools else None, **extra,
-    )  # fmt: skip
+    text = template.render(
+        messages, add_generation_prompt=generation, tools=tools.tools if tools else None, **extra
+    )
+    ids = template.tokenize(text, limit=n_ctx - 1)
     _fits(len(ids), n_ctx)
     max_tokens = _max_tokens(body, "max_completion_tokens", None)
     body = {**body, "max_tokens": _max_tokens(body, "max_tokens", max_tokens)}
@@ -342,8 +395,32 @@ def chat_job(
     job = _job(body, [ids], n_ctx, model, limits, chat=True, default_max=None, forced=forced)
     if fmt:
         assert tools is not None  # a tool format is only looked for with tools
-        job = job.replace(tool_format=fmt, parallel_tool_calls=tools.parallel)
+        job = job.replace(tool_format=fmt, parallel_tool_calls=tools.parallel, tool_request=tools)
+    if tags is not None:
+        how = _get(body, "reasoning_format", str, limits.reasoning_format)
+        if how not in REASONING_FORMATS:
+            raise RequestError(
+                f"reasoning_format {how!r:.40} is not supported; use one of "
+                f"{', '.join(REASONING_FORMATS)}"
+            )
+        thinks = Reasoning(budget, *tags, opened=opened(text, tags))
+        job = job.replace(reasoning=thinks, reasoning_format="deepseek" if how == "auto" else how)
     return job  # default_max None: the whole context
+
+
+def _thinking_budget(body: dict, limits: ServerOptions) -> int:
+    """The tokens a request may think: thinking_budget (or reasoning_budget, its alias), else
+    the server's --reasoning-budget; -1 no limit, 0 no thinking."""
+    if body.get("thinking_budget") is not None and body.get("reasoning_budget") is not None:
+        raise RequestError("give thinking_budget or reasoning_budget (its alias), not both")
+    name = "reasoning_budget" if body.get("reasoning_budget") is not None else "thinking_budget"
+    budget = _get(body, name, int, limits.reasoning_budget)
+    if budget < -1:
+        raise RequestError(
+            f"{name} = {budget} is invalid; use -1 (no limit), 0 (no thinking) or a number of "
+            "tokens"
+        )
+    return budget
 
 
 def _job(

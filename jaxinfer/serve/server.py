@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import hmac
 import json
 import logging
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any, cast
 
 import uvicorn
@@ -34,6 +35,7 @@ from ..engine import Engine
 from ..errors import JaxinferError, RequestError
 from ..options import SamplingParams, ServerOptions
 from ..runtime.request import Result, StreamPiece
+from . import anthropic
 from .chat import ChatTemplate
 from .metrics import CONTENT_TYPE, Metrics, engine_snapshot
 from .openai_api import (
@@ -48,10 +50,14 @@ from .openai_api import (
     token_ids,
 )
 from .openai_api import finish_reason as openai_finish
+from .retrieval import EmbeddingJob, RerankJob, embeddings_job, rerank_job, rerank_tokens
+from .thinking import thinking_tags
+from .tools import tool_format
 from .worker import QueueFull, Task, Worker
 
 log = logging.getLogger(__name__)
 PUBLIC = ("/health", "/v1/health", "/metrics")  # answered without the API key, as in vLLM
+MESSAGES = ("/v1/messages", "/v1/messages/count_tokens")  # Anthropic's: its error shape
 
 
 class Server:
@@ -74,7 +80,7 @@ class Server:
         self.socket = _listen(o.host, o.port)
         self.host, self.port = self.socket.getsockname()[:2]
         self.worker = Worker(
-            load, progress=o.progress, on_failure=lambda e: self._shut(),
+            _retrieving(load, o), progress=o.progress, on_failure=lambda e: self._shut(),
             on_ready=(lambda: on_ready(self)) if on_ready else None,
         )  # fmt: skip
         self.metrics = Metrics()
@@ -129,6 +135,7 @@ class _App:
         self._template_source = o.chat_template  # overrides the model's
         self._template: tuple[ChatTemplate | None, str | None] | None = None
         self.started = int(time.time())
+        self.pooling = 0  # texts of the pooled passes (embeddings, rerank) not yet done
 
     def build(self) -> Starlette:
         routes = [
@@ -141,11 +148,20 @@ class _App:
             Route("/completions", self.guard(self.completions), methods=["POST"]),
             Route("/v1/chat/completions", self.guard(self.chat), methods=["POST"]),
             Route("/chat/completions", self.guard(self.chat), methods=["POST"]),
+            Route("/v1/messages", self.anthropic(self.messages), methods=["POST"]),
+            Route(
+                "/v1/messages/count_tokens", self.anthropic(self.count_tokens), methods=["POST"]
+            ),  # fmt: skip
             Route("/tokenize", self.guard(self.tokenize), methods=["POST"]),
             Route("/detokenize", self.guard(self.detokenize), methods=["POST"]),
             Route("/reset_prefix_cache", self.guard(self.reset_prefix_cache), methods=["POST"]),
             Route("/props", self.guard(self.props), methods=["GET"]),
             Route("/slots", self.guard(self.slots), methods=["GET"]),
+            Route("/v1/embeddings", self.guard(self.embeddings), methods=["POST"]),
+            *(
+                Route(path, self.guard(self.rerank), methods=["POST"])
+                for path in ("/v1/rerank", "/rerank", "/v1/reranking", "/reranking")
+            ),
         ]
         handlers: dict[type[Exception], Callable[..., Any]] = {
             HTTPException: self.http_error,
@@ -164,8 +180,7 @@ class _App:
 
         async def endpoint(request: HTTPRequest):
             if self.api_key is not None and request.url.path not in PUBLIC:
-                given = request.headers.get("authorization", "")
-                if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+                if not self.authorized(request):
                     return self.error("Invalid API Key", 401, "authentication_error")
             if ready and not self.worker.ready:
                 return self.unavailable()
@@ -183,18 +198,38 @@ class _App:
 
         return endpoint
 
+    def authorized(self, request: HTTPRequest) -> bool:
+        """The API key as `Authorization: Bearer KEY`, or as Anthropic's `x-api-key: KEY`."""
+        key = (self.api_key or "").encode()
+        bearer = request.headers.get("authorization", "").encode()
+        x_api_key = request.headers.get("x-api-key", "").encode()
+        # both compared: the time taken says nothing about which one was close
+        return hmac.compare_digest(bearer, b"Bearer " + key) | hmac.compare_digest(x_api_key, key)
+
+    def anthropic(self, handler):
+        """An Anthropic route: guarded as the others, its errors in Anthropic's shape.
+        (anthropic-version and anthropic-beta headers are accepted and not read.)"""
+        guarded = self.guard(handler)
+
+        async def endpoint(request: HTTPRequest):
+            return _anthropic_error(await guarded(request))
+
+        return endpoint
+
     def unavailable(self):
         if self.worker.status == "failed":
             return self.error(f"the model failed to load: {self.worker.error}", 500, "server_error")
         return self.error("Loading model", 503, "unavailable_error")
 
     async def http_error(self, request, exc: HTTPException):
-        return self.error(exc.detail, exc.status_code, "not_found_error"
-                          if exc.status_code == 404 else "invalid_request_error")  # fmt: skip
+        response = self.error(exc.detail, exc.status_code, "not_found_error"
+                              if exc.status_code == 404 else "invalid_request_error")  # fmt: skip
+        return _anthropic_error(response) if request.url.path in MESSAGES else response
 
     async def internal_error(self, request, exc: Exception):
         log.exception("internal error on %s", request.url.path, exc_info=exc)
-        return self.error(f"internal error: {type(exc).__name__}: {exc}", 500, "server_error")
+        response = self.error(f"internal error: {type(exc).__name__}: {exc}", 500, "server_error")
+        return _anthropic_error(response) if request.url.path in MESSAGES else response
 
     async def read(self, request: HTTPRequest) -> bytes:
         """The raw body: at most max_body_mib (413, checked while it arrives: Content-Length
@@ -318,6 +353,8 @@ class _App:
             "model_alias": self.model,
             "model_path": e.name,
             "chat_template": self._template_source or tok.chat_template or "",
+            "tool_call_format": self.tool_call_format(),
+            "reasoning": self.reasoning(),
             "bos_token": tok.token_text(tok.bos_id),
             "eos_token": tok.token_text(tok.eos_ids[0] if tok.eos_ids else None),
             "modalities": {"vision": False, "audio": False},
@@ -325,7 +362,27 @@ class _App:
             "limits": self.options.limits(),
             "build_info": f"jaxinfer {__version__}",
             "is_sleeping": False,
+            "embedding": self.options.embedding,
+            "rerank": self.options.rerank,
+            "pooling": self.options.pooling,
         })  # fmt: skip
+
+    def reasoning(self) -> dict | None:
+        """How thinking answers are split and bounded (None: the template does not think)."""
+        source = self._template_source or self.engine.tokenizer.chat_template
+        tags = thinking_tags(source) if source else None
+        if tags is None:
+            return None
+        o = self.options
+        return {"format": o.reasoning_format, "budget": o.reasoning_budget, "tags": list(tags)}
+
+    def tool_call_format(self) -> str | None:
+        """The tool-call format chat requests use: --tool-call-format, else the one the chat
+        template teaches (None: none known, or no template)."""
+        if self.options.tool_call_format != "auto":
+            return self.options.tool_call_format
+        source = self._template_source or self.engine.tokenizer.chat_template
+        return tool_format(source) if source else None
 
     async def slots(self, request: HTTPRequest):
         """llama-server's GET /slots: each slot's request (its prompt text, sampling values and
@@ -346,6 +403,85 @@ class _App:
             return self.error("no slot available", 503, "unavailable_error")
         return JSONResponse(slots)
 
+    async def embeddings(self, request: HTTPRequest):
+        """OpenAI's POST /v1/embeddings (serve --embedding), in pieces on the engine thread."""
+        if not self.options.embedding:
+            raise RequestError("this server does not serve embeddings; start it with --embedding")
+        e, raw = self.engine, await self.read(request)
+
+        def job() -> EmbeddingJob:
+            return embeddings_job(parse_body(raw), e.tokenizer, e.max_seq_len, e.cfg.d_model,
+                                  self.model, self.options)  # fmt: skip
+
+        made, pooling = await self.off_loop(job), self.options.pooling
+        texts = [list(ids) for ids in made.inputs]
+        vectors = await self.pooled(
+            request, len(texts), lambda engine: engine.embed_steps(texts, pooling)
+        )
+        return await self.answer(made.response, vectors)
+
+    async def rerank(self, request: HTTPRequest):
+        """Jina's / llama-server's POST /v1/rerank (serve --rerank): each document scored as
+        Qwen3-Reranker scores it, P(yes), in pieces on the engine thread."""
+        if not self.options.rerank:
+            raise RequestError("this server does not rerank; start it with --rerank")
+        e, raw = self.engine, await self.read(request)
+
+        def job() -> RerankJob:
+            body = parse_body(raw)
+            return rerank_job(body, e.tokenizer, e.max_seq_len, self.model, self.options)
+
+        made = await self.off_loop(job)
+        yes, no = rerank_tokens(e.tokenizer, e.cfg.vocab_size)  # checked at start
+        prompts = [list(ids) for ids in made.prompts]
+        scores = await self.pooled(
+            request, len(prompts), lambda engine: engine.yes_probability_steps(prompts, yes, no)
+        )
+        return await self.answer(made.response, scores)
+
+    async def pooled(self, request: HTTPRequest, n: int, make):
+        """The value of the generator `make(engine)` (a pooled pass over `n` texts), run on the
+        engine thread a call at a time between the running requests' steps, as an echo's
+        scoring is; None once the client has left (the pass then stops and gives its pages
+        back). The texts of passes not yet done count against max_queue (429 past it)."""
+        limit = self.options.max_queue
+        if self.pooling + n > limit:
+            raise _Refused(
+                f"{self.pooling} texts wait for the engine and this request adds {n}, over "
+                f"this server's max_queue ({limit}); retry later", 429, {"Retry-After": "1"},
+            )  # fmt: skip
+        self.pooling += n
+        try:
+            return await self._pooled(request, make)
+        finally:
+            self.pooling -= n
+
+    async def _pooled(self, request: HTTPRequest, make):
+        gone = threading.Event()
+        future = self.worker.call(lambda engine: _until(gone, make(engine)))
+        done = asyncio.wrap_future(future)
+        left = asyncio.ensure_future(_disconnect(request))
+        await asyncio.wait((done, left), return_when=asyncio.FIRST_COMPLETED)
+        left.cancel()
+        if not done.done():
+            gone.set()
+            future.cancel()  # not begun: skipped
+            done.add_done_callback(lambda f: f.cancelled() or f.exception())  # read, not raised
+            return None
+        return done.result()  # a RequestError (the KV pool) is the guard's 400
+
+    async def answer(self, shape, value):
+        """`shape(value)` as JSON, built and written on the handlers' pool (a large batch of
+        embeddings is megabytes of text); a client gone (value None): 499."""
+        if value is None:
+            return Response(status_code=499)
+
+        def render() -> bytes:
+            return json.dumps(shape(value), ensure_ascii=False, allow_nan=False,
+                              separators=(",", ":")).encode()  # fmt: skip
+
+        return Response(await self.off_loop(render), media_type="application/json")
+
     async def completions(self, request: HTTPRequest):
         e, raw = self.engine, await self.read(request)
 
@@ -365,13 +501,38 @@ class _App:
 
         return await self.serve(request, await self.off_loop(job))
 
+    async def messages(self, request: HTTPRequest):
+        """Anthropic's POST /v1/messages, served as the chat request it translates to."""
+        raw = await self.read(request)
+
+        def job() -> Job:
+            body = anthropic.chat_body(parse_body(raw))
+            return chat_job(body, self.template(), self.engine.max_seq_len, self.model,
+                            self.options)  # fmt: skip
+
+        return await self.serve(request, await self.off_loop(job), messages=True)
+
+    async def count_tokens(self, request: HTTPRequest):
+        """Anthropic's POST /v1/messages/count_tokens: the rendered prompt's tokens, tools
+        included, as /v1/messages would send them to the model."""
+        raw = await self.read(request)
+
+        def count() -> int:
+            body = anthropic.chat_body(parse_body(raw), count=True)
+            job = chat_job(body, self.template(), self.engine.max_seq_len, self.model,
+                           self.options)  # fmt: skip
+            return len(job.prompts[0])
+
+        return JSONResponse({"input_tokens": await self.off_loop(count)})
+
     # ---- one job ------------------------------------------------------------------------
 
-    async def serve(self, request: HTTPRequest, job: Job):
+    async def serve(self, request: HTTPRequest, job: Job, *, messages: bool = False):
+        """Run `job` and answer it: in OpenAI's shape, or (`messages`) Anthropic's."""
         task = Task(
             job.submissions(), stream=job.stream, echo=job.prompts if job.echo else (),
             logprobs=job.sampling.logprobs, on_result=self.metrics.finished,
-            max_queue=self.options.max_queue,
+            max_queue=self.options.max_queue, reasoning=job.reasoning,
         )  # fmt: skip
         try:
             handles = await self.worker.submit(task, self.pool)  # grammars compiled on the pool
@@ -381,6 +542,8 @@ class _App:
         tokens = Tokens(self.engine.vocabulary.token_bytes)
         if job.stream:
             events = self.events(job, handles, inbox, tokens, echoed)
+            if messages:
+                events = _message_events(job, events)
             return _Stream(events, self.options.timeout, media_type="text/event-stream",
                            headers={"Cache-Control": "no-cache"})  # fmt: skip
         collect = asyncio.ensure_future(_results(inbox, len(handles)))
@@ -395,7 +558,8 @@ class _App:
         results = collect.result()
         if isinstance(results, Exception):
             return self.error(f"generation failed: {results}", 500, "server_error")
-        return JSONResponse(job.response(results, tokens, echoed))
+        answer = job.response(results, tokens, echoed)
+        return JSONResponse(anthropic.message(answer) if messages else answer)
 
     async def events(
         self, job: Job, handles, inbox: asyncio.Queue, tokens: Tokens, echoed
@@ -404,6 +568,7 @@ class _App:
         results: list[Result | None] = [None] * len(handles)
         offsets = [0] * len(handles)  # completions' text_offset of each choice's next token
         calls = [job.tool_stream() for _ in handles]  # with tools: each choice's call reader
+        thoughts = [job.reasoning_stream() for _ in handles]  # thinking: reasoning from content
 
         def logprobs(index: int, lps, ids=()) -> dict | None:
             if job.sampling.logprobs is None or not lps:
@@ -425,20 +590,26 @@ class _App:
             while any(r is None for r in results):
                 index, item = await inbox.get()
                 if isinstance(item, StreamPiece):
-                    text = calls[index].feed(item.text) if calls[index] else item.text
-                    if text or item.logprobs:
+                    thought, text = thoughts[index].feed(item.text) if thoughts[index] else (
+                        "", item.text)  # fmt: skip
+                    text = calls[index].feed(text) if calls[index] else text
+                    if text or thought or item.logprobs:
                         lps = logprobs(index, item.logprobs)
-                        yield _sse(job.chunk(index, text, None, lps))
+                        yield _sse(job.chunk(index, text, None, lps, reasoning=thought))
                 elif isinstance(item, Result):
                     results[index] = item
-                    finish = openai_finish(item)
+                    finish, stop = openai_finish(item), item.stop_string
+                    thought, rest = thoughts[index].finish() if thoughts[index] else ("", "")
                     if calls[index]:  # the held-back text, or the calls
-                        rest, made = calls[index].finish()
-                        made = job.kept_calls(made)
-                        if rest or made:
-                            yield _sse(job.chunk(index, rest or None, calls=made))
+                        rest = calls[index].feed(rest)
+                        more, made = calls[index].finish()
+                        rest, made = rest + more, job.kept_calls(made)
                         finish = "tool_calls" if made else finish
-                    yield _sse(job.chunk(index, None, finish))
+                    else:
+                        made = []
+                    if rest or thought or made:
+                        yield _sse(job.chunk(index, rest or None, calls=made, reasoning=thought))
+                    yield _sse(job.chunk(index, None, finish, stop_reason=stop))
                 else:  # the engine failed this step: say so in the stream, as vLLM does
                     yield _sse(error_body(f"generation failed: {item}", 500, "server_error"))
                     return
@@ -482,6 +653,36 @@ class _Stream(StreamingResponse):
             await self.body_iterator.aclose()  # type: ignore[attr-defined]  # our generator
 
 
+async def _message_events(job: Job, events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """A chat job's SSE stream as Anthropic's events; closing it closes `events` (which
+    cancels what still runs)."""
+    stream = anthropic.MessageStream(job.id, job.model, len(job.prompts[0]))
+    async with contextlib.aclosing(cast(AsyncGenerator[str, None], events)):
+        for frame in stream.start():
+            yield frame
+        async for sse in events:
+            data = sse.removeprefix("data: ").rstrip("\n")
+            if data == "[DONE]":
+                break
+            for frame in stream.feed(json.loads(data)):
+                yield frame
+        for frame in stream.close():
+            yield frame
+
+
+def _anthropic_error(response: Response) -> Response:
+    """An error response in Anthropic's shape, {"type": "error", "error": {type, message}}
+    (the same status; Retry-After kept); any other response as it is."""
+    if not isinstance(response, JSONResponse) or response.status_code < 400:
+        return response
+    error = json.loads(bytes(response.body))["error"]
+    code = response.status_code
+    shaped = JSONResponse(anthropic.error_body(error["message"], code), status_code=code)
+    if "retry-after" in response.headers:
+        shaped.headers["Retry-After"] = response.headers["retry-after"]
+    return shaped
+
+
 async def _results(inbox: asyncio.Queue, n: int):
     """Every choice's Result in order (pieces skipped), or the exception that ended them."""
     results: list[Result | None] = [None] * n
@@ -492,6 +693,36 @@ async def _results(inbox: asyncio.Queue, n: int):
         if isinstance(item, Result):
             results[index] = item
     return results
+
+
+def _retrieving(load: Callable[[], Engine], options: ServerOptions) -> Callable[[], Engine]:
+    """`load`, then with --rerank the check that the model can be scored so (one line, before
+    warmup); served embeddings or rerank without the engine's `embeddings` option compile
+    their pooled pass on first use, which a warning says."""
+
+    def checked() -> Engine:
+        engine = load()
+        if options.rerank:
+            rerank_tokens(engine.tokenizer, engine.cfg.vocab_size)
+        if (options.embedding or options.rerank) and not engine.options.embeddings:
+            log.warning("the engine was loaded without embeddings=True: the pooled pass of "
+                        "embeddings and rerank compiles on first use")  # fmt: skip
+        return engine
+
+    return checked
+
+
+def _until(gone: threading.Event, steps):
+    """The generator `steps` until `gone` is set: then it is closed (a pooled pass gives its
+    pages back) and this one returns None."""
+    with contextlib.closing(steps):
+        while not gone.is_set():
+            try:
+                waiting = next(steps)
+            except StopIteration as done:
+                return done.value
+            yield waiting
+    return None
 
 
 async def _disconnect(request: HTTPRequest) -> None:

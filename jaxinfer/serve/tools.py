@@ -1,45 +1,39 @@
 """Tool calls: the protocol by which a chat template's model calls the functions of OpenAI's
 `tools`. The template writes the tools into the prompt; the model answers in the format it was
-trained on, "hermes" (Hermes, Qwen 2.5/3: `<tool_call>\\n{"name", "arguments"}\\n</tool_call>`
-blocks) or "llama3_json" (Llama 3.1/3.2: the whole answer is `{"name", "parameters"}`). Here a
-request's tools are checked, a call is forced by a grammar when tool_choice demands one, and
-the calls are read back out of the text, whole (`parse`) or while it streams (`ToolStream`).
+trained on (serve/tool_formats.py's table: Hermes/Qwen JSON, Llama 3.1 JSON, Qwen3-Coder XML,
+GLM-4.5, Mistral, DeepSeek). Here a request's tools are checked, a call is forced by a grammar
+when tool_choice demands one, and the calls are read back out of the text as OpenAI's
+tool_calls, whole (`parse`) or while it streams (`ToolStream`).
 """
 
 from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass
 
 import llguidance
 
 from ..errors import RequestError
-from ..runtime.structured import JSON_OPTIONS
+from . import tool_formats
+from .tool_formats import TABLE
 
-FORMATS = ("hermes", "llama3_json")
+FORMATS = tuple(TABLE)  # the formats' names, as --tool-call-format takes them
 CHOICES = ("auto", "none", "required")
 NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-OPEN, CLOSE = "<tool_call>", "</tool_call>"  # hermes
-PYTHON_TAG = "<|python_tag|>"  # llama3_json: Llama's tool-call token; decoded text may lack it
 # a function without parameters takes none: its arguments are {}
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+# schema keywords whose value is a subschema, a list of them, or a map of names to them
+SUBSCHEMA = ("items", "additionalProperties", "not", "contains", "if", "then", "else",
+             "additionalItems", "propertyNames", "unevaluatedItems")  # fmt: skip
+SUBSCHEMAS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
 def tool_format(template_source: str) -> str | None:
-    """The tool-call format a chat template teaches its model: "hermes", "llama3_json", or
-    None (no tools, or a format not implemented here)."""
-    if OPEN in template_source:
-        # Qwen3-Coder / Qwen3.5 (`<function=name>`) and GLM (`<arg_key>`) put XML, not JSON,
-        # inside <tool_call>
-        xml = "<function=" in template_source or "<arg_key>" in template_source
-        return None if xml else "hermes"
-    if "[TOOL_CALLS]" in template_source:  # Mistral's own format
-        return None
-    if PYTHON_TAG in template_source or '"parameters"' in template_source:
-        return "llama3_json"
-    return None
+    """The tool-call format a chat template teaches its model (a name of FORMATS), or None
+    (no tools, or a format not in the table)."""
+    return tool_formats.detect(template_source)
 
 
 @dataclass(frozen=True)
@@ -152,40 +146,64 @@ def grammar(request: ToolRequest | None, fmt: str | None) -> str | None:
     "none", no tools). A parameters schema llguidance cannot enforce is a RequestError."""
     if request is None or request.choice != "required":
         return None
-    if fmt not in FORMATS:
-        raise ValueError(f"unknown tool-call format {fmt!r}; expected one of {FORMATS}")
+    row = _row(fmt)
     names = [request.name] if request.name else request.names
-    # The call's frame is written out (the template's own spacing), and the arguments are the
-    # tool's schema at the root of their own %json: its "#/..." $refs resolve as the client meant
-    # them, and x-guidance (read at the root only) bounds the whitespace.
-    rules = []
-    for i, name in enumerate(names):
-        if fmt == "hermes":
-            head, tail = f'{OPEN}\n{{"name": "{name}", "arguments": ', "}\n" + CLOSE
-        else:
-            head, tail = f'{{"name": "{name}", "parameters": ', "}"
-        schema = _enforced(request.parameters(name))
-        rules.append(f"call_{i}: {json.dumps(head)} args_{i} {json.dumps(tail)}")
-        rules.append(f"args_{i}: %json {json.dumps(schema)}")
-    several = fmt == "hermes" and request.parallel and request.name is None
-    start = 'start: call ("\\n" call)*' if several else "start: call"
-    alternatives = " | ".join(f"call_{i}" for i in range(len(names)))
-    text = "\n".join(["%llguidance {}", start, f"call: {alternatives}", *rules]) + "\n"
-    _validate(text, request, names)
+    schemas = {name: closed(request.parameters(name)) for name in names}
+    several = request.parallel and request.name is None
+    text = tool_formats.forced(row, names, schemas, several)
+    _validate(text, request, names, schemas)
     return text
 
 
-def _enforced(parameters: dict) -> dict:
-    return {**parameters, "type": "object", "x-guidance": JSON_OPTIONS}  # bounded blanks
+def closed(schema):
+    """A tool's schema as its grammar enforces it: an object schema that lists properties and
+    does not say additionalProperties allows no others (llama.cpp's JSON-schema converter reads
+    it so), so that even a weak model ends its call instead of inventing keys; a schema that
+    says additionalProperties keeps it, and allOf's parts (merged by the validator) stay open."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in SUBSCHEMA:
+        if isinstance(out.get(key), dict):
+            out[key] = closed(out[key])
+    for key in SUBSCHEMAS:
+        if isinstance(out.get(key), list):
+            parts = [closed(s) for s in out[key]]
+            if key == "allOf":  # each part names only some keys: a closed part refuses the rest
+                parts = [_reopened(p, s) for p, s in zip(parts, out[key], strict=True)]
+            out[key] = parts
+    for key in SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed(s) for name, s in out[key].items()}
+    open_keys = ("additionalProperties", "patternProperties", "unevaluatedProperties", "allOf")
+    if isinstance(out.get("properties"), dict) and not any(k in out for k in open_keys):
+        out["additionalProperties"] = False
+    return out
 
 
-def _validate(text: str, request: ToolRequest, names: list[str]) -> None:
+def _reopened(part, original):
+    if isinstance(part, dict) and isinstance(original, dict):
+        if "additionalProperties" not in original:
+            part.pop("additionalProperties", None)
+    return part
+
+
+def _row(fmt: str | None) -> tool_formats.ToolFormat:
+    if fmt not in TABLE:
+        raise ValueError(f"unknown tool-call format {fmt!r}; expected one of {FORMATS}")
+    return TABLE[fmt]
+
+
+def _validate(text: str, request: ToolRequest, names: list[str], schemas: dict) -> None:
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text)
     if not is_error:
         return
     for name in names:  # which tool's schema is at fault
-        schema = llguidance.LLMatcher.grammar_from_json_schema(_enforced(request.parameters(name)))
-        is_error, why = llguidance.LLMatcher.validate_grammar_with_warnings(schema)
+        schema = tool_formats.enforced({**schemas[name], "type": "object"})
+        compiled = llguidance.LLMatcher.grammar_from_json_schema(schema)
+        is_error, why = llguidance.LLMatcher.validate_grammar_with_warnings(compiled)
         if is_error:
             k = request.names.index(name)
             raise RequestError(
@@ -197,144 +215,56 @@ def _validate(text: str, request: ToolRequest, names: list[str]) -> None:
 # ---- reading calls -----------------------------------------------------------------------
 
 
-def parse(text: str, fmt: str) -> tuple[str | None, list[dict]]:
-    """(content, tool_calls) of a generated answer, tool_calls as OpenAI's message has them.
-    Text with a malformed call is all content, with no calls (vLLM's rule); with calls, content
-    is the text outside them (None if blank)."""
-    if fmt not in FORMATS:
-        raise ValueError(f"unknown tool-call format {fmt!r}; expected one of {FORMATS}")
-    found = _hermes(text) if fmt == "hermes" else _llama3_json(text)
+def parse(text: str, fmt: str, request: ToolRequest | None = None) -> tuple[str | None, list[dict]]:
+    """(content, tool_calls) of a generated answer, tool_calls as OpenAI's message has them;
+    `request`'s schemas type the bare values of XML formats. Text with a malformed call is all
+    content, with no calls (vLLM's rule); with calls, content is the text outside them (None
+    if blank). A call written inside <think>...</think> is not a call."""
+    row = _row(fmt)
+    schemas = _schemas(request)
+    found = tool_formats.read(row, text, schemas)
     if found is None:
         return text, []
     content, calls = found
-    return content, [_tool_call(name, arguments) for name, arguments in calls]
+    return content, [_tool_call(name, arguments, row.new_id()) for name, arguments in calls]
 
 
-def _hermes(text: str):
-    start = text.find(OPEN)
-    if start < 0:
-        return None
-    outside, calls = [text[:start].rstrip()], []
-    while start >= 0:
-        body = start + len(OPEN)
-        end = text.find(CLOSE, body)  # a missing last </tool_call> (stopped early) is tolerated
-        call = _call(text[body:] if end < 0 else text[body:end], "arguments")
-        if call is None:
-            return None
-        calls.append(call)
-        if end < 0:
-            break
-        after = end + len(CLOSE)
-        start = text.find(OPEN, after)
-        outside.append(text[after : len(text) if start < 0 else start].strip())
-    return "\n".join(piece for piece in outside if piece) or None, calls
+def _schemas(request: ToolRequest | None) -> dict[str, dict]:
+    if request is None:
+        return {}
+    return {name: request.parameters(name) for name in request.names}
 
 
-def _llama3_json(text: str):
-    body = text.lstrip()
-    if body.startswith(PYTHON_TAG):
-        body = body[len(PYTHON_TAG) :]
-    elif not body.startswith("{"):
-        return None
-    calls, pos, decoder = [], 0, json.JSONDecoder()
-    while True:  # one call, or several separated by ";"
-        pos = _skip_space(body, pos)
-        try:
-            obj, pos = decoder.raw_decode(body, pos)
-        except ValueError:
-            return None
-        call = _call(obj, "parameters", "arguments")
-        if call is None:
-            return None
-        calls.append(call)
-        pos = _skip_space(body, pos)
-        if pos < len(body) and body[pos] == ";":
-            pos = _skip_space(body, pos + 1)
-        elif pos < len(body):
-            return None
-        if pos == len(body):
-            return None, calls
-
-
-def _call(call, *keys: str) -> tuple[str, dict] | None:
-    """(name, arguments) of one call's JSON (text or decoded), None if malformed."""
-    if isinstance(call, str):
-        try:
-            call = json.loads(call)
-        except ValueError:
-            return None
-    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
-        return None
-    arguments: object = next((call[key] for key in keys if key in call), {})
-    return (call["name"], arguments) if isinstance(arguments, dict) else None
-
-
-def _tool_call(name: str, arguments: dict) -> dict:
+def _tool_call(name: str, arguments: dict, call_id: str) -> dict:
     return {
-        "id": "call_" + uuid.uuid4().hex[:24],
+        "id": call_id,
         "type": "function",
         "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)},
     }
 
 
-def _skip_space(text: str, pos: int) -> int:
-    while pos < len(text) and text[pos].isspace():
-        pos += 1
-    return pos
-
-
 class ToolStream:
     """Reads an answer as it streams: `feed` returns the content that is safe to send now,
-    holding back what may begin a call (a partial `<tool_call>`, a leading `{` or
-    `<|python_tag|>`) and blanks that may precede one; once a call begins nothing more is
-    sent. `finish` returns the content still unsent and the calls: what was sent plus that
-    content is `parse`'s content."""
+    holding back what may begin a call (a partial tag at a piece's end) and blanks that may
+    precede one; once a call begins nothing more is sent. `finish` returns the content still
+    unsent and the calls: what was sent plus that content is `parse`'s content."""
 
-    def __init__(self, fmt: str):
-        if fmt not in FORMATS:
-            raise ValueError(f"unknown tool-call format {fmt!r}; expected one of {FORMATS}")
-        self.fmt = fmt
-        self.text = ""  # everything fed so far
-        self.sent = 0  # text[:sent] went out as content; it ends in a non-blank (or is empty)
-        self.calling = False  # a call has begun: the rest is held for finish()
-        self.plain = False  # llama3_json: the answer does not start with a call
+    def __init__(self, fmt: str, request: ToolRequest | None = None):
+        self.fmt, self.request = fmt, request
+        self.reader = tool_formats.Reader(_row(fmt))
+
+    @property
+    def text(self) -> str:
+        """Everything fed so far."""
+        return self.reader.text
 
     def feed(self, piece: str) -> str:
-        self.text += piece
-        if self.calling:
-            return ""
-        text = self.text
-        if self.fmt == "hermes":
-            start = text.find(OPEN, self.sent)
-            self.calling = start >= 0
-            end = start if self.calling else len(text) - _partial(text, OPEN)
-            tail = text[self.sent : end].rstrip()  # blanks wait: a call may follow them
-        elif self.plain:
-            tail = text[self.sent :]
-        else:
-            body = text.lstrip()
-            if body.startswith("{") or body.startswith(PYTHON_TAG):
-                self.calling = True
-                return ""
-            if PYTHON_TAG.startswith(body):  # blank so far, or a partial <|python_tag|>
-                return ""
-            self.plain = True
-            tail = text
-        self.sent += len(tail)
-        return tail
+        return self.reader.feed(piece)
 
     def finish(self) -> tuple[str, list[dict]]:
         """(the content not yet sent, "" if none; the tool calls)."""
-        content, calls = parse(self.text, self.fmt)
-        return (content or "")[self.sent :], calls
-
-
-def _partial(text: str, tag: str) -> int:
-    """The length of the longest end of `text` that begins `tag` (and is shorter than it)."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
+        content, calls = parse(self.reader.text, self.fmt, self.request)
+        return (content or "")[self.reader.sent :], calls
 
 
 def _line(text) -> str:

@@ -30,6 +30,7 @@ from functools import partial
 from ..engine import Engine
 from ..errors import RequestError
 from ..options import SamplingParams
+from ..runtime.reasoning import Reasoning
 from ..runtime.request import Request, Result
 from ..runtime.structured import Constraint, grammar_key
 
@@ -59,8 +60,10 @@ class Task:
         logprobs: int | None = None,
         on_result: Callable[[Result], None] | None = None,
         max_queue: int | None = None,
+        reasoning: Reasoning | None = None,
     ):
         self.submissions, self.stream = submissions, stream
+        self.reasoning = reasoning  # chat with a thinking template: its tags and budget
         self.max_queue = max_queue  # most choices waiting for a slot, with this task's
         self.echo, self.logprobs, self.on_result = echo, logprobs, on_result
         self.loop = asyncio.get_running_loop()
@@ -117,7 +120,8 @@ class Task:
                 compiled = constraints.get(grammar_key(sampling))
                 constraint = None if compiled is None else compiled.copy()
                 made.append(engine.submit(list(ids), sampling=sampling, stream=self.stream,
-                                          constraint=constraint, group=self))  # fmt: skip
+                                          constraint=constraint, group=self,
+                                          reasoning=self.reasoning))  # fmt: skip
         except BaseException:
             for r in made:
                 r.cancel()

@@ -75,14 +75,15 @@ def test_eos_finishes_with_stop(tmp_path):
 
 
 def test_stop_string_cuts_text(stories_hf):
-    r = stories_hf.generate([1], max_new_tokens=64, temperature=0, stop=["Lily."])
-    assert r.finish_reason == "stop"
+    r = stories_hf.generate([1], max_new_tokens=64, temperature=0, stop=["dog", "Lily."])
+    assert r.finish_reason == "stop" and r.stop_string == "Lily."  # which one ended it
     assert r.text == "Once upon a time, there was a little girl named "
 
 
 def test_stop_token(stories_hf):
     r = stories_hf.generate([1], max_new_tokens=64, temperature=0, stop_tokens=[426])
     assert r.token_ids == GOLDEN[: GOLDEN.index(426) + 1] and r.finish_reason == "stop"
+    assert r.stop_string is None
 
 
 def test_stream_concatenates_to_result(stories_hf):

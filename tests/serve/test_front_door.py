@@ -45,7 +45,8 @@ def chat_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(chat_model):
-    with live_server(lambda: jaxinfer.load(chat_model, **PLAN)) as srv:
+    load = lambda: jaxinfer.load(chat_model, **PLAN, embeddings=True)  # noqa: E731
+    with live_server(load, embedding=True) as srv:  # rerank off: stories has no "yes" token
         srv.reference = greedy(srv)  # what the fuzz must leave unchanged
         yield srv
 
@@ -194,6 +195,63 @@ MESSAGE = either(weighted(
     (1, st.fixed_dictionaries({"role": ROLE, "content": CONTENT},
                               optional={"name": TEXT, "tool_calls": JUNK, "tool_call_id": TEXT})),
 ), junk=1)  # fmt: skip
+# Anthropic's /v1/messages: its blocks, messages, tools and fields (plain one_of inside: each
+# `either` level multiplies the strategies' repr, which hypothesis builds, by 12)
+BLOCK = st.one_of(
+    PART,
+    st.fixed_dictionaries(
+        {
+            "type": st.just("tool_use"),
+            "id": TEXT,
+            "name": st.sampled_from(["get_weather", ""]),
+            "input": st.one_of(st.dictionaries(TEXT, SCALARS), SCALARS),
+        }
+    ),
+    st.fixed_dictionaries(
+        {"type": st.just("tool_result"), "tool_use_id": TEXT},
+        optional={"content": st.one_of(TEXT, st.lists(PART, max_size=2)), "is_error": SCALARS},
+    ),
+    st.fixed_dictionaries(
+        {"type": st.sampled_from(["thinking", "redacted_thinking", "image"])},
+        optional={"thinking": TEXT, "source": SCALARS},
+    ),
+    SCALARS,
+)
+TURN = weighted((6, st.fixed_dictionaries({
+    "role": st.sampled_from(["user"] * 6 + ["assistant"] * 3 + ["system"]),
+    "content": st.one_of(TEXT, st.lists(BLOCK, min_size=1, max_size=3)),
+})), (1, SCALARS))  # fmt: skip
+CLIENT_TOOL = either(st.fixed_dictionaries(
+    {"name": either(st.sampled_from(["get_weather", "f", ""]))},
+    optional={"input_schema": either(SCHEMAS), "description": TEXT,
+              "type": either(st.sampled_from(["custom", "web_search_20250305"]))},
+))  # fmt: skip
+MESSAGES_FIELDS = {
+    "model": either(TEXT),
+    "max_tokens": COUNTS,
+    "system": either(TEXT, st.lists(either(PART, junk=1), max_size=2)),
+    "stop_sequences": either(st.lists(TEXT, max_size=3)),
+    "temperature": either(st.sampled_from([0, 0.7, 1.0]), NUMBERS),
+    "top_p": either(NUMBERS),
+    "top_k": either(INTS),
+    "stream": either(st.booleans()),
+    "metadata": JUNK,
+    "tools": either(st.lists(CLIENT_TOOL, max_size=2)),
+    "tool_choice": either(st.fixed_dictionaries(
+        {"type": either(st.sampled_from(["auto", "any", "tool", "none"]))},
+        optional={"name": either(st.sampled_from(["get_weather", "nope"])),
+                  "disable_parallel_tool_use": either(st.booleans())},
+    )),
+    "thinking": either(st.fixed_dictionaries(
+        {"type": either(st.sampled_from(["enabled", "disabled", "adaptive"]))},
+        optional={"budget_tokens": COUNTS},
+    )),
+    "output_config": either(st.fixed_dictionaries({}, optional={"format": either(
+        st.fixed_dictionaries({"type": st.just("json_schema"), "schema": either(SCHEMAS)}))})),
+    "seed": either(INTS),
+    "ignore_eos": either(st.booleans()),
+}  # fmt: skip
+MESSAGES_ROUTES = ["/v1/messages", "/v1/messages/count_tokens"]
 DEPTHS = [10, 500, 900, 990, 1000, 2000, 100_000]
 MIB = 1 << 20  # the default limits: 16 MiB bodies, 128 choices, 16 stop strings of 256, 256 KiB
 
@@ -273,9 +331,22 @@ POST_ROUTES = {
     ),  # fmt: skip
     "/detokenize": bodies({"tokens": either(st.lists(st.integers(-3, 520), max_size=8))}, {}),
     "/reset_prefix_cache": bodies({}, {}),
+    "/v1/messages": bodies(
+        {"messages": st.lists(TURN, min_size=1, max_size=3), "max_tokens": st.integers(1, 4)},
+        MESSAGES_FIELDS,
+    ),
 }
 POST_ROUTES["/completions"] = POST_ROUTES["/v1/completions"]
 POST_ROUTES["/chat/completions"] = POST_ROUTES["/v1/chat/completions"]
+POST_ROUTES["/v1/embeddings"] = bodies({"input": PROMPTS}, {
+    "encoding_format": either(st.sampled_from(["float", "base64"])), "dimensions": either(INTS),
+    "model": either(TEXT), "user": either(TEXT),
+})  # fmt: skip
+POST_ROUTES["/v1/rerank"] = bodies(
+    {"query": either(WORDS), "documents": either(st.lists(WORDS, max_size=4))},
+    {"top_n": COUNTS, "return_documents": either(st.booleans()), "instruction": either(TEXT)},
+)  # fmt: skip
+POST_ROUTES["/v1/messages/count_tokens"] = POST_ROUTES["/v1/messages"]
 GET_ROUTES = ["/v1/models", "/models", "/health", "/v1/health", "/metrics", "/props", "/slots"]
 QUERIES = st.sampled_from(["", "", "?fail_on_no_slot=1", "?fail_on_no_slot=x", "?a=%ff%fe&a"])
 
@@ -293,10 +364,18 @@ def requests(paths):
 
 
 def check(method: str, path: str, data: bytes, status: int, kind: str, answer: bytes) -> None:
-    """A 200 with a well-formed answer, or a 4xx OpenAI-style error with a one-line message."""
+    """A 200 with a well-formed answer, or a 4xx OpenAI-style error with a one-line message
+    (Anthropic's on its routes)."""
     case = f"{method} {path} {data[:400]!r} -> {status} {answer[:600]!r}"
+    anthropic = path.split("?")[0] in MESSAGES_ROUTES
     if status == 200:
-        if kind.startswith("text/event-stream"):
+        if kind.startswith("text/event-stream") and anthropic:
+            frames = [f.split("\n") for f in answer.decode().strip().split("\n\n")]
+            names = [f[0].removeprefix("event: ") for f in frames]
+            assert names[0] == "message_start" and names[-1] == "message_stop", case
+            assert all(json.loads(f[1].removeprefix("data: "))["type"] == n
+                       for f, n in zip(frames, names, strict=True)), case  # fmt: skip
+        elif kind.startswith("text/event-stream"):
             events = [e[6:] for e in answer.decode().split("\n\n") if e.startswith("data: ")]
             assert events[-1] == "[DONE]", case
             assert all("error" not in json.loads(e) for e in events[:-1]), case
@@ -305,6 +384,11 @@ def check(method: str, path: str, data: bytes, status: int, kind: str, answer: b
         return
     no_slot = status == 503 and path.startswith("/slots?fail_on_no_slot")
     assert 400 <= status < 500 or no_slot, case
+    if anthropic:
+        shaped = json.loads(answer)
+        assert shaped["type"] == "error" and shaped["error"]["type"].endswith("_error"), case
+        assert shaped["error"]["message"] and "\n" not in shaped["error"]["message"], case
+        return
     error = json.loads(answer)["error"]
     assert error["code"] == status and error["message"] and "\n" not in error["message"], case
 
@@ -340,6 +424,14 @@ def test_fuzzed_chat(server):
 def test_fuzzed_other_routes(server):
     paths = ["/tokenize", "/detokenize", "/reset_prefix_cache", *GET_ROUTES]
     assert len(fuzz(server, paths, 500)) >= 350
+
+
+def test_fuzzed_messages(server):
+    assert len(fuzz(server, MESSAGES_ROUTES, 500)) >= 350
+
+
+def test_fuzzed_embeddings_and_rerank(server):
+    assert len(fuzz(server, ["/v1/embeddings", "/v1/rerank"], 300)) >= 200
 
 
 EXTREMES = [

@@ -93,9 +93,12 @@ def test_tool_format_of_templates():
     assert tool_format(QWEN25) == "hermes"
     assert tool_format(LLAMA31) == "llama3_json"
     assert tool_format("{% for m in messages %}{{ m.content }}{% endfor %}") is None
-    # XML arguments inside <tool_call> (Qwen3-Coder) and Mistral's [TOOL_CALLS]: not these formats
-    assert tool_format("{{- '<tool_call>\\n<function=' + tool_call.name + '>\\n' }}") is None
-    assert tool_format('{{- "[TOOL_CALLS]" }}{{- \'"parameters": \' }}') is None
+    # XML arguments inside <tool_call> (Qwen3-Coder) and Mistral's [TOOL_CALLS]: their own rows
+    # (tests/serve/test_tool_formats.py reads the real templates)
+    assert tool_format("{{- '<tool_call>\\n<function=' + tool_call.name + '>\\n' }}") == (
+        "qwen3_coder"
+    )
+    assert tool_format('{{- "[TOOL_CALLS]" }}{{- \'"parameters": \' }}') == "mistral"
 
 
 def _reference(template: str, messages, tools, bos: str, eos: str) -> str:

@@ -1,6 +1,7 @@
 """The shared tiny models (../shared/models, outside the repository) and what they publish."""
 
 import contextlib
+import http.client
 import json
 import shutil
 import time
@@ -70,6 +71,21 @@ def client_of(srv):
     import openai
 
     return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+
+
+def http_json(srv, method: str, path: str, body=None) -> tuple[int, object]:
+    """(status, decoded JSON or text) of one plain HTTP request to a live server."""
+    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=120)
+    try:
+        conn.request(method, path, body=None if body is None else json.dumps(body).encode())
+        response = conn.getresponse()
+        text = response.read().decode()
+    finally:
+        conn.close()
+    try:
+        return response.status, json.loads(text)
+    except ValueError:
+        return response.status, text
 
 
 def wait_for(predicate, timeout: float = 30.0) -> bool:

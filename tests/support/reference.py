@@ -330,11 +330,16 @@ def _lm_head(w: dict[str, np.ndarray], config: dict) -> np.ndarray:
 
 
 def forward_step(
-    w64: dict[str, np.ndarray], config: dict, token_ids: list[int], cache: KVCache
-) -> np.ndarray:
+    w64: dict[str, np.ndarray],
+    config: dict,
+    token_ids: list[int],
+    cache: KVCache,
+    return_hidden: bool = False,
+):
     """Run ``token_ids`` at positions ``cache.length ...`` using/updating ``cache``.
 
-    ``w64`` must already be float64 (see ``forward`` / ``greedy``). Returns logits [T, V].
+    ``w64`` must already be float64 (see ``forward`` / ``greedy``). Returns logits [T, V]
+    (with ``return_hidden``: also the final-norm hidden states [T, hidden]).
     """
     eps = float(config.get("rms_norm_eps", 1e-6))
     ids = np.asarray(token_ids, dtype=np.int64)
@@ -350,7 +355,8 @@ def forward_step(
         x = x + (_moe(w64, config, layer, h) if _moe_layer(config, layer) else _mlp(w64, layer, h))
     cache.length += T
     x = _rms_norm(x, w64["model.norm.weight"], eps)
-    return x @ _lm_head(w64, config).T
+    logits = x @ _lm_head(w64, config).T
+    return (logits, x) if return_hidden else logits
 
 
 # ----------------------------------------------------------------------------
@@ -358,11 +364,14 @@ def forward_step(
 # ----------------------------------------------------------------------------
 
 
-def forward(weights: dict[str, np.ndarray], config: dict, token_ids: list[int]) -> np.ndarray:
-    """Full-sequence causal forward pass. Returns float64 logits of shape [T, V]."""
+def forward(
+    weights: dict[str, np.ndarray], config: dict, token_ids: list[int], return_hidden=False
+):
+    """Full-sequence causal forward pass. Returns float64 logits of shape [T, V] (with
+    ``return_hidden``: also the final-norm hidden states [T, hidden])."""
     w64 = _f64(weights)
     cache = KVCache(int(config["num_hidden_layers"]))
-    return forward_step(w64, config, list(token_ids), cache)
+    return forward_step(w64, config, list(token_ids), cache, return_hidden)
 
 
 def greedy(

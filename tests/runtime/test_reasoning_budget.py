@@ -37,8 +37,14 @@ def test_each_slot_thinks_its_budget_then_ends_with_nothing_compiled(engine):
     budgets = [0, 1, 7, 30]
     with CompileCounter() as seen:
         requests = [
-            engine.submit(prompt, max_new_tokens=60, temperature=0.8, seed=3 + n, ignore_eos=True,
-                          reasoning=Reasoning(budget=n, opened=True))  # fmt: skip
+            engine.submit(
+                prompt,
+                max_new_tokens=60,
+                temperature=0.8,
+                seed=3 + n,
+                ignore_eos=True,
+                reasoning=Reasoning(budget=n, opened=True),
+            )  # fmt: skip
             for n in budgets
         ]
         results = [r.result() for r in requests]
