@@ -238,7 +238,7 @@ class EngineOptions:
     stream_chunk: int = 16  # steps per call while streaming, with stop strings or slots
     # fairness: a request decodes this long (or 4x its prefill, if longer) before another
     # client's waiting request may take its row; it resumes later where it was (0: never)
-    time_slice_ms: int = 250
+    time_slice_ms: int = 150
     # the KV page pool
     kv_cache_tokens: int | None = None  # pool size; None: max_seq_len x max(slots, 1)
     page_size: int = 128  # one of PAGE_SIZES

@@ -71,6 +71,7 @@ class RequestState:
     thoughts: Any = None  # reasoning.Thoughts: its reasoning budget (a grammar starts after)
     group: object = None  # requests that share slots fairly as one (a server job's choices)
     cached_tokens: int = 0  # prompt tokens its admission found in the prefix cache
+    served: int = 0  # tokens computed for it (prompt chunks, resumptions and generated)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None  # a list where params.logprobs asks for them
     text: str = ""

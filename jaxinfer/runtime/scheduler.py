@@ -21,6 +21,7 @@ come back from the device only when a row in the call asked for them.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import Counter, deque
 from collections.abc import Callable
@@ -39,6 +40,8 @@ from .perf import PerfStats
 from .request import RequestState, StreamPiece
 
 Delivery = tuple[RequestState, StreamPiece]
+QUEUE_SCAN = 512  # queued requests `_next` compares (a server queues at most max_queue)
+SHARED_SCORE_CHUNK = 128  # most tokens of a scoring chunk while requests run beside it
 
 
 @dataclass(eq=False)
@@ -156,21 +159,22 @@ class Scheduler:
             self.running.append(active)
 
     def _next(self) -> RequestState:
-        """The queued request a free slot goes to: the oldest of those whose group runs the
-        fewest requests (a request without a group is a group of its own), so that a job of
-        128 choices delays another client's request by one choice, not by all of them."""
-        running = Counter(_group(a.state) for a in self.running)
-        best = self.queue[0]
-        fewest = running[_group(best)]
-        if not fewest:
-            return best
-        for state in self.queue:  # at most the server's max_queue
-            load = running[_group(state)]
-            if load < fewest:
-                best, fewest = state, load
-                if not load:
-                    break
-        return best
+        """The queued request a free slot goes to: one of the client (group) that runs the
+        fewest requests (a request without a group is a client of its own), so that a job of
+        128 choices delays another client's request by one choice, not by all of them; among
+        those, of the client served least so far (the tokens computed for its requests still
+        here: least attained service, so a new client's request goes before one preempted
+        after its slice); the oldest among equals. The first QUEUE_SCAN queued requests are
+        looked at (the rest wait in order): a generate() list of thousands stays cheap."""
+        running: Counter[object] = Counter()
+        served: Counter[object] = Counter()
+        for a in self.running:
+            running[_group(a.state)] += 1
+            served[_group(a.state)] += a.state.served
+        head = list(itertools.islice(self.queue, QUEUE_SCAN))
+        for state in head:
+            served[_group(state)] += state.served
+        return min(head, key=lambda s: (running[_group(s)], served[_group(s)]))
 
     def _preempt(self, waiting: RequestState) -> bool:
         """Free a row for `waiting` when every row is taken: the running request of the group
@@ -244,6 +248,7 @@ class Scheduler:
         self.perf.prompt_tokens += int(length.sum())
         for b, active in enumerate(rows):
             active.offset += int(length[b])
+            active.state.served += int(length[b])
             self.kv.started(active.kv)
             self._register(active, active.offset)
             state = active.state
@@ -287,6 +292,7 @@ class Scheduler:
             if not new:
                 continue
             generated += len(new)
+            active.state.served += len(new)
             active.pos += len(new)
             active.token, active.left = new[-1], active.left - len(new)
             out.append((active.state, active.state.accept(new, _row(lp, b, ids[b] >= 0))))
@@ -352,12 +358,15 @@ class Scheduler:
         return self._step_arrays[n]
 
     def _decode_chunk(self, rows) -> int:
-        """Fewer tokens per call while anyone streams, has stop strings or waits to start;
-        one while a grammar holds a row (each of its tokens needs the host's matcher), and at
-        most the tokens left of a thinking row's reasoning budget."""
+        """Fewer tokens per call while anyone streams, has stop strings or waits to start. A
+        row a grammar or a reasoning budget guides makes one token a call (each needs the
+        host's matcher or count): the decode program rests it after its token while the
+        others go on; the verify program cannot, so there the whole call makes one."""
         waiting = bool(self.queue) or any(not a.decoding for a in self.running)
         interactive = self.always_interactive or waiting or any(a.state.interactive for a in rows)
         n = self.stream_chunk if interactive else self.decode_chunk
+        if self.executor.spec is None:
+            return n
         return min([n, *(s for a in rows if (s := a.state.steps()) is not None)])
 
     def _host_state(self, rows, batch: int) -> DecodeState:
@@ -407,6 +416,8 @@ class Scheduler:
         try:
             while offset < len(ids):
                 T = self.shapes.score_chunk_for(len(ids) - offset)
+                if self.running:  # each chunk delays every running request: short ones
+                    T = min(T, self.shapes.score_chunk_for(SHARED_SCORE_CHUNK))
                 seg = ids[offset : offset + T]
                 tokens = np.zeros((1, T), np.int32)
                 tokens[0, : len(seg)] = seg

@@ -29,7 +29,14 @@ import jax.numpy as jnp
 from ..model import gdn
 from ..model.gdn import RecurrentState
 from ..model.kvcache import KVConfig, KVView
-from ..ops.sampling import Logprobs, SamplingRows, logprobs, sample, token_logprobs
+from ..ops.sampling import (
+    Logprobs,
+    SamplingRows,
+    constrained,
+    logprobs,
+    sample,
+    token_logprobs,
+)
 from ..parallel.placement import Runner
 from .inputs import I32, Chunk, DecodeState, ring_put
 
@@ -186,17 +193,20 @@ def mtp_prefill(setup: Setup, params, mtp_kv, h, tokens, view: KVView):
 def decode(
     setup: Setup, params, kv, state: DecodeState, table, sampling: SamplingRows, steps, snaps=None
 ):
-    """Up to `steps` (<= decode_chunk) tokens per row; table [B, NB] covers every position written.
-    Linear layers' states leave their pools for the loop and return after it; with snapshots
-    (snaps [B, NB]), a state at a page end also goes to its page's snapshot."""
+    """Up to `steps` (<= decode_chunk) tokens per row, one for a row a grammar guides (the host
+    fills its mask for each token: it rests for the rest of the call while the others go on);
+    table [B, NB] covers every position written. Linear layers' states leave their pools for
+    the loop and return after it; with snapshots (snaps [B, NB]), a state at a page end also
+    goes to its page's snapshot."""
     runner = setup.runner
     params, kv, _, draft_kv = setup.split(params, kv)
     B = state.tokens.shape[0]
     pools = linear_pools(setup, kv) if snaps is not None else kv
     kv = take_states(setup, kv, state.state_index)
+    guided = constrained(sampling)  # [B]
 
     def step(carry):
-        i, kv, pools, s, out, lp = carry
+        i, kv, pools, s, out, lp, ended = carry
         # The input token joins the penalty context of the token it predicts.
         window = ring_put(s.window, s.pos, s.tokens[:, None], jnp.ones_like(s.pos))
         live = ~s.done
@@ -212,14 +222,15 @@ def decode(
         budget = s.budget - live
         out = out.at[:, i].set(jnp.where(live, new, -1))
         lp = jax.tree.map(lambda a, x: a.at[:, i].set(x), lp, logprobs(logits, new, sampling))
+        ended = ended | (live & (stop | (budget <= 0)))
         s = s.replace(
             tokens=jnp.where(live, new, s.tokens),
             pos=s.pos + live,
             budget=budget,
-            done=s.done | stop | (budget <= 0),
+            done=s.done | ended | (live & guided),  # a guided row rests after its token
             window=window,
         )
-        return i + 1, kv, pools, s, out, lp
+        return i + 1, kv, pools, s, out, lp, ended
 
     def more(carry):
         i, _, _, s, *_ = carry
@@ -228,8 +239,9 @@ def decode(
     chunk = setup.decode_chunk
     out = jnp.full((B, chunk), -1, I32)
     lp = Logprobs.empty((B, chunk), setup.vocab)
-    init = (jnp.int32(0), kv, pools if snaps is not None else (), state, out, lp)
-    _, kv, carried, state, out, lp = jax.lax.while_loop(more, step, init)
+    init = (jnp.int32(0), kv, pools if snaps is not None else (), state, out, lp, state.done)
+    _, kv, carried, state, out, lp, ended = jax.lax.while_loop(more, step, init)
+    state = state.replace(done=ended)  # a rested row goes on in the next call
     pools = carried if snaps is not None else pools
     return put_states(setup, pools, kv, state.state_index) + draft_kv, state, out, lp
 

@@ -132,6 +132,11 @@ class _App:
         self.slots_endpoint = o.slots_endpoint  # /slots shows every running prompt: --no-slots
         self.options = o
         self.pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="jaxinfer-http")
+        # Grammars compile on a pool of their own (a large schema takes seconds), so that the
+        # next request's parsing never waits behind one.
+        self.grammars = concurrent.futures.ThreadPoolExecutor(
+            2, thread_name_prefix="jaxinfer-grammar"
+        )
         self._template_source = o.chat_template  # overrides the model's
         self._template: tuple[ChatTemplate | None, str | None] | None = None
         self.started = int(time.time())
@@ -535,7 +540,7 @@ class _App:
             max_queue=self.options.max_queue, reasoning=job.reasoning,
         )  # fmt: skip
         try:
-            handles = await self.worker.submit(task, self.pool)  # grammars compiled on the pool
+            handles = await self.worker.submit(task, self.grammars)  # grammars compiled there
         except QueueFull as e:
             raise _Refused(str(e), 429, {"Retry-After": "1"}) from None
         inbox, echoed = task.inbox, task.echoed
