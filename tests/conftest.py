@@ -108,3 +108,29 @@ def compiled(monkeypatch):
 
     monkeypatch.setattr(llguidance, "LLMatcher", Counting)
     return names
+
+
+@pytest.fixture
+def serve_options(monkeypatch):
+    """`serve_options(*flags)`: the ServerOptions `jaxinfer serve FLAGS` makes (its Server
+    stands in: nothing listens or loads)."""
+    from jaxinfer import cli
+    from jaxinfer.serve import server as server_module
+
+    seen = {}
+
+    class Fake:
+        def __init__(self, load, options, **kw):
+            seen["options"] = options
+            self.url = "http://fake"
+
+        def run(self):
+            pass
+
+    monkeypatch.setattr(server_module, "Server", Fake)
+
+    def options(*flags: str):
+        assert cli.main(["serve", "--port", "0", *flags]) == 0
+        return seen["options"]
+
+    return options

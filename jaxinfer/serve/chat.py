@@ -45,7 +45,8 @@ class ChatTemplate:
         `tools` (OpenAI's [{"type": "function", "function": {...}}], passed as transformers
         does: as given, None when absent)."""
         tok = self.tokenizer
-        try:
+
+        def render(messages) -> str:
             return self._template.render(
                 messages=list(messages),
                 tools=None if tools is None else list(tools),
@@ -54,6 +55,15 @@ class ChatTemplate:
                 eos_token=tok.token_text(tok.eos_ids[0] if tok.eos_ids else None),
                 **extra,
             )
+
+        try:
+            try:
+                return render(messages)
+            except TypeError:  # (DeepSeek's templates add a call's arguments to a string:
+                as_text = _arguments_as_text(messages)  # they want OpenAI's JSON text)
+                if as_text is None:
+                    raise
+                return render(as_text)
         except jinja2.TemplateError as e:
             raise RequestError(f"the chat template failed: {_line(e)}") from None
         except RecursionError:
@@ -131,6 +141,28 @@ def _tool_calls(calls, where: str) -> list[dict]:
             raise RequestError(f"{at}.function.name is missing")
         arguments = _arguments(function.get("arguments"), f"{at}.function.arguments")
         out.append({**call, "function": {**function, "arguments": arguments}})
+    return out
+
+
+def _arguments_as_text(messages: Sequence[dict]) -> list[dict] | None:
+    """`messages` with each tool call's arguments as JSON text (None: no call has any)."""
+    if not any(m.get("tool_calls") for m in messages):
+        return None
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            calls = [
+                {
+                    **c,
+                    "function": {
+                        **c["function"],
+                        "arguments": json.dumps(c["function"]["arguments"], ensure_ascii=False),
+                    },
+                }
+                for c in m["tool_calls"]
+            ]
+            m = {**m, "tool_calls": calls}
+        out.append(m)
     return out
 
 

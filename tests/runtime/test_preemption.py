@@ -120,7 +120,18 @@ def test_a_clients_own_requests_never_preempt_each_other(stories):
     assert all(len(r.token_ids) == 40 for r in out)
 
 
-@pytest.mark.parametrize("snapshots", [None, pytest.param(0, marks=pytest.mark.slow)])
+def test_equal_clients_are_served_in_order_not_in_turns(stories):
+    """Separate clients with the same max_new_tokens: a waiting one never has fewer tokens to
+    make than a running one, so none is preempted (taking turns would only delay them all)."""
+    engine = stories["on"]
+    before = engine.perf_stats().preempted
+    requests = [engine.submit(p, temperature=0, **LONG) for p in _prompts(engine)]
+    assert all(len(r.result().token_ids) == LONG["max_new_tokens"] for r in requests)
+    assert engine.perf_stats().preempted == before
+
+
+@pytest.mark.slow  # four engines of the hybrid fixture: the default tier's time budget
+@pytest.mark.parametrize("snapshots", [None, 0])
 def test_a_model_with_state_resumes_exactly(snapshots):
     """The hybrid fixture (Gated DeltaNet state, MTP head): the preempted request's state is
     recomputed (from a snapshot where one is kept), and its tokens equal the run without

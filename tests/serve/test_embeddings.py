@@ -26,7 +26,6 @@ from tokenizers import Tokenizer as HFTokenizer
 
 import jaxinfer
 from jaxinfer import cli
-from jaxinfer.serve import server as server_module
 
 openai = pytest.importorskip("openai")
 
@@ -332,22 +331,10 @@ def test_rerank_refuses_a_model_without_yes_and_no_at_start(capsys):
     assert code != 0 and len(lines) == 1 and '"yes" and "no"' in lines[0], lines
 
 
-def test_flags_reach_the_server_and_the_plan(monkeypatch):
-    seen = {}
-
-    class Fake:
-        def __init__(self, load, options, **kw):
-            seen["options"] = options
-            self.url = "http://fake"
-
-        def run(self):
-            pass
-
-    monkeypatch.setattr(server_module, "Server", Fake)
-    assert cli.main(["serve", "--port", "0", "--embedding", "--pooling", "mean"]) == 0
-    o = seen["options"]
+def test_flags_reach_the_server_and_the_plan(serve_options):
+    o = serve_options("--embedding", "--pooling", "mean")
     assert (o.embedding, o.rerank, o.pooling) == (True, False, "mean")
-    assert cli.main(["serve", "--port", "0", "--reranking"]) == 0 and seen["options"].rerank
+    assert serve_options("--reranking").rerank
     args = cli._parser().parse_args(["serve", "--rerank"])
     assert cli._options(args).embeddings is True  # the pooled pass joins the compile plan
     assert cli._options(cli._parser().parse_args(["serve"])).embeddings is False

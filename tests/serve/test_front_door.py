@@ -18,9 +18,7 @@ from hypothesis import strategies as st
 from support.models import live_server, stories_chat, wait_for
 
 import jaxinfer
-from jaxinfer import cli
 from jaxinfer.options import SamplingParams
-from jaxinfer.serve import server as server_module
 from jaxinfer.serve.server import Server
 
 PLAN = dict(slots=4, prefill_buckets=(32, 128), batch_buckets=(1,))  # a small plan
@@ -598,7 +596,7 @@ def test_slots_show_running_requests(server):
     assert not any(s["is_processing"] for s in slots)
 
 
-def test_no_slots_flag_and_api_key(chat_model, monkeypatch):
+def test_no_slots_flag_and_api_key(chat_model, serve_options):
     """Server(slots_endpoint=False) answers /slots with llama-server's 501 (its prompts stay
     private) and still serves /props; the API key guards /slots and /props. `--no-slots`
     reaches Server."""
@@ -619,20 +617,8 @@ def test_no_slots_flag_and_api_key(chat_model, monkeypatch):
     finally:
         srv.stop()
 
-    seen = {}
-
-    class Fake:
-        def __init__(self, load, options, **kw):
-            seen["options"] = options
-            self.url = "http://fake"
-
-        def run(self):
-            pass
-
-    monkeypatch.setattr(server_module, "Server", Fake)
-    assert cli.main(["serve", "--port", "0", "--no-slots"]) == 0
-    assert seen["options"].slots_endpoint is False
-    assert cli.main(["serve", "--port", "0"]) == 0 and seen["options"].slots_endpoint is True
+    assert serve_options("--no-slots").slots_endpoint is False
+    assert serve_options().slots_endpoint is True
 
 
 def test_server_options_are_checked_once_in_one_line():

@@ -294,6 +294,7 @@ def thinker(tmp_path_factory):
         yield anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0)
 
 
+@pytest.mark.slow  # a second server: the default tier's time budget
 def test_thinking_blocks_and_budgets(thinker):
     """The reasoning comes back as a thinking block, streamed (thinking_delta) as whole;
     budget_tokens N cuts it short (greedy: a prefix of the unbounded one) and the answer goes

@@ -152,6 +152,7 @@ def test_bad_reasoning_fields_are_refused(srv, body, words):
     assert status == 400 and words in answer["error"]["message"]
 
 
+@pytest.mark.slow  # a second server: the default tier's time budget
 def test_server_defaults():
     """--reasoning-budget and --chat-template-kwargs are defaults under the request's (the
     same engine as `srv`'s: its programs come from the executable store)."""

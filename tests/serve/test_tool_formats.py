@@ -16,6 +16,7 @@ import jsonschema
 import llguidance
 import numpy as np
 import pytest
+from support.byte_grammar import BYTES, sample
 from support.models import STORIES_HF, client_of, live_server, model_path
 
 import jaxinfer
@@ -397,20 +398,6 @@ def test_xml_values_are_typed_by_the_schema():
 # ---- forcing calls -------------------------------------------------------------------------
 
 
-class _Bytes:
-    """A byte-level vocabulary for llguidance: tokens 0..255 are the bytes, 256 is EOS."""
-
-    tokens = [bytes([b]) for b in range(256)] + [b"<eos>"]
-    eos_token_id, bos_token_id, special_token_ids = 256, None, [256]
-
-    def __call__(self, text: bytes) -> list[int]:
-        return list(text)
-
-
-BYTES = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Bytes()))
-ENDS = np.frombuffer(b'"}],\n<', np.uint8).astype(np.int64)  # bytes that close things
-EOS = 256
-
 WEATHER = _function(
     "get_weather",
     {
@@ -479,27 +466,6 @@ def test_grammar_takes_the_call_and_refuses_invented_keys(fmt):
     assert not _accepts(text("plan"), _write(fmt, [("get_weather", weather)]))
 
 
-def _sample(grammar_text: str, rng: np.random.Generator, limit: int = 4000) -> str:
-    """A random answer the grammar allows: a uniformly drawn allowed byte at each step, or,
-    half the time, an allowed closing byte (so that strings and numbers end)."""
-    matcher = llguidance.LLMatcher(BYTES, grammar_text, log_level=0)
-    assert not matcher.is_error(), matcher.get_error()
-    out = []
-    while not matcher.is_stopped():
-        words = np.frombuffer(matcher.compute_bitmask(), np.uint32)
-        allowed = np.flatnonzero(np.unpackbits(words.view(np.uint8), bitorder="little")[: EOS + 1])
-        closing = np.intersect1d(allowed, np.append(ENDS, EOS))
-        pool = closing if len(closing) and rng.random() < 0.5 else allowed
-        token = int(rng.choice(pool))
-        if token == EOS:
-            break
-        assert matcher.consume_token(token), matcher.get_error()
-        out.append(token)
-        assert len(out) < limit, bytes(out)
-    assert matcher.is_accepting()
-    return bytes(out).decode()
-
-
 @pytest.mark.parametrize("fmt", list(TABLE))
 def test_forced_answers_are_valid_calls(fmt):
     """Random answers through each forcing grammar parse to calls whose arguments validate
@@ -519,7 +485,7 @@ def test_forced_answers_are_valid_calls(fmt):
         text = grammar(request, fmt)
         assert llguidance.LLMatcher.validate_grammar(text, BYTES) == ""
         for _ in range(3):
-            answer = _sample(text, rng)
+            answer = sample(text, rng)
             content, calls = parse(answer, fmt, request)
             assert content is None and calls, answer
             if request.name or not parallel or fmt == "llama3_json":
@@ -668,3 +634,22 @@ def test_served_formats_force_valid_calls(case):
 def test_tool_call_format_names_the_format_of_a_template_without_one():
     """--tool-call-format: a template that shows no tools (Phi-3.5) still gets GLM's calls."""
     _serve_and_force("glm45", NO_TOOLS, STORIES_HF, {}, tool_call_format="glm45")
+
+
+@pytest.mark.parametrize("name", ["deepseek-ai-DeepSeek-V3.1.jinja", "Qwen3-Coder.jinja"])
+def test_a_call_sent_back_renders_whether_the_template_wants_text_or_an_object(name):
+    """DeepSeek's templates add a call's arguments to a string (OpenAI's JSON text), Qwen's
+    read them as an object: a conversation that sends a call back renders with both."""
+    from jaxinfer.formats.tokenizer import Tokenizer
+    from jaxinfer.serve.chat import ChatTemplate, check_messages
+
+    template = ChatTemplate((FIXTURES / name).read_text(), Tokenizer.byte_level())
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}  # fmt: skip
+    messages = check_messages([
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ])  # fmt: skip
+    text = template.render(messages)
+    assert "get_weather" in text and "Paris" in text and "sunny" in text

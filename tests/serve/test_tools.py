@@ -11,6 +11,7 @@ import jsonschema
 import llguidance
 import numpy as np
 import pytest
+from support.byte_grammar import BYTES, sample
 from support.templates import LLAMA31, QWEN25
 
 from jaxinfer.errors import RequestError
@@ -276,42 +277,6 @@ def test_tool_stream_matches_parse(fmt, answer, content, calls):
 # ---- forcing calls -----------------------------------------------------------------------
 
 
-class _Bytes:
-    """A byte-level vocabulary for llguidance: tokens 0..255 are the bytes, 256 is EOS."""
-
-    tokens = [bytes([b]) for b in range(256)] + [b"<eos>"]
-    eos_token_id, bos_token_id, special_token_ids = 256, None, [256]
-
-    def __call__(self, text: bytes) -> list[int]:
-        return list(text)
-
-
-BYTES = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Bytes()))
-ENDS = np.frombuffer(b'"}],\n<', np.uint8).astype(np.int64)  # bytes that close things
-EOS = 256
-
-
-def _sample(grammar_text: str, rng: np.random.Generator, limit: int = 4000) -> str:
-    """A random answer the grammar allows: a uniformly drawn allowed byte at each step, or,
-    half the time, an allowed closing byte (so that strings and numbers end)."""
-    matcher = llguidance.LLMatcher(BYTES, grammar_text, log_level=0)
-    assert not matcher.is_error(), matcher.get_error()
-    out = []
-    while not matcher.is_stopped():
-        words = np.frombuffer(matcher.compute_bitmask(), np.uint32)
-        allowed = np.flatnonzero(np.unpackbits(words.view(np.uint8), bitorder="little")[: EOS + 1])
-        closing = np.intersect1d(allowed, np.append(ENDS, EOS))
-        pool = closing if len(closing) and rng.random() < 0.5 else allowed
-        token = int(rng.choice(pool))
-        if token == EOS:
-            break
-        assert matcher.consume_token(token), matcher.get_error()
-        out.append(token)
-        assert len(out) < limit, bytes(out)
-    assert matcher.is_accepting()
-    return bytes(out).decode()
-
-
 @pytest.mark.parametrize("fmt", ["hermes", "llama3_json"])
 @pytest.mark.parametrize(
     "tools", [[WEATHER], [WEATHER, NOW, PLAN], [GET, GET_TIME, PLAN]], ids=["1", "3", "prefix"]
@@ -329,7 +294,7 @@ def test_grammar_forces_valid_calls(fmt, tools):
         assert text.startswith("%llguidance {}")
         assert llguidance.LLMatcher.validate_grammar(text, BYTES) == ""
         for _ in range(4):
-            answer = _sample(text, rng)
+            answer = sample(text, rng)
             content, calls = parse(answer, fmt)
             assert content is None and calls, answer
             if request.name or not parallel or fmt == "llama3_json":
