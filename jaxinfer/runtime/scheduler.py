@@ -178,12 +178,13 @@ class Scheduler:
 
     def _preempt(self, waiting: RequestState) -> bool:
         """Free a row for `waiting` when every row is taken: the running request of the group
-        that runs the most (more than `waiting`'s group), among those that have decoded for
-        their time slice and may still make more tokens than `waiting` may (max_new_tokens
-        left: the shorter job first, so that equal requests are served in order rather than
-        in turns), goes back to the queue's end (vLLM's recompute preemption: its pages are
-        given back, and its resumption computes its prompt and tokens again, the cached full
-        pages excepted). A slice is `time_slice` or four times the request's last prefill,
+        that runs the most, among those that have decoded for their time slice and whose
+        group runs at least two more than `waiting`'s, or one more and may still make more
+        tokens than `waiting` may (max_new_tokens left: the shorter job first, so that equal
+        requests of single clients are served in order rather than in turns), goes back to
+        the queue's end (vLLM's recompute preemption: its pages are given back, and its
+        resumption computes its prompt and tokens again, the cached full pages excepted). A
+        slice is `time_slice` or four times the request's last prefill,
         whichever is longer, so that recomputing costs it at most a fifth of its time. A
         request's wait for a row is thus bounded by about one slice however long the others
         generate; a job's own choices never preempt each other."""
@@ -197,8 +198,12 @@ class Scheduler:
             return now - a.since >= max(self.time_slice, 4 * (a.since - a.admitted))
 
         wants = waiting.budget - len(waiting.token_ids)  # the most tokens it may still make
-        ripe = [a for a in self.running if a.decoding and running[_group(a.state)] > mine
-                and a.left > wants and due(a)]  # fmt: skip
+
+        def fair(a: _Active) -> bool:  # its client would still run as many as `waiting`'s
+            load = running[_group(a.state)]
+            return load > mine + 1 or (load > mine and a.left > wants)
+
+        ripe = [a for a in self.running if a.decoding and fair(a) and due(a)]
         if not ripe:
             return False
         victim = max(ripe, key=lambda a: (running[_group(a.state)], now - a.since))
