@@ -232,13 +232,8 @@ def next_drafts(loop: Loop, s: DecodeState, pick, draft_kv, catch):
     tokens, first position and count)."""
     live = ~s.done
     method, K = loop.setup.spec.method, loop.setup.spec.k
-    if method == "ngram":  # (no lookup while every row backs off: on a small model it costs
-        B = s.tokens.shape[0]  # about what its forward does)
-        drafts, count = jax.lax.cond(
-            jnp.any(live & (s.backoff[:, 1] == 0)),
-            lambda: ngram(with_input(s), s.pos, K),
-            lambda: (jnp.zeros((B, K), I32), jnp.zeros((B,), I32)),
-        )
+    if method == "ngram":
+        drafts, count = ngram(with_input(s), s.pos, K)
     elif method == "mtp":
         drafts, count, draft_kv = mtp_drafts(loop, live, s.state_index, draft_kv, *catch)
     else:
