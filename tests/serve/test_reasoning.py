@@ -21,6 +21,10 @@ from jaxinfer.serve.thinking import ReasoningSplit, split, thinking_tags
 TEMPLATES = Path(__file__).resolve().parents[1] / "fixtures" / "templates"
 QWEN35 = (TEMPLATES / "Qwen3.5-4B.jinja").read_text()
 TAGS = ("<think>", "</think>")
+# The served cases start a 4-slot server (about 40 s of the default tier's budget): slow tier;
+# the default tier keeps the splitter's cases here and the engine's budgets
+# (tests/runtime/test_reasoning_budget.py).
+SERVED = pytest.mark.slow
 HELLO = [{"role": "user", "content": "Tell me a story."}]
 
 
@@ -70,6 +74,7 @@ def test_split_whole_and_at_every_cut(answer, opened, want):
         assert all(t not in p[1] for p in parts for t in TAGS if want[0] is not None)
 
 
+@SERVED
 def test_budget_splits_the_answer_and_is_counted(srv):
     raw = _post(srv, max_tokens=40, temperature=0, thinking_budget=6, reasoning_format="none")
     text = raw["choices"][0]["message"]["content"]
@@ -86,6 +91,7 @@ def test_budget_splits_the_answer_and_is_counted(srv):
     assert legacy["choices"][0]["message"]["reasoning_content"] == reasoning
 
 
+@SERVED
 def test_streamed_reasoning_equals_the_whole_answer(srv):
     """The official client's stream: reasoning deltas, then content deltas without a tag."""
     client = client_of(srv)
@@ -110,6 +116,7 @@ def test_streamed_reasoning_equals_the_whole_answer(srv):
     assert "".join(content) == whole["content"]
 
 
+@SERVED
 def test_budget_zero_renders_without_thinking(srv):
     got = _post(srv, max_tokens=12, temperature=0, thinking_budget=0)
     message = got["choices"][0]["message"]
@@ -120,6 +127,7 @@ def test_budget_zero_renders_without_thinking(srv):
     assert off["choices"][0]["message"]["content"] == message["content"]
 
 
+@SERVED
 def test_budgets_on_four_slots_at_once_compile_nothing(srv):
     def metric(name: str) -> float:
         text = http_json(srv, "GET", "/metrics")[1]
@@ -138,6 +146,7 @@ def test_budgets_on_four_slots_at_once_compile_nothing(srv):
     assert metric("compiles_after_warmup") == before
 
 
+@SERVED
 @pytest.mark.parametrize(
     "body, words",
     [
