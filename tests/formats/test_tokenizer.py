@@ -315,8 +315,11 @@ def test_stream_cost_is_linear_in_a_run_of_incomplete_bytes(kind, byte):
         tok = Tokenizer.byte_level()
         token = 3 + byte
     _stream_timed(tok, token, 200)  # warm
-    small = min(_stream_timed(tok, token, 1000)[0] for _ in range(3))
-    large, chunks = min(_stream_timed(tok, token, 4000) for _ in range(3))
+    # Interleaved, best of 5 each: a busy machine (other test workers) slows both alike.
+    # Alone the ratio measures 3.6-4.4 here; one run of 3 each, not interleaved, once gave > 8.
+    pairs = [(_stream_timed(tok, token, 1000), _stream_timed(tok, token, 4000)) for _ in range(5)]
+    small = min(s[0] for s, _ in pairs)
+    large, chunks = min(big for _, big in pairs)
     assert large / small < 8, (small, large)
     assert (
         "".join(chunks)
