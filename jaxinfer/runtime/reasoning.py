@@ -58,6 +58,7 @@ class Thoughts:
         self.count = 0  # reasoning tokens so far
         self.forced = 0  # end-tag tokens forced so far
         self.at = 0  # where the reasoning starts in the request's text
+        self.seen = 0  # the text's length at the last token: the end tag is looked for after
         if reasoning.opened:
             self._think(0)
 
@@ -77,7 +78,10 @@ class Thoughts:
             self.phase = CLOSING
 
     def saw(self, token: int, text: str) -> None:
-        """Follow one generated token; `text` is the request's whole text after it."""
+        """Follow one generated token; `text` is the request's whole text after it (only its
+        new end is searched: a long reasoning costs no more per token than a short one)."""
+        new = max(self.at, self.seen - len(self.reasoning.end) + 1)  # where the tag may end
+        self.seen = len(text)
         if self.phase == UNDECIDED:
             body = text.lstrip()
             start = self.reasoning.start
@@ -86,7 +90,7 @@ class Thoughts:
             elif not start.startswith(body):  # an answer without reasoning
                 self.phase = DONE
         elif self.phase == THINKING:
-            if self.reasoning.end in text[self.at :]:
+            if text.find(self.reasoning.end, new) >= 0:
                 self.phase = DONE
                 return
             self.count += 1
@@ -94,7 +98,7 @@ class Thoughts:
                 self.phase = CLOSING
         elif self.phase == CLOSING:
             self.forced += 1
-            if self.forced >= len(self.end_ids) or self.reasoning.end in text[self.at :]:
+            if self.forced >= len(self.end_ids) or text.find(self.reasoning.end, new) >= 0:
                 self.phase = DONE
 
     def steps(self, grammar: bool) -> int | None:
