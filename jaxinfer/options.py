@@ -20,6 +20,11 @@ from .config import ModelConfig
 from .errors import JaxinferError, RequestError
 
 DTYPES = ("float32", "bfloat16", "float16")  # compute and KV cache dtypes
+# a KV pool's dtype: a float one, or llama.cpp's Q8_0 (int8 values, one float16 scale per block
+# of min(32, head_dim) values along the head dimension)
+KV_DTYPES = (*DTYPES, "q8_0")
+# llama.cpp's names for them (-ctk / -ctv), accepted as well
+KV_DTYPE_ALIASES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}
 # keep: quantized GGUF tensors stay in block form; int8: float weights too become per-channel
 # int8; none: every weight dequantized to the compute dtype at load (the reference)
 QUANTIZE = ("keep", "int8", "none")
@@ -242,12 +247,25 @@ class EngineOptions:
     # the KV page pool
     kv_cache_tokens: int | None = None  # pool size; None: max_seq_len x max(slots, 1)
     page_size: int = 128  # one of PAGE_SIZES
-    kv_cache_dtype: str = "auto"  # "auto" (the compute dtype) or one of DTYPES
+    kv_cache_dtype: str = "auto"  # "auto" (the compute dtype) or one of KV_DTYPES
+    # the K and the V pools apart (llama.cpp's -ctk / -ctv); None: kv_cache_dtype
+    kv_cache_dtype_k: str | None = None
+    kv_cache_dtype_v: str | None = None
     # prefix caching: full pages shared between requests by content (chain hashes)
     prefix_cache: bool = True
     # hybrid models: snapshots of the linear layers' state at page ends, for prefix hits
     # (None: as many as the KV pool's bytes hold, at most one a page; 0: none, and no hits)
     prefix_snapshots: int | None = None
+    # host-RAM tier of the prefix cache (llama-server's --cache-ram): full cached pages evicted
+    # from the device pool move to a host store of at most this many MiB (LRU); 0: off
+    cache_ram_mib: int = 0
+    # fit (llama.cpp's --fit): size the page pool, the snapshots and, where not given, the
+    # context and the slots to the memory there is (fit_memory_mib; None: what the backend
+    # reports), leaving fit_target_mib free; the context is not cut below fit_ctx
+    fit: bool = False
+    fit_target_mib: int = 1024
+    fit_memory_mib: int | None = None
+    fit_ctx: int = 4096
     # compiles
     compile_cache_size: int | None = None  # executables kept (LRU); None: max(64, the plan)
     compile_cache_dir: str | Path | None = field(default_factory=default_compile_cache_dir)
@@ -280,7 +298,11 @@ class EngineOptions:
                 )
 
         one_of("dtype", DTYPES)
-        one_of("kv_cache_dtype", ("auto", *DTYPES))
+        for name in ("kv_cache_dtype", "kv_cache_dtype_k", "kv_cache_dtype_v"):
+            value = getattr(self, name)
+            object.__setattr__(self, name, KV_DTYPE_ALIASES.get(value, value))
+            if value is not None or name == "kv_cache_dtype":
+                one_of(name, ("auto", *KV_DTYPES))
         one_of("activations", ACTIVATIONS)
         if self.quantize not in QUANTIZE:
             raise JaxinferError(
@@ -296,7 +318,7 @@ class EngineOptions:
             bad("devices", "an integer >= 1")
         if self.max_seq_len is not None and (not _is_int(self.max_seq_len) or self.max_seq_len < 2):
             bad("max_seq_len", ">= 2")
-        for name in ("slots", "kv_cache_tokens", "compile_cache_size"):
+        for name in ("slots", "kv_cache_tokens", "compile_cache_size", "fit_memory_mib"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 1):
                 bad(name, "an integer >= 1")
@@ -308,6 +330,11 @@ class EngineOptions:
         for name in ("decode_chunk", "stream_chunk"):
             if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
                 bad(name, "an integer >= 1")
+        for name in ("cache_ram_mib", "fit_target_mib"):
+            if not _is_int(getattr(self, name)) or getattr(self, name) < 0:
+                bad(name, "an integer >= 0 (MiB)")
+        if not _is_int(self.fit_ctx) or self.fit_ctx < 2:
+            bad("fit_ctx", "an integer >= 2 (tokens)")
         if not _is_int(self.time_slice_ms) or self.time_slice_ms < 0:
             bad("time_slice_ms", "an integer >= 0 (0: a request keeps its row to the end)")
         for name in ("prefill_buckets", "batch_buckets"):
@@ -323,7 +350,7 @@ class EngineOptions:
                 f"page_size = {self.page_size!r} is invalid; use one of "
                 f"{', '.join(map(str, PAGE_SIZES))}"
             )
-        for name in ("strict", "graph_reuse", "prefix_cache", "shared_layers", "embeddings"):
+        for name in ("strict", "graph_reuse", "prefix_cache", "shared_layers", "embeddings", "fit"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "True or False")
         spec = self.speculative
@@ -357,6 +384,16 @@ class EngineOptions:
 
     def replace(self, **changes) -> EngineOptions:
         return dataclasses.replace(self, **changes)
+
+    def kv_dtypes(self) -> tuple[str, str]:
+        """The K and V pools' dtypes (KV_DTYPES); "auto" is the compute dtype."""
+
+        def pick(d: str) -> str:
+            return self.dtype if d == "auto" else d
+
+        both = pick(self.kv_cache_dtype)
+        return (both if self.kv_cache_dtype_k is None else pick(self.kv_cache_dtype_k),
+                both if self.kv_cache_dtype_v is None else pick(self.kv_cache_dtype_v))  # fmt: skip
 
 
 def _index(value) -> int:

@@ -18,6 +18,8 @@ from ..errors import JaxinferError
 from ..options import (
     ACTIVATIONS,
     DTYPES,
+    KV_DTYPE_ALIASES,
+    KV_DTYPES,
     MAX_STOP_LENGTH,
     POOLING,
     QUANTIZE,
@@ -104,10 +106,42 @@ def _common(p: argparse.ArgumentParser) -> None:
         "--page-size", type=int, default=ENGINE.page_size,
         help=f"KV page size in tokens ({ENGINE.page_size})",
     )  # fmt: skip
+    kv_names = ["auto", *KV_DTYPES, *KV_DTYPE_ALIASES]
     p.add_argument(
-        "--kv-cache-dtype", default=ENGINE.kv_cache_dtype, choices=["auto", *DTYPES],
-        help="KV cache dtype (auto: the compute dtype; float16 halves a float32 model's KV "
-        "memory, as llama.cpp's default f16 cache does)",
+        "--kv-cache-dtype", default=ENGINE.kv_cache_dtype, choices=kv_names, metavar="TYPE",
+        help="KV cache dtype of K and V: auto (the compute dtype), float32, float16, bfloat16 "
+        "(or llama.cpp's f32, f16, bf16) or q8_0 (int8 with a float16 scale per 32 values)",
+    )  # fmt: skip
+    for short, side in (("-ctk", "k"), ("-ctv", "v")):
+        p.add_argument(
+            f"--cache-type-{side}", short, dest=f"kv_cache_dtype_{side}", default=None,
+            choices=kv_names, metavar="TYPE",
+            help=f"the {side.upper()} pools' dtype alone, as llama.cpp's {short} (default: "
+            "--kv-cache-dtype)",
+        )  # fmt: skip
+    p.add_argument(
+        "--cache-ram", type=int, default=ENGINE.cache_ram_mib, metavar="MIB", dest="cache_ram",
+        help="host-RAM tier of the prefix cache: cached pages evicted from the KV pool move to "
+        "a host store of at most MIB (least recently used go first; default 0: off)",
+    )  # fmt: skip
+    p.add_argument(
+        "--fit", action="store_true",
+        help="size the KV pool, the snapshots and, where not given, the context (-c) and "
+        "slots (-np) to the memory there is, leaving --fit-target MiB free",
+    )  # fmt: skip
+    p.add_argument(
+        "--fit-target", type=int, default=ENGINE.fit_target_mib, metavar="MIB",
+        help=f"--fit: memory to leave free (default {ENGINE.fit_target_mib})",
+    )  # fmt: skip
+    p.add_argument(
+        "--fit-memory", type=int, default=None, metavar="MIB",
+        help="--fit: the memory to plan in (default: what the backend reports; on CPU the "
+        "smaller of MemAvailable and the cgroup limit)",
+    )  # fmt: skip
+    p.add_argument(
+        "--fit-ctx", type=int, default=ENGINE.fit_ctx, metavar="N",
+        help=f"--fit: never cut the context below N tokens (default {ENGINE.fit_ctx}, or the "
+        "model's context if smaller)",
     )  # fmt: skip
     p.add_argument(
         "--no-prefix-cache", action="store_true",
@@ -304,6 +338,9 @@ def _options(args, **overrides) -> EngineOptions:
         layout=args.layout, devices=args.devices,
         max_seq_len=args.ctx_size, kv_cache_tokens=args.kv_cache_tokens,
         page_size=args.page_size, kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_dtype_k=args.kv_cache_dtype_k, kv_cache_dtype_v=args.kv_cache_dtype_v,
+        cache_ram_mib=args.cache_ram, fit=args.fit, fit_target_mib=args.fit_target,
+        fit_memory_mib=args.fit_memory, fit_ctx=args.fit_ctx,
         prefix_cache=not args.no_prefix_cache, prefix_snapshots=args.prefix_snapshots,
     )  # fmt: skip
     if getattr(args, "ubatch_size", None):
