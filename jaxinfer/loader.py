@@ -23,6 +23,7 @@ from .engine import Engine
 from .errors import JaxinferError, UnsupportedModelError
 from .formats import open_checkpoint
 from .formats.tokenizer import Tokenizer
+from .model.kvquant import PoolDtype, pool_dtype
 from .ops.quant import HostQuant, quantize_int8, with_activations
 from .options import EngineOptions
 from .parallel.depth import place_depth
@@ -50,11 +51,13 @@ def builtin_config(vocab_size: int) -> ModelConfig:
     )  # fmt: skip
 
 
-def kv_dtype(options: EngineOptions):
-    """The KV pools' dtype: "auto" is the compute dtype; a 16-bit cache under float32 compute
-    halves the KV memory and the bytes attention reads (llama.cpp's default is float16)."""
-    auto = options.kv_cache_dtype == "auto"
-    return jnp.dtype(options.dtype if auto else options.kv_cache_dtype)
+def kv_dtype(options: EngineOptions) -> tuple[PoolDtype, PoolDtype]:
+    """The K and V pools' formats (kvquant.py: a float dtype or "q8_0"; llama.cpp's -ctk and
+    -ctv): "auto" is the compute dtype; a 16-bit cache under float32 compute halves the KV
+    memory and the bytes attention reads (llama.cpp's default is float16), q8_0 about quarters
+    it."""
+    k, v = options.kv_dtypes()
+    return pool_dtype(k), pool_dtype(v)
 
 
 def quantizing(read: Reader, how: str, compute) -> Reader:
@@ -76,7 +79,7 @@ def quantizing(read: Reader, how: str, compute) -> Reader:
     return reader
 
 
-def place(read: Reader, cfg: ModelConfig, dtype, kv_dtype, activations: str, shared: bool,
+def place(read: Reader, cfg: ModelConfig, dtype, kv_dtypes, activations: str, shared: bool,
           stored, layout, devices) -> Placement:  # fmt: skip
     """The model on a layout's mesh: pipeline stages when the layout splits the layers; with
     `shared`, on one CPU device with the kernels at float32, depth-shared layers (`stored`:
@@ -93,7 +96,7 @@ def place(read: Reader, cfg: ModelConfig, dtype, kv_dtype, activations: str, sha
         how = partial(place_depth, stored=stored)
     else:
         how = place_dense
-    placement = how(read, cfg, dtype, plan.name, mesh, rules, kv_dtype=kv_dtype)
+    placement = how(read, cfg, dtype, plan.name, mesh, rules, kv_dtypes=kv_dtypes)
     return dataclasses.replace(placement, params=with_activations(placement.params, activations))
 
 

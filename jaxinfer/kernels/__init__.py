@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import jax
 
+from ..model import kvquant
 from . import cpu, tpu
 from .backend import family, mode
 from .cpu import (
@@ -80,13 +81,14 @@ class AttentionKernel:
 
 
 def attention_kernel(pools, whole: bool) -> AttentionKernel | None:
-    """The attention kernel for these pools ([P, K, H, page] each; whole on one device or
-    not), or None. Pallas's wants H and the page to be tiles (`_tile`)."""
-    pool = pools[0]
-    if family() == "cpu" and whole and str(pool.dtype) in ATTEND_POOLS and available():
+    """The attention kernel for these pools ([P, K, rows, page] each, kvcache.py; whole on one
+    device or not), or None: the CPU's for the (K, V) dtype pairs it has handlers for
+    (cpu.ATTEND_PAIRS); Pallas's where the head dim H and the page are tiles (`_tile`)."""
+    if family() == "cpu" and whole and cpu.attends(pools) and available():
         return AttentionKernel(attend, True)  # stacked pools too (depth-shared layers: `layer=`)
     pallas = _pallas()
-    if pallas is not None and whole and all(_tile(n) for n in pool.shape[2:]):
+    tiles = all(_tile(n) for p in pools for n in (kvquant.head_dim(p), p.shape[-1]))
+    if pallas is not None and whole and tiles:
         return AttentionKernel(functools.partial(paged_attention, **pallas), False)
     return None
 

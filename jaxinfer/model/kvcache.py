@@ -1,7 +1,8 @@
 """Paged KV cache: per attention layer a pool of fixed-size pages, per row a block table.
 
-Device side: each attention layer holds two pools (K and V) of shape [P, K, H, page]; a row's
-block table [NB] lists the pages holding its positions 0, page, 2 * page, ... Page 0 is the null
+Device side: each attention layer holds two pools (K and V) of shape [P, K, H, page] (a q8_0
+pool: [P, K, rows, page] int8, kvquant.py; read back as [.., H, page] floats); a row's block
+table [NB] lists the pages holding its positions 0, page, 2 * page, ... Page 0 is the null
 page: unallocated table entries point at it and padding tokens write into it, and every read of
 it is masked by position. The host's side, `runtime/pages.py`, hands pages to requests as they
 grow and shares full pages between requests by content (prefix caching).
@@ -26,10 +27,12 @@ from jax import lax
 
 from .. import kernels
 from ..ops.vma import varying_like
+from . import kvquant
 
 NULL_PAGE = 0
 NULL_STATE = 0  # the state index padding rows read and write (gdn.py)
 AXES = ("cache_seq", "kv_heads", "head_dim", None)  # logical axes of a pool [P, K, H, page]
+Q8_AXES = ("cache_seq", "kv_heads", None, None)  # of a q8_0 pool [P, K, rows, page]
 PAGE_SIZES = (16, 32, 64, 128, 256)
 QUERY_TILE = 128  # queries per causal tile inside a prompt chunk (tiles skip keys above them)
 # Chunks up to this many tokens (a speculative verify: the input token and its drafts) read
@@ -73,24 +76,48 @@ class KVConfig:
 
 @dataclass(frozen=True)
 class AttentionKV:
-    """The cache of one attention layer: K and V pools [P, K, H, page] in the KV cache dtype
-    (the engine's kv_cache_dtype; by default the compute dtype)."""
+    """The cache of one attention layer: K and V pools [P, K, rows, page] in the KV cache
+    formats (kvquant.py: the engine's kv_cache_dtype, or its K and V sides apart; by default the
+    compute dtype): rows = H for a float pool, H values and the scales for q8_0."""
 
     n_kv_heads: int
     head_dim: int
-    dtype: jnp.dtype
+    k_dtype: kvquant.PoolDtype  # a float dtype or "q8_0"
+    v_dtype: kvquant.PoolDtype | None = None  # None: as k_dtype
 
-    AXES = (AXES, AXES)  # logical axes of (K pool, V pool)
+    def __post_init__(self):
+        v = self.k_dtype if self.v_dtype is None else self.v_dtype
+        for name, dtype in (("k_dtype", self.k_dtype), ("v_dtype", v)):
+            object.__setattr__(self, name, kvquant.pool_dtype(dtype))
+            kvquant.check(self.head_dim, getattr(self, name))
 
-    def shape(self, kv: KVConfig) -> tuple[int, ...]:
-        return (kv.n_pages, self.n_kv_heads, self.head_dim, kv.page_size)
+    @property
+    def dtypes(self) -> tuple[kvquant.PoolDtype, kvquant.PoolDtype]:
+        return self.k_dtype, self.v_dtype  # type: ignore[return-value]  # set in __post_init__
+
+    @property
+    def AXES(self):  # the caches' common attribute (RecurrentState.AXES, ...)
+        """Logical axes of (K pool, V pool): a q8_0 pool's rows (values and scales) stay whole."""
+        return tuple(AXES if d != kvquant.Q8_0 else Q8_AXES for d in self.dtypes)
+
+    def shape(self, kv: KVConfig, dtype: kvquant.PoolDtype) -> tuple[int, ...]:
+        """A pool's shape in format `dtype`."""
+        return (kv.n_pages, self.n_kv_heads, kvquant.rows(self.head_dim, dtype), kv.page_size)
 
     def init(self, kv: KVConfig) -> tuple[jax.Array, jax.Array]:
-        shape = self.shape(kv)
-        return jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype)
+        return tuple(  # type: ignore[return-value]
+            jnp.zeros(self.shape(kv, d), kvquant.array_dtype(d)) for d in self.dtypes
+        )
+
+    def describe(self) -> str:
+        """The formats as kv_stats() reports them: "q8_0", or "K q8_0 / V float16" apart."""
+        k, v = (str(d) for d in self.dtypes)
+        return k if k == v else f"K {k} / V {v}"
 
     def page_bytes(self, page_size: int) -> int:
-        return 2 * self.n_kv_heads * self.head_dim * page_size * np.dtype(self.dtype).itemsize
+        return sum(
+            kvquant.page_bytes(self.n_kv_heads, self.head_dim, page_size, d) for d in self.dtypes
+        )
 
 
 @struct.dataclass
@@ -147,28 +174,29 @@ class KVView:
 
 def write(pools, k, v, view: KVView):
     """Store k, v [B, T, K, H] at positions start + t (t < length); padding goes to the null
-    page. One token per row is an in-place update slice per row on the donated pool; a prompt
-    chunk is one scatter."""
-    pool_k, pool_v = pools
-    B, T = k.shape[:2]
-    page = pool_k.shape[-1]
+    page. Each pool stores them in its format (kvquant.py). One token per row in a float pool
+    is an in-place update slice per row on the donated pool; a prompt chunk, and a q8_0 pool
+    (whose scales lie outside the token's column), is a scatter."""
+    T = k.shape[1]
+    page = pools[0].shape[-1]
     pos = view.positions(T)  # [B, T]
     real = view.real(T)  # [B, T]
     block = jnp.clip(pos // page, 0, view.table.shape[1] - 1)
     pages = jnp.where(real, jnp.take_along_axis(view.table, block, axis=1), NULL_PAGE)
     offsets = jnp.where(real, pos % page, 0)  # [B, T]
-    k, v = k.astype(pool_k.dtype), v.astype(pool_v.dtype)
-    if T == 1:
-        zero = jnp.zeros((), jnp.int32)
-        for b in range(B):
-            at = (pages[b, 0], zero, zero, offsets[b, 0])
-            pool_k = lax.dynamic_update_slice(pool_k, k[b, 0][None, :, :, None], at)
-            pool_v = lax.dynamic_update_slice(pool_v, v[b, 0][None, :, :, None], at)
-        return pool_k, pool_v
-    # Advanced indices on axes 0 and 3 put their [B, T] dims first: updates are [B, T, K, H].
-    pool_k = pool_k.at[pages, :, :, offsets].set(k, mode="promise_in_bounds")
-    pool_v = pool_v.at[pages, :, :, offsets].set(v, mode="promise_in_bounds")
-    return pool_k, pool_v
+    return tuple(_store(pool, x, pages, offsets) for pool, x in zip(pools, (k, v), strict=True))
+
+
+def _store(pool, x, pages, offsets):
+    """x [B, T, K, H] into one pool at (pages, offsets) [B, T]."""
+    if x.shape[1] > 1 or kvquant.quantized(pool):
+        return kvquant.scatter(pool, pages, offsets, x)
+    x = x.astype(pool.dtype)
+    zero = jnp.zeros((), jnp.int32)
+    for b in range(x.shape[0]):
+        at = (pages[b, 0], zero, zero, offsets[b, 0])
+        pool = lax.dynamic_update_slice(pool, x[b, 0][None, :, :, None], at)
+    return pool
 
 
 def at_layer(pools, layer: jax.Array):
@@ -227,7 +255,8 @@ def attend(q, k, v, pools, view: KVView, window: int | None = None) -> jax.Array
     elif T <= PAGED_CHUNK:
         n_keys = view.start + jnp.maximum(view.length, 1)
         carry = _pages(qh, pools, view.table, q_pos, n_keys, _empty(B, K, T * G, H), window, True)
-    else:
+    else:  # the chunk's keys and values as the pools hold them, as every later read sees them
+        k, v = (kvquant.stored(x, pool) for x, pool in zip((k, v), pools, strict=True))
         carry = _chunk(qh, k, v, G, window)
         carry = _pages(qh, pools, view.table, q_pos, view.start, carry, window)
     m, l, acc = carry
@@ -289,9 +318,8 @@ def _pages(qh, pools, table, q_pos, n_keys, carry, window, causal=False):
     the softmax state, one page per row and loop step; `causal`: each query only up to its own
     position. (Measured on XLA CPU: gathering several pages per step, or pages smaller than
     128, is slower per key than this.)"""
-    pool_k, pool_v = pools
     B, K, Q, H = qh.shape
-    page = pool_k.shape[-1]
+    page = pools[0].shape[-1]
     first = 0
     if window:  # pages older than every live query's window are skipped
         most = jnp.max(n_keys)
@@ -300,8 +328,7 @@ def _pages(qh, pools, table, q_pos, n_keys, carry, window, causal=False):
 
     def body(j, carry):
         ids = table[:, j]  # [B], always a valid page id (the null page where unused)
-        kb = pool_k.at[ids].get(mode="promise_in_bounds")  # [B, K, H, page]: one slice per row
-        vb = pool_v.at[ids].get(mode="promise_in_bounds")
+        kb, vb = (_page(pool, ids, H) for pool in pools)  # [B, K, H, page]: a slice per row
         s = jnp.einsum("BKQH,BKHS->BKQS", qh, kb, preferred_element_type=jnp.float32)
         key_pos = j * page + jnp.arange(page)  # [S]
         visible = (key_pos[None] < n_keys[:, None])[:, None, None, :]  # [B, 1, 1, S]
@@ -313,8 +340,14 @@ def _pages(qh, pools, table, q_pos, n_keys, carry, window, causal=False):
         # n_keys >= 1; a prompt chunk's carry already holds its own keys).
         return _merge(carry, s, visible, vb, always_seen=not window)
 
-    carry = varying_like(carry, pool_k)
+    carry = varying_like(carry, pools[0])
     return lax.fori_loop(first, -(-jnp.max(n_keys) // page), body, carry)
+
+
+def _page(pool, ids, H):
+    """Page ids [B] of a pool -> [B, K, H, page] in the pool's float type (q8_0: float32)."""
+    pages = pool.at[ids].get(mode="promise_in_bounds")  # [B, K, rows, page]
+    return kvquant.read(pages, H) if kvquant.quantized(pool) else pages
 
 
 @dataclass(frozen=True)

@@ -448,21 +448,21 @@ def head_logits(h: jax.Array, head) -> jax.Array:
 
 
 def layer_cache(
-    cfg: ModelConfig, kind: tuple[bool, bool], kv_dtype
+    cfg: ModelConfig, kind: tuple[bool, bool], kv_dtypes
 ) -> AttentionKV | RecurrentState:
-    """The typed cache of a layer of this kind: KV pages of `kv_dtype`, or a linear layer's
-    state (float32)."""
+    """The typed cache of a layer of this kind: KV pages of `kv_dtypes` (the K and V pools'
+    formats, kvquant.py), or a linear layer's state (float32)."""
     if not kind[0]:
-        return AttentionKV(cfg.n_kv_heads, cfg.head_dim, kv_dtype)
+        return AttentionKV(cfg.n_kv_heads, cfg.head_dim, *kv_dtypes)
     KD, VD = cfg.linear_k_heads * cfg.linear_k_dim, cfg.linear_v_heads * cfg.linear_v_dim
     return RecurrentState(
         (KD, KD, VD), cfg.conv_kernel, cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim
     )
 
 
-def cache_layers(cfg: ModelConfig, kv_dtype) -> list[AttentionKV | RecurrentState]:
-    """The typed cache of every layer, in layer order."""
-    return [layer_cache(cfg, cfg.kind(i), kv_dtype) for i in range(cfg.n_layers)]
+def cache_layers(cfg: ModelConfig, kv_dtypes) -> list[AttentionKV | RecurrentState]:
+    """The typed cache of every layer, in layer order (KV pools of the (K, V) `kv_dtypes`)."""
+    return [layer_cache(cfg, cfg.kind(i), kv_dtypes) for i in range(cfg.n_layers)]
 
 
 @lru_cache(maxsize=8)

@@ -91,7 +91,7 @@ def _flat(module) -> nnx.FlatState:
 
 
 def place_depth(
-    read: Reader, cfg: ModelConfig, dtype, name: str, mesh: Mesh, rules, *, kv_dtype,
+    read: Reader, cfg: ModelConfig, dtype, name: str, mesh: Mesh, rules, *, kv_dtypes,
     stored: Stored | None = None,
 ) -> Placement:  # fmt: skip
     """The model on one CPU device with depth-shared layers: {embed, norm, [lm_head], [mtp],
@@ -176,7 +176,7 @@ def place_depth(
                     node[key[3][-1]] = value
             units.append(tree)
         params["runs"].append(units)
-    runner = depth_runner(cfg, runs, kv_dtype, mesh, rules)
+    runner = depth_runner(cfg, runs, kv_dtypes, mesh, rules)
     return Placement(name, mesh, rules, runner, params, cfg)
 
 
@@ -218,14 +218,14 @@ def layer_params(tree, i: jax.Array):
 
 
 def depth_runner(
-    cfg: ModelConfig, runs: tuple[Run[Signature], ...], kv_dtype, mesh: Mesh, rules
+    cfg: ModelConfig, runs: tuple[Run[Signature], ...], kv_dtypes, mesh: Mesh, rules
 ) -> Runner:
     """The runner of depth-shared layers: per run, a loop over its unit's repetitions, and in
     it per segment of the unit its body (a loop of its own where it repeats)."""
     entries = [(run, seg) for run in runs for seg in run.segments]  # one per cache entry
-    caches = [layer_cache(cfg, seg.signature[0], kv_dtype) for _, seg in entries]
+    caches = [layer_cache(cfg, seg.signature[0], kv_dtypes) for _, seg in entries]
     graphdefs = [nnx.graphdef(stage_block(cfg, seg.signature[0])) for _, seg in entries]
-    mtp = mtp_caches(cfg, kv_dtype)
+    mtp = mtp_caches(cfg, kv_dtypes)
 
     def init_kv(kv: KVConfig):
         """Per segment, its layers' caches stacked: [count * repeat, ...] leaves."""

@@ -120,11 +120,11 @@ def block_axes(cfg: ModelConfig, kind: Kind) -> dict[tuple, tuple]:
 
 
 def place_pipeline(
-    read: Reader, cfg: ModelConfig, dtype, name: str, mesh: Mesh, rules, *, kv_dtype
+    read: Reader, cfg: ModelConfig, dtype, name: str, mesh: Mesh, rules, *, kv_dtypes
 ) -> Placement:
-    """The model split into stages over the mesh's `pp` axis; KV pools of `kv_dtype`."""
+    """The model split into stages over the mesh's `pp` axis; K and V pools of `kv_dtypes`."""
     params = place_params(read, cfg, mesh, rules, dtype)
-    runner = pipeline_runner(cfg, mesh, rules, kv_dtype)
+    runner = pipeline_runner(cfg, mesh, rules, kv_dtypes)
     return Placement(name, mesh, rules, runner, params, cfg)
 
 
@@ -215,12 +215,12 @@ def stack_slot(read: Reader, plan: StagePlan, j: int, path, shape, sharding, dty
     return for_kernel(path, array, kernel, lead=1)
 
 
-def pipeline_runner(cfg: ModelConfig, mesh: Mesh, rules: dict, kv_dtype) -> Runner:
+def pipeline_runner(cfg: ModelConfig, mesh: Mesh, rules: dict, kv_dtypes) -> Runner:
     plan = stage_plan(cfg, mesh.shape[AXIS])
     pp = plan.stages
     split = ExpertSplit.of(mesh, rules)
     block_defs = [nnx.graphdef(stage_block(cfg, kind, split)) for kind in plan.kinds]
-    caches = [layer_cache(cfg, kind, kv_dtype) for kind in plan.kinds]
+    caches = [layer_cache(cfg, kind, kv_dtypes) for kind in plan.kinds]
     manual = frozenset({AXIS})
     valid = plan.valid
 
@@ -312,7 +312,7 @@ def pipeline_runner(cfg: ModelConfig, mesh: Mesh, rules: dict, kv_dtype) -> Runn
         return head_logits(h, params["embed"] if cfg.tie_embeddings else params["lm_head"])
 
     mtp_def = nnx.graphdef(mtp_module(cfg, split)) if cfg.mtp_layers else None
-    mtp = mtp_caches(cfg, kv_dtype)
+    mtp = mtp_caches(cfg, kv_dtypes)
 
     def draft(params, tokens, hidden, view, kv):
         assert mtp_def is not None  # drafts only with an MTP head

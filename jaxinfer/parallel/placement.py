@@ -70,10 +70,10 @@ class Placement:
 
 
 def place_dense(
-    read: Reader, cfg: ModelConfig, dtype, name: str, mesh: Mesh, rules, *, kv_dtype
+    read: Reader, cfg: ModelConfig, dtype, name: str, mesh: Mesh, rules, *, kv_dtypes
 ) -> Placement:
     """Every layer on every device of the mesh, weights placed straight into their shardings;
-    KV pools of `kv_dtype`."""
+    K and V pools of `kv_dtypes` (their formats, model/kvquant.py)."""
     graphdef, state = nnx.split(abstract_model(cfg, expert_split(cfg, mesh, rules)))
     shardings = param_shardings(cfg, mesh, rules)
     kernel = kernel_fits(mesh)
@@ -96,7 +96,7 @@ def place_dense(
     with ThreadPoolExecutor(min(4, os.cpu_count() or 1)) as pool:
         placed = list(pool.map(lambda pl: put(*pl), leaves))
     params = jax.tree_util.tree_unflatten(tree, placed)
-    runner = dense_runner(graphdef, cfg, kv_dtype, mesh, rules)
+    runner = dense_runner(graphdef, cfg, kv_dtypes, mesh, rules)
     return Placement(name, mesh, rules, runner, params, cfg)
 
 
@@ -185,10 +185,10 @@ def put_quant(path: tuple, parts: dict, host: HostQuant, sharding: NamedSharding
     return QArray(out, host.fmt, host.width, kernel)
 
 
-def dense_runner(graphdef: nnx.GraphDef, cfg: ModelConfig, kv_dtype, mesh, rules) -> Runner:
+def dense_runner(graphdef: nnx.GraphDef, cfg: ModelConfig, kv_dtypes, mesh, rules) -> Runner:
     """All layers on every device of the mesh (single or tensor split)."""
-    layers = cache_layers(cfg, kv_dtype)
-    mtp = mtp_caches(cfg, kv_dtype)
+    layers = cache_layers(cfg, kv_dtypes)
+    mtp = mtp_caches(cfg, kv_dtypes)
     kernel = kernel_fits(mesh)
 
     def forward(p, tokens, view: KVView, kv):
@@ -209,11 +209,11 @@ def dense_runner(graphdef: nnx.GraphDef, cfg: ModelConfig, kv_dtype, mesh, rules
     )
 
 
-def mtp_caches(cfg: ModelConfig, kv_dtype) -> tuple:
+def mtp_caches(cfg: ModelConfig, kv_dtypes) -> tuple:
     """The MTP head's caches: its attention layer's KV pools and the per-request hidden state."""
     if not cfg.mtp_layers:
         return ()
-    return (AttentionKV(cfg.n_kv_heads, cfg.head_dim, kv_dtype), HiddenState(cfg.d_model))
+    return (AttentionKV(cfg.n_kv_heads, cfg.head_dim, *kv_dtypes), HiddenState(cfg.d_model))
 
 
 def cache_shardings(layer, mesh, rules, lead: tuple = ()) -> tuple[NamedSharding, ...]:

@@ -73,7 +73,7 @@ class Executor:
             self._kv_shardings,
         )
         attention = [c for c in self.runner.caches if isinstance(c, AttentionKV)]
-        self.kv_dtype = np.dtype(attention[0].dtype).name if attention else None
+        self.kv_dtype = attention[0].describe() if attention else None
         kv = self.kv_config
         self.page_bytes, self.bytes_per_state = cache_bytes(placement, draft, kv.page_size)
         total = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(shapes))

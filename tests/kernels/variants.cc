@@ -3,7 +3,8 @@
 // run under qemu-aarch64). Writes float32 values to two files: argv[1] the values that must
 // be bit-equal (every format's dequantized weights), argv[2] the sums that may differ by
 // rounding (the products at several activation row counts, with float and 8-bit activations,
-// then attention outputs).
+// then attention outputs; the q8_0 pools' bytes the kernel's writes quantized go with the
+// exact values).
 #include <cstdio>
 #include <vector>
 
@@ -88,20 +89,39 @@ void check_format(int64_t O, int64_t I) {
     }
 }
 
+// 4 pages of one kv head [4, rows, S], random values in [-1, 1) written as the kernel writes
+// a token's (rounded to a 16-bit pool's type, quantized into a q8_0 pool), 16 positions at a
+// time; the q8_0 pools' bytes go to the exact output.
 template <class Pool>
+std::vector<typename Pool::T> random_pool(int64_t H, int64_t S) {
+  const int64_t R = Pool::rows(H);
+  std::vector<typename Pool::T> pool(4 * R * S);
+  std::vector<float> x(16 * H);
+  for (int64_t page = 0; page < 4; ++page)
+    for (int64_t c = 0; c < S; c += 16) {
+      for (float& v : x) v = uniform(-1, 1);
+      columns<Pool>(x.data(), H, pool.data() + page * R * S, c, 16, H, S);
+    }
+  if constexpr (Pool::kScaled) {
+    std::vector<float> bytes(pool.begin(), pool.end());
+    emit(exact_out, bytes.data(), bytes.size());
+  }
+  return pool;
+}
+
+template <class KPool, class VPool>
 void check_attention(int64_t G, int64_t H, int64_t S, int64_t n) {
   const Shape d{1, 1, 1, G, H, 4, S, 4, 0};
-  std::vector<typename Pool::T> k(4 * H * S), v(4 * H * S);
-  for (size_t i = 0; i < k.size(); ++i)
-    k[i] = Pool::store(uniform(-1, 1)), v[i] = Pool::store(uniform(-1, 1));
+  const std::vector<typename KPool::T> k = random_pool<KPool>(H, S);
+  const std::vector<typename VPool::T> v = random_pool<VPool>(H, S);
   std::vector<float> q(G * H), out(G * H);
   for (float& x : q) x = uniform(-1, 1);
   const int32_t table[4] = {2, 0, 3, 1};
   Queries qs;
   qs.Q = G, qs.token = G * H, qs.q = q.data(), qs.out = out.data();
   for (int64_t i = 0; i < G; ++i) qs.lo[i] = 0, qs.n[i] = n;
-  std::vector<float> work(17 * 4 * H + 256 + 4 * S);
-  head<Pool, 4>(d, qs, k.data(), v.data(), table, work.data());
+  std::vector<float> work(17 * 4 * H + 256 + 2 * 4 * S);
+  head<KPool, VPool, 4>(d, qs, k.data(), v.data(), table, work.data());
   emit(sums_out, out.data(), out.size());
 }
 
@@ -122,8 +142,11 @@ int main(int argc, char** argv) {
   check_format<Half<false>>(37, 100);
   check_format<Half<true>>(37, 100);
   check_format<Full>(37, 100);
-  check_attention<F32Pool>(4, 16, 32, 100);
-  check_attention<F16Pool>(4, 16, 32, 77);
-  check_attention<BF16Pool>(4, 16, 32, 53);
+  check_attention<F32Pool, F32Pool>(4, 16, 32, 100);
+  check_attention<F16Pool, F16Pool>(4, 16, 32, 77);
+  check_attention<BF16Pool, BF16Pool>(4, 16, 32, 53);
+  check_attention<Q8Pool, Q8Pool>(4, 64, 32, 90);
+  check_attention<Q8Pool, F16Pool>(4, 16, 32, 70);
+  check_attention<F32Pool, Q8Pool>(4, 8, 32, 61);
   return std::fclose(exact_out) || std::fclose(sums_out);
 }

@@ -181,9 +181,9 @@ def _load(variant: build.Variant) -> str | None:
                 capsule = jax.ffi.pycapsule(getattr(lib, f"{kind}_{fmt}"))
                 jax.ffi.register_ffi_target(_target(fmt, variant.name, kind), capsule,
                                             platform="cpu")  # fmt: skip
-        for dtype, suffix in ATTEND_POOLS.items():
-            capsule = jax.ffi.pycapsule(getattr(lib, f"attend_{suffix}"))
-            jax.ffi.register_ffi_target(_attend_target(dtype, variant.name), capsule,
+        for pair in ATTEND_PAIRS:
+            capsule = jax.ffi.pycapsule(getattr(lib, _attend_handler(*pair)))
+            jax.ffi.register_ffi_target(_attend_target(pair[0], variant.name, pair[1]), capsule,
                                         platform="cpu")  # fmt: skip
         for kind in ("delta_step", "delta_chunk"):
             capsule = jax.ffi.pycapsule(getattr(lib, kind))
@@ -312,20 +312,37 @@ def grouped_matmuls(x: jax.Array, counts: jax.Array, fmt: str, weights, out_feat
     return outs
 
 
-# The attention kernel's handler (attend_<suffix> in the library, registered as
-# jaxinfer_attend_<suffix>) by the pools' dtype, the engine's kv_cache_dtype: 16-bit pools
-# are widened to float32 as they are read.
-ATTEND_POOLS = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
+# The attention kernel's pool kinds by the pools' array dtype (the engine's kv_cache_dtype, or
+# its K and V sides apart; int8 pools hold q8_0, model/kvquant.py): 16-bit pools are widened
+# to float32 as they are read, q8_0's scaled by their blocks' scales.
+ATTEND_POOLS = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "int8": "q8_0"}
+# The (K, V) pool dtype pairs with a handler: same kinds, and q8_0 on one side with any float
+# kind on the other (a float K with another float V runs the graph path).
+ATTEND_PAIRS = tuple(
+    (k, v) for k in ATTEND_POOLS for v in ATTEND_POOLS if k == v or "int8" in (k, v)
+)
 
 
-def _attend_target(dtype: str, variant: str) -> str:
-    return f"jaxinfer_attend_{ATTEND_POOLS[dtype]}_{variant}"
+def _attend_handler(k_dtype: str, v_dtype: str) -> str:
+    """The handler's symbol in the library: attend_<K kind>, then _<V kind> where it differs."""
+    k, v = ATTEND_POOLS[k_dtype], ATTEND_POOLS[v_dtype]
+    return f"attend_{k}" if k == v else f"attend_{k}_{v}"
+
+
+def _attend_target(k_dtype: str, variant: str, v_dtype: str | None = None) -> str:
+    """The registered target of a variant's handler for (K, V) pool dtypes (V None: as K)."""
+    return f"jaxinfer_{_attend_handler(k_dtype, v_dtype or k_dtype)}_{variant}"
+
+
+def attends(pools) -> bool:
+    """Whether the kernel has a handler for these (K, V) pools' dtypes."""
+    return tuple(str(p.dtype) for p in pools) in ATTEND_PAIRS
 
 
 def attend(q, k, v, pools, table, start, length, window: int | None, layer=None):
     """T tokens per row (kernels/cpu/src/attend.cc): writes the real ones (t < length [B]) of k, v
-    [B, T, K, H] at positions start [B] + t into the pools [P, K, H, S] (ATTEND_POOLS'
-    dtypes; in place: they are aliased to the outputs), then attends q [B, T, K, G, H]
+    [B, T, K, H] at positions start [B] + t into the pools [P, K, rows, S] (an ATTEND_PAIRS
+    pair of dtypes; in place: they are aliased to the outputs), then attends q [B, T, K, G, H]
     float32 (scaled, rotated): token t over the row's positions [max(0, n - window), n),
     n = min(start + t + 1, start + max(length, 1)), read through table [B, NB] -> (out
     [B, T, K, G, H] float32, pools). With `layer`, the pools are stacks [L, P, K, H, S]
@@ -334,7 +351,7 @@ def attend(q, k, v, pools, table, start, length, window: int | None, layer=None)
     pool_k, pool_v = pools
     like = jax.ShapeDtypeStruct
     call = jax.ffi.ffi_call(
-        _attend_target(str(pool_k.dtype), variant),
+        _attend_target(str(pool_k.dtype), variant, str(pool_v.dtype)),
         (like(q.shape, jnp.float32), *(like(p.shape, p.dtype) for p in pools)),
         input_output_aliases={3: 1, 4: 2},
         vmap_method="sequential",

@@ -6,7 +6,9 @@ chunk's keys are already in the pages (kvcache.write), so every query reads its 
 through the block table, up to its own position (causal), only the live pages. The pools keep
 the cache's layout [P, K, H, page] (positions on the fast axis), in any float dtype (float32,
 float16, bfloat16: products in the wider of the query's and the pool's type, accumulated in
-float32). Qwen3-Next/3.5's output gate (`out * sigmoid(gate)`) is applied on the way out.
+float32), or q8_0's [P, K, rows, page] int8 (model/kvquant.py), each page dequantized to
+float32 in the kernel after it is loaded (its scales' bytes put together with integer
+arithmetic). Qwen3-Next/3.5's output gate (`out * sigmoid(gate)`) is applied on the way out.
 
 Grid (B, K, Q / BQ, S): one program per row, kv head, block of BQ queries (query t * G + g:
 the G query heads of a kv head share its keys, GQA) and split of the row's pages, holding the
@@ -30,6 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from ...model import kvquant
 from ...ops.vma import agreed
 
 _MASKED = -1e30  # finite: a fully masked page gives exp(0) * 0, never NaN
@@ -41,7 +44,7 @@ PROGRAMS = 256  # a short chunk's rows x kv heads x page splits to aim at (~2 pe
 def _kernel(start_ref, length_ref, table_ref, q_ref, k_ref, v_ref, m_ref, l_ref, o_ref, *,
             G, window, per_split):  # fmt: skip
     """One row, kv head, query block and split of the pages: q_ref [BQ, H], k_ref, v_ref
-    [P, H, page] (the kv head's pool), table_ref [NB], start_ref, length_ref [1] -> the
+    [P, rows, page] (the kv head's pool), table_ref [NB], start_ref, length_ref [1] -> the
     split's softmax state: m_ref, l_ref [BQ], o_ref [BQ, H] (unnormalized)."""
     BQ, H = q_ref.shape
     page = k_ref.shape[-1]
@@ -56,14 +59,14 @@ def _kernel(start_ref, length_ref, table_ref, q_ref, k_ref, v_ref, m_ref, l_ref,
         begin = jnp.maximum(start + first_q // G - window + 1, 0) // page
     split = pl.program_id(3) * per_split  # this program's pages: [split, split + per_split)
     begin, end = jnp.maximum(begin, split), jnp.minimum(end, split + per_split)
-    kind = jnp.promote_types(q_ref.dtype, k_ref.dtype)
+    kind = jnp.promote_types(q_ref.dtype, _values(k_ref.dtype))
     q = q_ref[...].astype(kind)  # [BQ, H]
 
     def body(j, carry):
         m, l, acc = carry
         ids = table_ref[j]  # the page holding positions j * page ...
-        k = k_ref[ids].astype(kind)  # [H, page]
-        v = v_ref[ids]  # [H, page]
+        k = _page(k_ref, ids, H).astype(kind)  # [H, page]
+        v = _page(v_ref, ids, H)  # [H, page]
         s = jnp.dot(q, k, preferred_element_type=jnp.float32)  # [BQ, page]
         key = j * page + jnp.arange(page)  # [page]
         visible = (key[None, :] <= q_pos[:, None]) & (key[None, :] < n_keys)  # [BQ, page]
@@ -86,6 +89,24 @@ def _kernel(start_ref, length_ref, table_ref, q_ref, k_ref, v_ref, m_ref, l_ref,
     m_ref[...], l_ref[...], o_ref[...] = lax.fori_loop(begin, end, body, init)
 
 
+def _values(dtype) -> jnp.dtype:
+    """The type a pool's pages are read in: its own, float32 for q8_0."""
+    return jnp.dtype(jnp.float32) if dtype == jnp.int8 else jnp.dtype(dtype)
+
+
+def _page(ref, ids, H: int) -> jax.Array:
+    """Page `ids` of a kv head's pool ref [P, rows, page] -> [H, page] in `_values`' type: a
+    q8_0 page's int8 values times their blocks' float16 scales (kvquant.py's layout)."""
+    if ref.dtype != jnp.int8:
+        return ref[ids]
+    page = ref.shape[-1]
+    nb = H // kvquant.block(H)
+    q = ref[ids, pl.ds(0, H), :].astype(jnp.float32).reshape(nb, H // nb, page)
+    scale_bytes = ref[ids, pl.ds(H, 2 * nb), :].reshape(nb, page, 2)
+    d = kvquant.halves(scale_bytes[..., 0], scale_bytes[..., 1])  # [nb, page]
+    return (q * d[:, None, :]).reshape(H, page)
+
+
 def splits(B: int, K: int, Q: int, NB: int) -> int:
     """Page splits per row (flash decoding): a short chunk of B rows x K kv heads alone would
     leave most of a GPU idle over a long context, so its pages are split until about
@@ -99,7 +120,8 @@ def paged_attention(
     q, pools, table, start, length, window=None, gate=None, *, interpret=False
 ) -> jax.Array:
     """Causal attention of a chunk's queries q [B, T, K, G, H] (scaled, rotated) over their
-    rows' keys in the pools ([P, K, H, page] each, the chunk's own keys already written) ->
+    rows' keys in the pools ([P, K, rows, page] each, kvcache.py; the chunk's own keys already
+    written) ->
     [B, T, K, G, H] float32 (times sigmoid(gate [B, T, K, G, H]) when given). table [B, NB],
     start, length [B] int32 as in kvcache.KVView; a row with length 0 is idle (its output is
     padding). The splits' softmax states are merged here (XLA fuses it with the gate)."""
@@ -115,7 +137,9 @@ def paged_attention(
     qh = jnp.pad(qh, ((0, 0), (0, 0), (0, Qp - Q), (0, 0)))  # [B, K, Qp, H]
 
     row = pl.BlockSpec((1,), lambda b, h, i, s: (b,))
-    pool = pl.BlockSpec((P, None, H, page), lambda b, h, i, s: (0, h, 0, 0))
+    k_spec, v_spec = (
+        pl.BlockSpec((P, None, p.shape[2], page), lambda b, h, i, s: (0, h, 0, 0)) for p in pools
+    )
     state = pl.BlockSpec((None, None, None, BQ), lambda b, h, i, s: (s, b, h, i))
     args, mat = agreed(start, length, table, qh, pool_k, pool_v)  # inside shard_map
     m, l, acc = pl.pallas_call(
@@ -126,8 +150,8 @@ def paged_attention(
             row,
             pl.BlockSpec((None, NB), lambda b, h, i, s: (b, 0)),
             pl.BlockSpec((None, None, BQ, H), lambda b, h, i, s: (b, h, i, 0)),
-            pool,
-            pool,
+            k_spec,
+            v_spec,
         ],
         out_specs=[
             state,

@@ -263,6 +263,9 @@ INLINE F where(Int m, F yes, F no) {
   return each<F>([](auto c, auto y, auto n) UNROLLED { return c ? y : n; }, m, yes, no);
 }
 #endif
+// 16 consecutive int8 as 16 float32 lanes (a q8_0 KV pool's values): each variant's s8x16
+// widening (vpmovsxbd, vmovl), then one conversion per part.
+INLINE F s8_float(const int8_t* p) { return to_float(s8x16(p)); }
 // 8 consecutive bytes as 8 float32 lanes (the K-quants' sub-block scales).
 INLINE F8 u8x8(const uint8_t* p) {
 #if defined(JAXINFER_AVX512) || defined(JAXINFER_AVX2)
