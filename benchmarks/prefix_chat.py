@@ -20,8 +20,16 @@ setup), `--n_threads 2 --n_threads_batch 2 --n_ctx 2048 --cache True` (its RAM p
 `--interrupt_requests False`. It serves one request at a time: that is how it is built. Pass
 `--peer-python` for an interpreter that has it (pip install ".[llamacpp]").
 
-Usage: python benchmarks/prefix_chat.py [-r 3] [--peer-python PATH] [--turns 6]
+Usage: python benchmarks/prefix_chat.py [-r 3] [--peer-python PATH]
 Writes benchmarks/results/prefix_chat.md.
+
+`--host-tier MIB`: the host-RAM tier of the prefix cache instead (`--cache-ram`). The same chat
+load on two jaxinfer servers whose KV pool holds about one conversation (`--kv-cache-tokens`
+= the context): with the prefix cache alone, the 4 conversations evict each other's pages
+between turns; with `--cache-ram MIB` besides, evicted pages wait in host RAM and the next turn
+copies them back. Turns 2+ TTFT, the servers taking turns round after round; medians. Writes
+benchmarks/results/prefix_chat_host.md. `--small` shrinks the load (a 200-token system prompt,
+3 turns, 16 tokens, a 512-token context and pool) to check the script runs.
 """
 
 from __future__ import annotations
@@ -139,11 +147,26 @@ def fresh_load(port: int, prompts: list[str]) -> float:
     return len(prompts) * NEW / (time.perf_counter() - t0)
 
 
+CONTEXT = 2048  # -c of the servers (the host-tier load's pool too)
+
+
+def shrink() -> None:
+    """The small load of `--small`: a quick check that the script runs."""
+    global TURNS, NEW, SYSTEM_WORDS, CONTEXT
+    TURNS, NEW, SYSTEM_WORDS, CONTEXT = 3, 16, 200, 512
+
+
 def main():
     ap = harness.parser(__doc__, 3)
     ap.add_argument("--peer-python", default=sys.executable)
     ap.add_argument("--models", default="llama-86M,qwen35", help="which of the two to run")
+    ap.add_argument("--host-tier", type=int, default=0, metavar="MIB",
+                    help="the prefix cache with and without a host tier of MIB")  # fmt: skip
+    ap.add_argument("--small", action="store_true", help="a small load (the host-tier mode)")
     args = ap.parse_args()
+    if args.host_tier:
+        host_tier(args)
+        return
     # Both with stories260K's 512-token vocabulary (the 86M's own size), so that chat text
     # tokenizes to about a token a word; the hybrid otherwise of the hybrid benchmark's shape.
     shapes = {"llama-86M": dict(harness.LLAMA_86M), "qwen35": dict(
@@ -182,7 +205,7 @@ def run_model(name: str, path: Path, vocab: list[str], args, env) -> list[str]:
     users = [[words(rng, USER_WORDS, vocab) for _ in range(TURNS)] for _ in range(CLIENTS)]
     fresh = [words(rng, FRESH_WORDS, vocab) for _ in range(CLIENTS * TURNS)]
     jax_cmd = [sys.executable, "-m", "jaxinfer.cli", "serve", "-m", str(path), "-np", "4",
-               "-c", "2048"]  # fmt: skip
+               "-c", str(CONTEXT)]  # fmt: skip
     servers = {
         "cache on": (8441, "/health", jax_cmd + ["--port", "8441"]),
         "cache off": (8442, "/health", jax_cmd + ["--port", "8442", "--no-prefix-cache"]),
@@ -247,6 +270,84 @@ def run_model(name: str, path: Path, vocab: list[str], args, env) -> list[str]:
         "",
     ]
     return rows
+
+
+def host_tier(args) -> None:
+    """Turns 2+ TTFT with the host tier on and off, over a pool of about one conversation."""
+    if args.small:
+        shrink()
+    shapes = {"llama-86M": dict(harness.LLAMA_86M), "qwen35": dict(
+        HYBRID, vocab=512, arch="qwen35", name="bench-qwen35 (random)")}  # fmt: skip
+    env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
+    lines = [
+        "# The prefix cache's host tier (--cache-ram) on a multi-turn chat",
+        "",
+        f"`python benchmarks/prefix_chat.py --host-tier {args.host_tier} -r {args.rounds}"
+        f"{' --small' if args.small else ''}` on {harness.cpu()}, {time.strftime('%Y-%m-%d')}. "
+        f"{CLIENTS} clients x {TURNS} turns, a {SYSTEM_WORDS}-token system prompt per round, "
+        f"{USER_WORDS}-word user turns, {NEW} greedy tokens per turn. Both servers: `serve -np "
+        f"4 -c {CONTEXT} --kv-cache-tokens {CONTEXT}` (a pool of about one conversation); "
+        f"`tier` adds `--cache-ram {args.host_tier}`. Medians of {args.rounds} interleaved "
+        "rounds after a warm-up load per server.",
+        "",
+        "| model | server | turn 1 TTFT p50 s | turns 2+ TTFT p50 s | chat tokens/s |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for name in args.models.split(","):
+        with tempfile.TemporaryDirectory() as tmp:
+            path = harness.write_random_gguf(Path(tmp) / f"{name}.gguf", **shapes[name],
+                                             vocab_from=harness.STORIES,
+                                             chat_template=CHATML)  # fmt: skip
+            lines += tier_rows(name, path, vocabulary_words(), args, env)
+    text = "\n".join(lines)
+    print(text)
+    harness.write_result("prefix_chat_host", text, args.out)
+
+
+def tier_rows(name: str, path: Path, vocab: list[str], args, env) -> list[str]:
+    rng = np.random.default_rng(0)
+    system = words(rng, SYSTEM_WORDS, vocab)
+    users = [[words(rng, USER_WORDS, vocab) for _ in range(TURNS)] for _ in range(CLIENTS)]
+    cmd = [sys.executable, "-m", "jaxinfer.cli", "serve", "-m", str(path), "-np", "4",
+           "-c", str(CONTEXT), "--kv-cache-tokens", str(CONTEXT)]  # fmt: skip
+    servers = {
+        "tier": (8444, cmd + ["--port", "8444", "--cache-ram", str(args.host_tier)]),
+        "no tier": (8445, cmd + ["--port", "8445"]),
+    }
+    cells: dict = {(s, m): [] for s in servers for m in ("ttft1", "ttft2", "chat")}
+    procs = {}
+    try:
+        for server, (port, command) in servers.items():
+            procs[server] = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL,
+                                             stderr=subprocess.DEVNULL)  # fmt: skip
+            harness.wait_up(port, "/health", procs[server], timeout=900)
+        for port, _ in servers.values():  # first touches
+            conversation_load(port, f"warm-up. {system}", users)
+        for round_ in range(1, args.rounds + 1):
+            order = list(servers) if round_ % 2 else list(servers)[::-1]  # each leads in turn
+            for server in order:
+                salt = f"round {round_}"  # a fresh conversation set per round: no stale hits
+                first, later, agg = conversation_load(servers[server][0], f"{salt}. {system}",
+                                                      users)  # fmt: skip
+                print(f"{name} round {round_} {server:8s}: turn 1 TTFT p50 "
+                      f"{statistics.median(first):.3f} s, turns 2+ p50 "
+                      f"{statistics.median(later):.3f} s, chat {agg:.1f} t/s",
+                      flush=True)  # fmt: skip
+                cells[(server, "ttft1")].append(statistics.median(first))
+                cells[(server, "ttft2")].append(statistics.median(later))
+                cells[(server, "chat")].append(agg)
+    finally:
+        for proc in procs.values():
+            proc.terminate()
+            proc.wait(30)
+    med = {k: statistics.median(v) for k, v in cells.items()}
+    rows = [
+        f"| {name} | {server} | {med[(server, 'ttft1')]:.3f} | {med[(server, 'ttft2')]:.3f} | "
+        f"{med[(server, 'chat')]:.1f} |"
+        for server in servers
+    ]
+    ratio = med[("no tier", "ttft2")] / med[("tier", "ttft2")]
+    return rows + [f"| {name} | no tier / tier, turns 2+ TTFT | | {ratio:.2f}x | |"]
 
 
 if __name__ == "__main__":

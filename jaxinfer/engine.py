@@ -29,6 +29,7 @@ from .parallel.placement import Placement
 from .runtime.buckets import ShapePlan
 from .runtime.compile import CompileCache, CompileCounts, Handle, RecompileEvent, watching
 from .runtime.executor import Executor, cache_bytes
+from .runtime.host_cache import copy_buckets
 from .runtime.kv import KVManager
 from .runtime.perf import PerfStats
 from .runtime.profiler import profile
@@ -104,8 +105,14 @@ class Engine:
             carries_state=self._carries_state, page_bytes=page_bytes, state_bytes=state_bytes,
         )  # fmt: skip
         # Chain hashes start from the model's identity (and each request's cache salt).
-        self.model_id = repr((name, source, cfg, o.dtype, o.kv_cache_dtype, o.activations))
-        plan = len(self.shapes.jobs())
+        self.model_id = repr((name, source, cfg, o.dtype, o.kv_dtypes(), o.activations))
+        # The host tier's copy programs, per page-count bucket (none without a tier).
+        tiered = KVManager.tiered(
+            self.kv_config, o.prefix_cache, o.cache_ram_mib * 2**20,
+            placement.runner.mtp is not None, self._carries_state,
+        )  # fmt: skip
+        self._copies = copy_buckets(self.kv_config.usable_pages) if tiered else ()
+        plan = len(self._jobs())
         if o.compile_cache_size is not None and o.compile_cache_size < plan:
             raise JaxinferError(
                 f"compile_cache_size = {o.compile_cache_size} is below the {plan} programs of "
@@ -134,7 +141,7 @@ class Engine:
         self.kv = KVManager(
             self.kv_config, self.executor.page_bytes, prefix_cache=self.options.prefix_cache,
             model_id=self.model_id, mtp=self.executor.runner.mtp is not None,
-            carries_state=self._carries_state,
+            carries_state=self._carries_state, host_bytes=self.options.cache_ram_mib * 2**20,
         )  # fmt: skip
         return Scheduler(
             self.executor, self.kv, self.shapes, self._perf, self._clock,
@@ -547,7 +554,11 @@ class Engine:
         pages_free), prefix_queries and prefix_hits (prompt tokens looked up, and found), and
         for hybrid models the linear layers' state snapshots at page ends: snapshots_total,
         snapshots_in_use (being written, or read by a request about to start from one),
-        snapshots_cached and snapshot_bytes."""
+        snapshots_cached and snapshot_bytes.
+        The host tier (cache_ram_mib; zeros without one): host_bytes (the page contents and
+        states it holds, in host memory), host_capacity, host_pages, host_hits (prompt tokens
+        it served; they count in prefix_hits too) and host_evictions (entries dropped for
+        room)."""
         return {"dtype": self.executor.kv_dtype, **self.kv.stats(), **self.executor.state_stats()}
 
     def slot_requests(self) -> list[dict]:
@@ -561,7 +572,8 @@ class Engine:
         ]  # fmt: skip
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix (running requests keep their pages)."""
+        """Forget every cached prefix, the host tier's too (running requests keep their
+        pages)."""
         self.kv.clear()
 
     def weight_bytes(self) -> int:
@@ -577,7 +589,7 @@ class Engine:
         what the executable store holds loaded first; None when it has none) and total; and
         programs: how many of the plan's programs the temporaries cover."""
         ex, kv = self.executor, self.kv_stats()
-        jobs = [ex.job(name, B, T) for name, B, T in self.shapes.jobs()]
+        jobs = [ex.job(name, B, T) for name, B, T in self._jobs()]
         have = self.compile_cache.restore_planned(jobs)
         temps = [
             c.memory_analysis().temp_size_in_bytes
@@ -617,11 +629,25 @@ class Engine:
         """Every program serving can call: `warmup()` compiles exactly these."""
         ex, cc = self.executor, self.compile_cache
         plan = []
-        for name, B, T in self.shapes.jobs():
+        for name, B, T in self._jobs():
             job = ex.job(name, B, T)
-            why = self.shapes.why(name, B, T)
+            why = self._why(name, B, T)
             plan.append(PlannedProgram(name, B, T, ex.describe(job), why, cc.origin(job)))
         return plan
+
+    def _jobs(self) -> list[tuple[str, int, int]]:
+        """Every (program, B, T) serving can call: the shape plan's, then the host tier's
+        copies (B: pages a call moves)."""
+        copies = [(name, n, 0) for name in ("spill", "restore") for n in self._copies]
+        return self.shapes.jobs() + copies
+
+    def _why(self, name: str, B: int, T: int) -> str:
+        """What one program of the plan serves."""
+        if name == "spill":
+            return f"copies up to {B} evicted page(s) to the host tier (--cache-ram)"
+        if name == "restore":
+            return f"copies up to {B} page(s) of a host-tier hit back into the pool"
+        return self.shapes.why(name, B, T)
 
     def warmup(self, *, progress: bool = True) -> dict[str, tuple[int, float]]:
         """Compile the whole plan now, in parallel (what the executable store holds loads
@@ -633,7 +659,7 @@ class Engine:
         """
         self.compile_cache.strict = False
         ex = self.executor
-        jobs = [ex.job(name, B, T) for name, B, T in self.shapes.jobs()]
+        jobs = [ex.job(name, B, T) for name, B, T in self._jobs()]
         done = []
 
         def on_done(job, seconds):

@@ -331,6 +331,20 @@ def _prefix_row(engine, kv: dict) -> str:
     return text
 
 
+def _host_row(engine, kv: dict) -> str:
+    if not kv["host_capacity"]:
+        why = "--cache-ram 0" if not engine.options.cache_ram_mib else "no prefix hits to serve"
+        return f"off ({why})"
+    per_page = engine.executor.page_bytes + (
+        engine.executor.bytes_per_state if kv["snapshots_total"] else 0
+    )
+    return (
+        f"{kv['host_capacity'] / 2**20:.0f} MiB of host RAM for pages evicted from the pool "
+        f"(about {kv['host_capacity'] // max(per_page, 1)} pages of {per_page / 2**10:.1f} KiB), "
+        f"{kv['host_bytes'] / 2**20:.2f} MiB held"
+    )
+
+
 def _options(args, **overrides) -> EngineOptions:
     """The engine options the flags give (each checked by EngineOptions)."""
     kw = dict(
@@ -620,6 +634,7 @@ def _info(args) -> None:
             f"{kv['state_bytes_allocated'] / 2**20:.2f} MiB allocated",
         ))  # fmt: skip
     rows.append(("prefix cache", _prefix_row(engine, kv)))
+    rows.append(("host cache", _host_row(engine, kv)))
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:>{width}} : {value}")

@@ -1,7 +1,9 @@
 """Executor: the parameters, the programs, the compile cache and the KV page pools of a model
 on its mesh. `run(program, *inputs)` moves host inputs to the devices in one transfer, looks the
 executable up by key (compiling on a miss), threads the donated pools through the call and
-returns the other outputs. Warmup compiles the shape plan through the same keys.
+returns the other outputs. Warmup compiles the shape plan through the same keys. The host tier
+of the prefix cache copies pages out of the pools and back in through it (`copy_out`,
+`copy_in`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from ..model.gdn import RecurrentState
 from ..model.kvcache import AttentionKV, HiddenState, KVConfig
 from ..parallel.placement import Placement
 from ..parallel.sharding import named
+from .buckets import bucket_for
 from .compile import CompileCache, CompileJob, shapes_text
+from .host_cache import MAX_COPY, copy_buckets
 from .programs import Program, programs
 from .speculative import SpecConfig
 
@@ -63,6 +67,15 @@ class Executor:
         )  # fmt: skip
         self.kv: Any = None  # the page pools (a list of per-layer tuples), allocated on first use
         self._replicated = named(self.mesh)
+        # The host tier's copies land in pinned host memory where the backend has it (a DMA
+        # straight from the device); on CPU devices the device memory is the host's.
+        device = self.mesh.devices.flat[0]
+        kinds = {m.kind for m in device.addressable_memories()}
+        pinned = device.platform != "cpu" and "pinned_host" in kinds
+        self._host = (
+            self._replicated.with_memory_kind("pinned_host") if pinned else self._replicated
+        )
+        self.copy_buckets = copy_buckets(self.kv_config.usable_pages)  # pages a copy call moves
         self._kv_shardings = self.runner.kv_shardings() + (
             draft_runner.kv_shardings() if draft_runner else self.runner.mtp_kv_shardings()
         )
@@ -160,6 +173,43 @@ class Executor:
         self.kv = outs[0]
         return outs[1:]
 
+    def copy_out(self, pages: list[int], snaps: list[int]) -> tuple[list, list]:
+        """Every paged leaf of the pools at `pages` and every copied state leaf at `snaps`
+        (< 0: none; its rows are junk), on the host: ([n, ...] per paged leaf, [n, ...] per
+        state leaf). A call per MAX_COPY pages, each padded to a copy bucket; run before the
+        call that writes the pages again (JAX orders it before the pools are donated)."""
+        self.allocate()
+        parts = []
+        for at in range(0, len(pages), MAX_COPY):
+            n = min(MAX_COPY, len(pages) - at)
+            index = np.zeros((2, bucket_for(n, self.copy_buckets)), np.int32)  # pages; snaps
+            index[0, :n] = pages[at : at + n]
+            index[1, :n] = np.maximum(snaps[at : at + n], 0)
+            args = (self.model_params(), self.kv, *self.put((index[0], index[1])))
+            outs = jax.device_get(self._annotated("spill", self._executable("spill", args), *args))
+            parts.append(jax.tree.map(lambda a, n=n: np.asarray(a)[:n], outs))
+        return jax.tree.map(lambda *a: np.concatenate(a), *parts)
+
+    def copy_in(self, pages: list[int], contents: list, snap: int, state: list | None) -> None:
+        """Write host `contents` ([n, ...] per paged leaf) into `pages` of the pools and, with
+        `state` ([1, ...] per copied state leaf), that state into state index `snap`: a call
+        per MAX_COPY pages, each padded to a copy bucket (the padding writes nothing)."""
+        self.allocate()
+        kv = self.kv_config
+        for at in range(0, len(pages), MAX_COPY):
+            n = min(MAX_COPY, len(pages) - at)
+            N = bucket_for(n, self.copy_buckets)
+            _, rows, _, states = self.programs["restore"].inputs(N, 0, 0)
+            index = np.full(N, kv.n_pages, np.int32)  # past the end: the padding is dropped
+            index[:n] = pages[at : at + n]
+            padded = [np.zeros(r.shape, r.dtype) for r in rows]
+            for p, c in zip(padded, contents, strict=True):
+                p[:n] = c[at : at + n]
+            where = np.array([kv.n_states if state is None else snap], np.int32)
+            values = state if state is not None else [np.zeros(s.shape, s.dtype) for s in states]
+            args = (self.model_params(), self.kv, *self.put((index, padded, where, values)))
+            self.kv = self._annotated("restore", self._executable("restore", args), *args)
+
     def _executable(self, name: str, args: tuple):
         program = self.programs[name]
         context = self._bare if name == "cache" else self._context
@@ -186,7 +236,8 @@ class Executor:
 
     def _outputs(self, program: Program):
         """Output shardings: the pools keep theirs, everything else is replicated."""
-        outs = tuple(self._kv_shardings if o == "kv" else self._replicated for o in program.outputs)
+        by = {"kv": self._kv_shardings, "host": self._host}
+        outs = tuple(by.get(o, self._replicated) for o in program.outputs)
         return outs[0] if len(outs) == 1 else outs
 
     # ---- the plan -----------------------------------------------------------------------

@@ -14,6 +14,12 @@ start the prefill after it from the snapshot of the linear layers' state at the 
 so a hit ends at the last page whose snapshot is kept. Pages a request fills are registered as
 they fill, prompt and generated tokens alike, each with the snapshot written at its end (an
 MTP model's one position late, once the MTP head's row there is written too).
+
+The host tier (`host_bytes` > 0, host_cache.py): cached pages evicted from the pool are listed
+as they go (`spill` hands them out, `keep` stores their copied contents), and a lookup goes on
+past the pool's hits into the host store: those pages get fresh pages of the lease, registered
+at once, and the lease's `restore` says what the scheduler copies into them (and, for hybrid
+models, into a snapshot the prefill starts from) before any other call runs.
 """
 
 from __future__ import annotations
@@ -25,7 +31,37 @@ import numpy as np
 
 from ..errors import RequestError
 from ..model.kvcache import NULL_PAGE, KVConfig, KVView
+from .host_cache import HostCache, HostPage
 from .pages import PagePool, Snapshots, chain_hash, root_hash
+
+
+@dataclass(frozen=True, eq=False)
+class Restore:
+    """Host-tier pages a lease hit: the device pages they go to, their contents, and the
+    snapshot that takes the state at the last one's end (-1: none to write)."""
+
+    pages: list[int]
+    entries: list[HostPage]
+    snap: int = -1
+
+    def contents(self) -> list[np.ndarray]:
+        """[n, ...] per paged leaf of the pools."""
+        return [np.stack(leaf) for leaf in zip(*(e.pages for e in self.entries), strict=True)]
+
+    def state(self) -> list[np.ndarray] | None:
+        """[1, ...] per copied state leaf: the state at the last page's end (None: none)."""
+        last = self.entries[-1].state
+        return None if self.snap < 0 or last is None else [a[None] for a in last]
+
+
+@dataclass(frozen=True, eq=False)
+class Spill:
+    """Cached pages evicted from the pool whose contents the host tier wants: the pages, their
+    hashes and their snapshots (-1: none)."""
+
+    pages: list[int]
+    hashes: list[bytes]
+    snaps: list[int]
 
 
 @dataclass(eq=False)
@@ -44,19 +80,24 @@ class Lease:
     registered: int = 0
     source: int = -1
     pending: dict[int, int] = field(default_factory=dict)
+    restore: Restore | None = None  # host-tier hits to copy in before its first chunk
 
 
 class KVManager:
     def __init__(self, config: KVConfig, page_bytes: int, *, prefix_cache: bool, model_id: str,
-                 mtp: bool = False, carries_state: bool = False):  # fmt: skip
+                 mtp: bool = False, carries_state: bool = False,
+                 host_bytes: int = 0):  # fmt: skip
         """`page_bytes`: one page of every layer's pools; `model_id` roots every chain hash;
         `mtp`: a position's row is complete one token late (the MTP head writes it then);
         `carries_state`: a prefix leaves a state besides its pages, so a hit needs a snapshot
-        (with none kept, such a model, or one with an MTP head, takes no hit)."""
+        (with none kept, such a model, or one with an MTP head, takes no hit); `host_bytes`:
+        the host tier's capacity (0: none; none either where no hit could come of it)."""
         self.config = config
         self.carries_state = carries_state
         snapshots = Snapshots(config.first_snapshot, config.snapshots) if config.snapshots else None
-        self.pool = PagePool(config, page_bytes, snapshots)
+        tiered = self.tiered(config, prefix_cache, host_bytes, mtp, carries_state)
+        self.host = HostCache(host_bytes) if tiered else None
+        self.pool = PagePool(config, page_bytes, snapshots, spill=self.host is not None)
         self.prefix_cache = prefix_cache
         self.model_id = model_id
         self.mtp = mtp
@@ -77,6 +118,14 @@ class KVManager:
                 min(pages, pages * page_bytes // state_bytes) if state_bytes else pages
             )  # fmt: skip
         return KVConfig.plan(tokens, max_seq_len, page_size, rows, kept)
+
+    @staticmethod
+    def tiered(config: KVConfig, prefix_cache: bool, host_bytes: int, mtp: bool,
+               carries_state: bool) -> bool:  # fmt: skip
+        """Whether a host tier serves: one is asked for, and a hit can come of it (a model
+        whose prefixes leave a state, or with an MTP head, hits only with snapshots)."""
+        hits = config.snapshots > 0 or not (carries_state or mtp)
+        return prefix_cache and host_bytes > 0 and hits
 
     @property
     def page_size(self) -> int:
@@ -107,37 +156,109 @@ class KVManager:
         mapped in when `cache` (and the prefix cache is on); None while the pool lacks the
         pages, or while a running prompt fills the next page this one could hit (it waits to
         hit it rather than compute it twice)."""
-        hashes, hits = self._lookup(prompt, salt) if cache and self.prefix_cache else (None, [])
-        if hashes is not None and self._filling(prompt, hashes, len(hits)):
+        hashes, hits, host = (
+            self._lookup(prompt, salt) if cache and self.prefix_cache else (None, [], [])
+        )  # fmt: skip
+        if hashes is not None and self._filling(prompt, hashes, len(hits) + len(host)):
             return None
         need = self.pages_for(tokens) - len(hits)
         if not self.pool.admit(hits, need):
             return None
-        lease = Lease(need, list(hits), len(hits) * self.page_size, salt, hashes, len(hits))
-        if hits and self.pool.snapshots:
+        snapshots, snap = self.pool.snapshots, -1
+        if host and snapshots and snapshots.find(host[-1]) is None:
+            taken = snapshots.take()  # for the state at the host hits' end
+            if taken is None:  # every snapshot is being written or read: wait for one
+                self.pool.release(list(hits), need)
+                return None
+            snap = taken
+        cached = (len(hits) + len(host)) * self.page_size
+        lease = Lease(need, list(hits), cached, salt, hashes, len(hits))
+        if host:
+            self._restore(lease, host, snap)
+        elif hits and snapshots:
             assert hashes is not None  # hits come from a lookup
-            lease.source = self.pool.snapshots.pin(hashes[len(hits) - 1])
+            lease.source = snapshots.pin(hashes[len(hits) - 1])
         if hashes is not None:
             self.pool.queries += len(prompt)
             self.pool.hits += lease.cached_tokens
         self._leases.append(lease)
         return lease
 
-    def _lookup(self, prompt: Sequence[int], salt: str | None) -> tuple[list[bytes], list[int]]:
-        """The chain hashes of the prompt's full pages and the pages of its longest cached
-        prefix: one that leaves the prompt's last token to compute and, where the model needs
-        one, ends at a page with a kept snapshot."""
+    def _lookup(
+        self, prompt: Sequence[int], salt: str | None
+    ) -> tuple[list[bytes], list[int], list[bytes]]:
+        """The chain hashes of the prompt's full pages, the pages of its longest cached prefix
+        in the pool, and the hashes of the host tier's pages that continue it: together a
+        prefix that leaves the prompt's last token to compute and, where the model needs one,
+        ends at a page with a kept snapshot (the pool's, or a host entry's state)."""
         page, parent, hashes = self.page_size, root_hash(self.model_id, salt), []
         for j in range(len(prompt) // page):
             parent = chain_hash(parent, prompt[j * page : (j + 1) * page])
             hashes.append(parent)
-        hits = self.pool.lookup(hashes[: (len(prompt) - 1) // page])
+        limit = (len(prompt) - 1) // page
+        hits = self.pool.lookup(hashes[:limit])
+        host: list[bytes] = []  # and whether each keeps a state:
+        stated: list[bool] = []
+        if self.host is not None:
+            for h in hashes[len(hits) : limit]:
+                entry = self.host.find(h)
+                if entry is None:
+                    break
+                host.append(h)
+                stated.append(entry.state is not None)
         snapshots = self.pool.snapshots
         if (self.carries_state or self.mtp) and snapshots is None:
-            hits = []  # no state to start from (the MTP head's row before the hit: steps.py)
-        while snapshots and hits and snapshots.find(hashes[len(hits) - 1]) is None:
-            hits.pop()
-        return hashes, hits
+            return hashes, [], []  # no state to start from (the MTP head's row: steps.py)
+        if snapshots is not None:
+            while host and not stated[len(host) - 1]:
+                host.pop()
+            while not host and hits and snapshots.find(hashes[len(hits) - 1]) is None:
+                hits.pop()
+        return hashes, hits, host
+
+    def _restore(self, lease: Lease, host: list[bytes], snap: int) -> None:
+        """Give the lease's host-tier hits fresh pages, registered at once (the scheduler copies
+        their contents in before any other call runs), and, for hybrid models, the snapshot
+        its prefill starts from: `snap` (the state copied in) or one the pool kept."""
+        assert self.host is not None  # host hits come from the host tier
+        start = len(lease.pages)
+        lease.reserved = self.pool.grow(lease.pages, (start + len(host)) * self.page_size,
+                                        lease.reserved)  # fmt: skip
+        pages = lease.pages[start:]
+        entries = [self.host.get(h) for h in host]
+        for page, h in zip(pages, host, strict=True):
+            self.pool.register(page, h)
+        lease.registered = len(lease.pages)
+        self.host.hits += len(host) * self.page_size
+        snapshots = self.pool.snapshots
+        if snapshots is not None:
+            if snap >= 0:
+                snapshots.keep(host[-1], snap)
+            lease.source = snapshots.pin(host[-1])
+        lease.restore = Restore(pages, entries, snap)
+
+    def spill(self) -> Spill | None:
+        """The cached pages evicted since the last spill whose contents the host tier wants
+        (not held yet, or held without the state a snapshot brings): the caller copies them
+        out (and `keep`s them) before the next call writes them; None: nothing to copy."""
+        evicted = self.pool.evicted
+        if not evicted:
+            return None
+        assert self.host is not None  # only a host tier lists evicted pages
+        wanted = [(p, h, s) for p, h, s in evicted if self.host.wants(h, s is not None)]
+        evicted.clear()
+        if not wanted:
+            return None
+        pages, hashes, snaps = zip(*wanted, strict=True)
+        return Spill(list(pages), list(hashes), [-1 if s is None else s for s in snaps])
+
+    def keep(self, spill: Spill, contents: list[np.ndarray], states: list[np.ndarray]) -> None:
+        """Store spilled pages in the host tier from their copies: contents [n, ...] per paged
+        leaf, states [n, ...] per copied state leaf (rows of pages without a snapshot unused)."""
+        assert self.host is not None  # spills come from the host tier
+        for i, (h, snap) in enumerate(zip(spill.hashes, spill.snaps, strict=True)):
+            state = tuple(a[i].copy() for a in states) if snap >= 0 else None
+            self.host.put(h, HostPage(tuple(a[i].copy() for a in contents), state))
 
     def _filling(self, prompt: Sequence[int], hashes: list[bytes], hits: int) -> bool:
         """Whether the page after a prompt's cached prefix, one it could hit, is one a running
@@ -248,11 +369,16 @@ class KVManager:
     # ---- the cache as a whole -----------------------------------------------------------
 
     def clear(self) -> None:
-        """Forget every cached prefix (running requests keep their pages)."""
+        """Forget every cached prefix, the host tier's too (running requests keep their
+        pages)."""
         self.pool.clear()
+        if self.host is not None:
+            self.host.clear()
 
     def stats(self) -> dict:
-        """The pool's counts (PagePool.stats) and, with snapshots, theirs (Snapshots.stats)."""
+        """The pool's counts (PagePool.stats), with snapshots theirs (Snapshots.stats), and the
+        host tier's (HostCache.stats; zeros without one)."""
         snapshots = self.pool.snapshots
         empty = {"snapshots_total": 0, "snapshots_in_use": 0, "snapshots_cached": 0}
-        return {**self.pool.stats(), **(snapshots.stats() if snapshots else empty)}
+        host = HostCache(0).stats() if self.host is None else self.host.stats()
+        return {**self.pool.stats(), **(snapshots.stats() if snapshots else empty), **host}

@@ -19,6 +19,8 @@ Prefix caching (after vLLM's automatic prefix caching):
   means a shorter hit, never a wrong state.
 - A cached page is never written again: a hit leaves the prompt's last token to compute,
   and what a request writes past its hit goes to pages of its own.
+- With a host tier (host_cache.py), an evicted cached page is listed in `evicted` with its
+  snapshot, for its contents to be copied out before the page is written again.
 """
 
 from __future__ import annotations
@@ -126,7 +128,9 @@ class Snapshots:
 class PagePool:
     """Free pages, reservations, reference counts and the prefix cache of one KV pool."""
 
-    def __init__(self, kv: KVConfig, page_bytes: int, snapshots: Snapshots | None = None):
+    def __init__(self, kv: KVConfig, page_bytes: int, snapshots: Snapshots | None = None,
+                 spill: bool = False):  # fmt: skip
+        """`spill`: list the cached pages evicted (`evicted`), for a host tier."""
         self.kv = kv
         self.page_bytes = page_bytes  # all layers, K and V
         self.snapshots = snapshots  # hybrid models: the states prefixes leave
@@ -137,6 +141,9 @@ class PagePool:
         self._page_of: dict[bytes, int] = {}
         self._reserved = 0  # pages promised to admitted requests but not yet taken
         self.queries = self.hits = 0  # prompt tokens looked up, and found (prefix cache)
+        # (page, its hash, its snapshot or None) of each cached page evicted since the host
+        # tier last copied them out; None: no host tier
+        self.evicted: list[tuple[int, bytes, int | None]] | None = [] if spill else None
 
     @property
     def page_size(self) -> int:
@@ -189,6 +196,8 @@ class PagePool:
         self._cached.clear()
         self._hash_of.clear()
         self._page_of.clear()
+        if self.evicted is not None:
+            self.evicted.clear()
         if self.snapshots:
             self.snapshots.clear()
 
@@ -214,6 +223,9 @@ class PagePool:
             return self._free.pop()
         page, page_hash = self._cached.popitem(last=False)  # the least recently used
         del self._hash_of[page], self._page_of[page_hash]
+        if self.evicted is not None:  # its contents are intact until the next compiled call
+            snap = self.snapshots.find(page_hash) if self.snapshots else None
+            self.evicted.append((page, page_hash, snap))
         if self.snapshots:
             self.snapshots.forget(page_hash)
         return page

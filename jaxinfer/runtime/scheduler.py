@@ -12,7 +12,9 @@ cancelling gives them back at once.
 The KV pool, its pages, the prefix cache and its snapshots belong to the KV manager (kv.py):
 a request holds a `Lease` on it, which admission takes (mapping in a cached prefix, which the
 prefill then starts after), each call grows, filled pages are registered under, and retiring
-gives back. The scheduler never sees a hash or a snapshot.
+gives back. The scheduler never sees a hash or a snapshot. With the host tier, it has the
+executor copy the cached pages the manager evicted out to the host before each compiled call
+(`_run`), and a lease's host-tier hits back in right after its admission (`_restore`).
 
 Structured output: a row whose request follows a grammar gets its token mask filled before
 each call that samples for it, and such a call makes one token per row. Log-probabilities
@@ -151,6 +153,7 @@ class Scheduler:
             if lease is None:
                 return  # it waits for pages (or for a page a running prompt fills to hit it)
             self.queue.remove(state)
+            self._restore(lease)
             if state.admitted_at is None:
                 state.admitted_at = time.perf_counter()
                 state.cached_tokens = lease.cached_tokens
@@ -212,6 +215,29 @@ class Scheduler:
         self.perf.preempted += 1
         return True
 
+    def _run(self, name: str, *inputs):
+        """A compiled call (Executor.run), after the pages it may overwrite are spilled."""
+        self._spill()
+        return self.executor.run(name, *inputs)
+
+    def _spill(self) -> None:
+        """Copy the cached pages evicted since the last call out to the host tier, before a
+        call writes them again (one transfer; nothing without a host tier)."""
+        spill = self.kv.spill()
+        if spill is not None:
+            contents, states = self.executor.copy_out(spill.pages, spill.snaps)
+            self.kv.keep(spill, contents, states)
+
+    def _restore(self, lease: Lease) -> None:
+        """Copy a new lease's host-tier hits into its pages (and the state at their end into
+        the snapshot its prefill starts from), after spilling what those pages held."""
+        restore = lease.restore
+        if restore is None:
+            return
+        self._spill()
+        self.executor.copy_in(restore.pages, restore.contents(), restore.snap, restore.state())
+        lease.restore = None
+
     def _register(self, active: _Active, filled: int) -> None:
         """Name the request's pages wholly below position `filled`."""
         state = active.state
@@ -250,7 +276,7 @@ class Scheduler:
         sampling = self._sampling(rows, B, [a.offset + T >= len(a.context) for a in rows])
         t0 = self.clock()
         chunk = Chunk(tokens, view)  # type: ignore[arg-type]  # host rows, put later
-        first, lp = self.executor.run("prefill", chunk, window, sampling)
+        first, lp = self._run("prefill", chunk, window, sampling)
         first, lp = np.asarray(first), self._logprobs(rows, lp)
         self.perf.prompt_ms += (self.clock() - t0) * 1e3
         self.perf.prompt_tokens += int(length.sum())
@@ -285,7 +311,7 @@ class Scheduler:
         state, sampling, tables = self._inputs(rows, B, upto)
         t0 = self.clock()
         table, *snaps = tables
-        state, ids, lp, *counts = self.executor.run(
+        state, ids, lp, *counts = self._run(
             self.shapes.loop, state, table, sampling, self._steps(n), *snaps
         )
         ids, lp = np.asarray(ids), self._logprobs(rows, lp)
@@ -422,6 +448,7 @@ class Scheduler:
         state_index = np.array([self.kv.config.first_snapshot - 1], np.int32)
         offset, out = lease.cached_tokens, []
         try:
+            self._restore(lease)
             while offset < len(ids):
                 T = self.shapes.score_chunk_for(len(ids) - offset)
                 if self.running:  # each chunk delays every running request: short ones
@@ -437,7 +464,7 @@ class Scheduler:
                 at, length = np.array([offset], np.int32), np.array([len(seg)], np.int32)
                 view = self.kv.view([lease], 1, at, length, state_index)
                 chunk = Chunk(tokens, view)  # type: ignore[arg-type]  # host rows, put later
-                logits, lp = self.executor.run("score", chunk, following)
+                logits, lp = self._run("score", chunk, following)
                 real = np.s_[0, : len(seg)]
                 if logprobs:  # [T] and [T, K] come back; the logits stay on the device
                     out.append(jax.tree.map(lambda a, real=real: a[real], jax.device_get(lp)))
@@ -506,7 +533,7 @@ class Scheduler:
                     self.kv.grow(r.kv, r.offset + len(seg))
                 view = self.kv.view([r.kv for r in batch], B, start, length, state_index)
                 chunk = Chunk(tokens, view)  # type: ignore[arg-type]  # host rows, put later
-                out, logits = (np.asarray(a) for a in self.executor.run("pool", chunk, pick))
+                out, logits = (np.asarray(a) for a in self._run("pool", chunk, pick))
                 for b, r in enumerate(batch):  # out [B, 3, D]: last, sum, first of the chunk
                     if r.offset == 0:
                         r.first = out[b, 2]

@@ -3,7 +3,8 @@
 
 Two kinds: what the HTTP side sees (requests by outcome, tokens, latency histograms) is
 recorded as requests finish; what the engine knows (slots, queue, KV pages, graph reuse,
-recompiles by kind, compiles) is read from a snapshot the engine thread takes for each scrape.
+recompiles by kind, compiles, the prefix cache and its host tier) is read from a snapshot the
+engine thread takes for each scrape.
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ def engine_snapshot(engine: Engine, compiles_at_ready: int) -> dict:
         "kv_pages_total": kv["pages_total"],
         "prefix_cache_queries": kv["prefix_queries"],
         "prefix_cache_hits": kv["prefix_hits"],
+        "host_cache_bytes": kv["host_bytes"],
+        "host_cache_capacity": kv["host_capacity"],
+        "host_cache_hits": kv["host_hits"],
+        "host_cache_evictions": kv["host_evictions"],
         "graphs_reused": stats.graphs_reused,
         "recompiles": {
             "same_shape": stats.recompiles_same,
@@ -110,6 +115,12 @@ class _EngineCollector:
             ("requests_deferred", "requests_deferred", "Requests waiting for a slot"),
             ("kv_cache_pages_used", "kv_pages_used", "KV cache pages in use"),
             ("kv_cache_pages_total", "kv_pages_total", "KV cache pages in the pool"),
+            ("host_cache_bytes", "host_cache_bytes", "Bytes the prefix cache's host tier holds"),
+            (
+                "host_cache_capacity_bytes",
+                "host_cache_capacity",
+                "Bytes the prefix cache's host tier may hold (--cache-ram)",
+            ),
         ):
             yield GaugeMetricFamily(f"{P}{name}", doc, value=s[key])
         yield GaugeMetricFamily(
@@ -132,6 +143,16 @@ class _EngineCollector:
                 "Prompt tokens looked up in the prefix cache",
             ),
             ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache"),
+            (
+                "host_cache_hits",
+                "host_cache_hits",
+                "Prompt tokens found in the prefix cache's host tier (in prefix_cache_hits too)",
+            ),
+            (
+                "host_cache_evictions",
+                "host_cache_evictions",
+                "Pages dropped from the prefix cache's host tier for room",
+            ),
         ):
             yield CounterMetricFamily(f"{P}{name}", doc, value=s[key])
         family = CounterMetricFamily(
