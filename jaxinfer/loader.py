@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
+import os
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -19,7 +22,7 @@ import numpy as np
 
 from . import kernels
 from .config import ModelConfig
-from .engine import Engine
+from .engine import Engine, carries_state, device_bytes
 from .errors import JaxinferError, UnsupportedModelError
 from .formats import open_checkpoint
 from .formats.tokenizer import Tokenizer
@@ -30,12 +33,16 @@ from .parallel.depth import place_depth
 from .parallel.pipeline import place_pipeline
 from .parallel.placement import Placement, Reader, place_dense, random_reader
 from .parallel.sharding import effective_rules, load_layout, make_mesh, select_devices
+from .runtime import fit
 from .runtime.compile import use_persistent_cache
+from .runtime.executor import cache_bytes
 from .runtime.speculative import SpecConfig
 from .runtime.store import ExecutableStore, fingerprint
 
 # The built-in default model ships in the package: Karpathy's stories260K (MIT; models/LICENSE),
 # a 1.2 MB GGUF trained on TinyStories, so the main job writes a little story with no download.
+log = logging.getLogger(__name__)
+
 BUILTIN_MODEL = Path(__file__).parent / "data" / "stories260K.gguf"
 # The built-in random model, by name (benchmarks): random weights from a fixed seed over a
 # byte-level vocabulary. It produces noise, never language.
@@ -115,6 +122,8 @@ def load(
     not both; see EngineOptions for each one.
     """
     o = EngineOptions.make(options, **short)
+    if o.fit:  # an accelerator allocates what the plan asks, not a fixed share up front
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     kernels.mode()  # a bad JAXINFER_KERNELS fails here, before the model loads
     if jax.default_backend() == "cpu":
         kernels.status()  # and a bad JAXINFER_CPU_KERNELS
@@ -124,6 +133,11 @@ def load(
     # store saves executables compiled afresh (compile.py, CompileCache._build)
     use_persistent_cache(None if store else o.compile_cache_dir)
     t0 = time.perf_counter()
+    # fit plans in the memory there is before the weights arrive
+    memory = fit.free_memory(jax.local_devices()[0]) if o.fit else (0, "")
+    if o.fit_memory_mib is not None:
+        memory = (o.fit_memory_mib * fit.MIB, "--fit-memory")
+    base = fit.resident_bytes()
     if model is None:
         model = BUILTIN_MODEL
     if store is not None:  # the executables read while the weights are placed
@@ -159,11 +173,52 @@ def load(
     placement = placer(o.layout, o.devices)
     draft = place_draft(o.layout, o.devices) if place_draft else None
     jax.block_until_ready((placement.params, draft.params if draft else None))
-    return Engine(
-        cfg, tokenizer, placement, o, place=placer, name=name, source=source,
-        load_ms=(time.perf_counter() - t0) * 1e3, spec=spec, draft=draft,
-        place_draft=place_draft, store=store,
+
+    def engine(options: EngineOptions) -> Engine:
+        return Engine(
+            cfg, tokenizer, placement, options, place=placer, name=name, source=source,
+            load_ms=(time.perf_counter() - t0) * 1e3, spec=spec, draft=draft,
+            place_draft=place_draft, store=store,
+        )  # fmt: skip
+
+    return fitted(engine, o, cfg, placement, draft, memory, base) if o.fit else engine(o)
+
+
+def fitted(
+    engine: Callable[[EngineOptions], Engine], o: EngineOptions, cfg: ModelConfig,
+    placement: Placement, draft: Placement | None, memory: tuple[int, str], base: int,
+) -> Engine:  # fmt: skip
+    """The engine of the largest plan that fits `memory` (bytes, and where the figure comes
+    from; fit.plan). The first plan leaves the programs' temporaries out; its whole compile plan
+    is compiled (warmup finds it done) and their temporaries read (XLA's memory_analysis()):
+    when the first plan does not fit with them, the plan is made again with them (its programs
+    compile at warmup). Both depend on shapes only, so the next start with the same memory
+    plans the same and finds its programs in the executable store. On CPU the plan also
+    reports the runtime's bytes: what the process grew by since `base` (its resident bytes
+    before the weights), besides the weights."""
+    page_bytes, state_bytes = cache_bytes(placement, draft, o.page_size)
+    weights = device_bytes(placement.params) + (device_bytes(draft.params) if draft else 0)
+    rows = o.slots or max(o.batch_buckets)
+    need = fit.Need(
+        weights, 0, page_bytes, state_bytes, rows, cfg.max_position,
+        carries_state(placement, draft),
     )  # fmt: skip
+    plan = fit.plan(o, need, *memory)
+    made = engine(plan.options(o))
+    temporaries = made.temporaries()
+    measured = dataclasses.replace(plan, temporaries=temporaries)
+    if measured.planned > plan.memory - plan.target:  # plan again with the temporaries
+        plan = fit.plan(o, dataclasses.replace(need, temporaries=temporaries), *memory)
+        made = engine(plan.options(o))
+    else:
+        plan = measured
+    if jax.local_devices()[0].platform == "cpu":  # the devices' memory is the process's
+        fit.trim_heap()
+        runtime = fit.resident_bytes() - base - weights
+        plan = dataclasses.replace(plan, runtime=max(runtime, 0))
+    made.fit_plan = plan
+    log.info(plan.summary())
+    return made
 
 
 def executable_store(o: EngineOptions) -> ExecutableStore | None:
@@ -185,7 +240,8 @@ def session(model, o: EngineOptions, fingerprint: str) -> str:
     if path is not None and path.exists():
         files = [path] if path.is_file() else sorted(f for f in path.iterdir() if f.is_file())
         ident += "".join(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns};" for f in files)
-    options = o.replace(compile_cache_dir=None, executable_store_mib=0)  # the store's own
+    # the store's own options, and fit's memory (a fit's shapes are in its programs' keys)
+    options = o.replace(compile_cache_dir=None, executable_store_mib=0, fit_memory_mib=None)
     return hashlib.sha256(f"{ident}\n{options!r}\n{fingerprint}".encode()).hexdigest()[:32]
 
 

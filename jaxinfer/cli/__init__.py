@@ -645,6 +645,8 @@ def _info(args) -> None:
     for key, value in memory.items():
         shown = "-" if value is None else f"{value / 2**20:.2f} MiB"
         print(f"  {key.replace('_', ' '):>12} : {shown}")
+    if engine.fit_plan is not None:
+        _print_fit(engine.fit_plan)
     plan = engine.compile_plan()
     print(f"compile plan ({len(plan)} programs; warmup() and serve build them all):")
     for p in plan:
@@ -655,6 +657,13 @@ def _info(args) -> None:
         keys = (getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in path)
         name = ".".join(str(k) for k in keys).replace(".parts.w", "")  # a one-part QArray
         print(f"  {name}: {list(leaf.shape)} {leaf.sharding.spec}")
+
+
+def _print_fit(plan) -> None:
+    """--fit: what the plan chose and the bytes of each part (runtime/fit.py)."""
+    print(plan.summary())
+    for key, value in plan.rows():
+        print(f"  {key.replace('_', ' '):>12} : {value / 2**20:.2f} MiB")
 
 
 def _store_row(engine) -> str:
