@@ -698,6 +698,8 @@ class Engine:
             print(f"\nwarmup: {len(done)} programs in {time.perf_counter() - t0:.2f} s "
                   f"({len(done) - compiled} loaded from the store, {compiled} compiled)",
                   file=sys.stderr)  # fmt: skip
+        if self.fit_plan is not None and jax.local_devices()[0].platform == "cpu":
+            self.fit_plan = self.fit_plan.measured(pools=True)  # every program compiled now
         self.compile_cache.strict = self.strict
         self._warm = True
         return report

@@ -212,10 +212,9 @@ def fitted(
         made = engine(plan.options(o))
     else:
         plan = measured
+    plan = dataclasses.replace(plan, base=base)
     if jax.local_devices()[0].platform == "cpu":  # the devices' memory is the process's
-        fit.trim_heap()
-        runtime = fit.resident_bytes() - base - weights
-        plan = dataclasses.replace(plan, runtime=max(runtime, 0))
+        plan = plan.measured(pools=False)  # measured again after warmup (Engine.warmup)
     made.fit_plan = plan
     log.info(plan.summary())
     return made

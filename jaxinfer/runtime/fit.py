@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -137,6 +138,15 @@ class FitPlan:
     # the compiled programs): measured, so it varies from start to start, and planned inside
     # fit_target's margin, not beside it (shapes that vary would miss the executable store)
     runtime: int = 0
+    base: int = 0  # the process's resident bytes before the weights loaded
+
+    def measured(self, pools: bool) -> FitPlan:
+        """This plan with the runtime measured now (CPU, where the devices' memory is the
+        process's: what the process holds besides `base`, the weights and, with `pools`
+        allocated, the caches), after the compilers' freed heap is given back."""
+        trim_heap()
+        held = self.weights + (self.kv_pool + self.states + self.snapshot_bytes if pools else 0)
+        return dataclasses.replace(self, runtime=max(resident_bytes() - self.base - held, 0))
 
     @property
     def planned(self) -> int:
