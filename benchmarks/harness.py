@@ -247,9 +247,10 @@ def once(name: str, *args, env: dict | None = None):
     return json.loads(lines[-1]) if lines else None
 
 
-def peer_worker(path: Path, threads: int, n_ctx: int) -> Worker:
-    """llama.cpp through its C API, run as llama-bench runs it (workers/peer.py)."""
-    return Worker("peer", path, threads, n_ctx)
+def peer_worker(path: Path, threads: int, n_ctx: int, kv_type: str = "f16") -> Worker:
+    """llama.cpp through its C API, run as llama-bench runs it (workers/peer.py), with its
+    K/V cache in `kv_type` (f16, its default, or q8_0)."""
+    return Worker("peer", path, threads, n_ctx, kv_type)
 
 
 def jaxinfer_worker(path: Path, n_ctx: int, tree: Path = ROOT, **options) -> Worker:

@@ -187,16 +187,23 @@ def main():
         "one request at a time (that is how it is built), keeping prompts in its RAM cache.",
         "",
     ]
-    for name in args.models.split(","):
-        shape = shapes[name]
-        with tempfile.TemporaryDirectory() as tmp:
-            path = harness.write_random_gguf(Path(tmp) / f"{name}.gguf", **shape,
-                                             vocab_from=harness.STORIES,
-                                             chat_template=CHATML)  # fmt: skip
-            lines += run_model(name, path, vocabulary_words(), args, env)
+    lines += each_model(args, shapes, env, run_model)
     text = "\n".join(lines)
     print(text)
     harness.write_result("prefix_chat", text, args.out)
+
+
+def each_model(args, shapes: dict, env, rows) -> list[str]:
+    """`rows(name, path, vocabulary, args, env)` of each of --models, on its random GGUF (the
+    stories260K vocabulary, a ChatML template)."""
+    lines = []
+    for name in args.models.split(","):
+        with tempfile.TemporaryDirectory() as tmp:
+            path = harness.write_random_gguf(Path(tmp) / f"{name}.gguf", **shapes[name],
+                                             vocab_from=harness.STORIES,
+                                             chat_template=CHATML)  # fmt: skip
+            lines += rows(name, path, vocabulary_words(), args, env)
+    return lines
 
 
 def run_model(name: str, path: Path, vocab: list[str], args, env) -> list[str]:
@@ -293,12 +300,7 @@ def host_tier(args) -> None:
         "| model | server | turn 1 TTFT p50 s | turns 2+ TTFT p50 s | chat tokens/s |",
         "|---|---|---:|---:|---:|",
     ]
-    for name in args.models.split(","):
-        with tempfile.TemporaryDirectory() as tmp:
-            path = harness.write_random_gguf(Path(tmp) / f"{name}.gguf", **shapes[name],
-                                             vocab_from=harness.STORIES,
-                                             chat_template=CHATML)  # fmt: skip
-            lines += tier_rows(name, path, vocabulary_words(), args, env)
+    lines += each_model(args, shapes, env, tier_rows)
     text = "\n".join(lines)
     print(text)
     harness.write_result("prefix_chat_host", text, args.out)

@@ -3,7 +3,8 @@ it: flash attention on, F16 K/V cache, n_batch = n_ubatch = 512, the same thread
 generation, prompt batches through `llama_batch_get_one` (logits of the last token only), one
 token per decode for generation, the cache cleared between runs, a depth prompt first.
 
-Usage: peer.py GGUF THREADS N_CTX. Prints {"ready": true}, then answers each JSON line
+Usage: peer.py GGUF THREADS N_CTX [KV_TYPE] (f16, llama-bench's default, or q8_0: its -ctk q8_0
+-ctv q8_0). Prints {"ready": true}, then answers each JSON line
 {"test": "pp" | "tg", "n": N, "depth": D} with {"ts": tokens/s by llama.cpp's own counters}.
 {"test": "rss"} answers the process's peak resident bytes so far (VmHWM) as "ts".
 greedy.py opens its model the same way (context()).
@@ -19,7 +20,10 @@ import llama_cpp as L
 QUIET = L.llama_log_callback(lambda level, text, data: None)
 
 
-def context(path: str, threads: int, n_ctx: int):
+KV_TYPES = {"f16": 1, "q8_0": 8}  # GGML_TYPE_F16, GGML_TYPE_Q8_0
+
+
+def context(path: str, threads: int, n_ctx: int, kv_type: str = "f16"):
     """(context, vocabulary size, BOS id or None) of `path` with llama-bench's settings."""
     L.llama_log_set(QUIET, ctypes.c_void_p())
     L.llama_backend_init()
@@ -30,7 +34,7 @@ def context(path: str, threads: int, n_ctx: int):
     cp.n_ctx, cp.n_batch, cp.n_ubatch = n_ctx, 512, 512
     cp.n_threads = cp.n_threads_batch = threads
     cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED
-    cp.type_k = cp.type_v = 1  # GGML_TYPE_F16
+    cp.type_k = cp.type_v = KV_TYPES[kv_type]
     cp.no_perf = False
     ctx = L.llama_init_from_model(model, cp)
     vocab = L.llama_model_get_vocab(model)
@@ -39,7 +43,7 @@ def context(path: str, threads: int, n_ctx: int):
 
 
 def main():
-    ctx, n_vocab, bos = context(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+    ctx, n_vocab, bos = context(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:5])
     state = [12345]
 
     def rand():  # llama-bench draws std::rand() % n_vocab; any fixed stream will do
