@@ -283,12 +283,15 @@ class _App:
     def template(self) -> ChatTemplate | None:
         if self._template is None:  # once: the source either parses or not
             source = self._template_source or self.engine.tokenizer.chat_template
-            self._template = (None, None)
+            parsed: tuple[ChatTemplate | None, str | None] = (None, None)
             if source:
                 try:
-                    self._template = (ChatTemplate(source, self.engine.tokenizer), None)
+                    parsed = (ChatTemplate(source, self.engine.tokenizer), None)
                 except RequestError as e:
-                    self._template = (None, str(e))
+                    parsed = (None, str(e))
+            # set whole, once parsed: the front door's threads call this at once, and one
+            # that saw a placeholder answered "no chat template" while another parsed it
+            self._template = parsed
         template, problem = self._template
         if problem:
             raise RequestError(problem)
