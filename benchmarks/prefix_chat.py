@@ -23,11 +23,13 @@ setup), `--n_threads 2 --n_threads_batch 2 --n_ctx 2048 --cache True` (its RAM p
 Usage: python benchmarks/prefix_chat.py [-r 3] [--peer-python PATH]
 Writes benchmarks/results/prefix_chat.md.
 
-`--host-tier MIB`: the host-RAM tier of the prefix cache instead (`--cache-ram`). The same chat
-load on two jaxinfer servers whose KV pool holds about one conversation (`--kv-cache-tokens`
-= the context): with the prefix cache alone, the 4 conversations evict each other's pages
-between turns; with `--cache-ram MIB` besides, evicted pages wait in host RAM and the next turn
-copies them back. Turns 2+ TTFT, the servers taking turns round after round; medians. Writes
+`--host-tier MIB`: the host-RAM tier of the prefix cache instead (`--cache-ram`). The chat load
+with a 1,000-token system prompt of each client's own (an agent's or a RAG client's document:
+with one shared prompt, the pool keeps the shared pages and a tier has little to do) on two
+jaxinfer servers whose KV pool holds about one conversation (`--kv-cache-tokens` = the
+context): with the prefix cache alone, the 4 conversations evict each other's pages between
+turns; with `--cache-ram MIB` besides, evicted pages wait in host RAM and the next turn copies
+them back. Turns 2+ TTFT, the servers taking turns round after round; medians. Writes
 benchmarks/results/prefix_chat_host.md. `--small` shrinks the load (a 200-token system prompt,
 3 turns, 16 tokens, a 512-token context and pool) to check the script runs.
 """
@@ -101,13 +103,14 @@ def chat(port: int, messages: list[dict]) -> tuple[float, str, int]:
     return (first or time.perf_counter()) - start, "".join(text), NEW
 
 
-def conversation_load(port: int, system: str, users: list[list[str]]):
-    """The chat load -> (turn-1 TTFTs, turn-2+ TTFTs, aggregate tokens/s)."""
+def conversation_load(port: int, system: str | list[str], users: list[list[str]]):
+    """The chat load (`system`: one prompt for every client, or one each) -> (turn-1 TTFTs,
+    turn-2+ TTFTs, aggregate tokens/s)."""
     first, later, tokens = [], [], [0]
     lock = threading.Lock()
 
     def client(k: int):
-        messages = [{"role": "system", "content": system}]
+        messages = [{"role": "system", "content": system if isinstance(system, str) else system[k]}]
         for turn in range(TURNS):
             messages.append({"role": "user", "content": users[k][turn]})
             ttft, answer, n = chat(port, messages)
@@ -291,7 +294,8 @@ def host_tier(args) -> None:
         "",
         f"`python benchmarks/prefix_chat.py --host-tier {args.host_tier} -r {args.rounds}"
         f"{' --small' if args.small else ''}` on {harness.cpu()}, {time.strftime('%Y-%m-%d')}. "
-        f"{CLIENTS} clients x {TURNS} turns, a {SYSTEM_WORDS}-token system prompt per round, "
+        f"{CLIENTS} clients x {TURNS} turns, a {SYSTEM_WORDS}-token system prompt of each "
+        "client's own (new each round), "
         f"{USER_WORDS}-word user turns, {NEW} greedy tokens per turn. Both servers: `serve -np "
         f"4 -c {CONTEXT} --kv-cache-tokens {CONTEXT}` (a pool of about one conversation); "
         f"`tier` adds `--cache-ram {args.host_tier}`. Medians of {args.rounds} interleaved "
@@ -308,7 +312,7 @@ def host_tier(args) -> None:
 
 def tier_rows(name: str, path: Path, vocab: list[str], args, env) -> list[str]:
     rng = np.random.default_rng(0)
-    system = words(rng, SYSTEM_WORDS, vocab)
+    systems = [words(rng, SYSTEM_WORDS, vocab) for _ in range(CLIENTS)]  # a document each
     users = [[words(rng, USER_WORDS, vocab) for _ in range(TURNS)] for _ in range(CLIENTS)]
     cmd = [sys.executable, "-m", "jaxinfer.cli", "serve", "-m", str(path), "-np", "4",
            "-c", str(CONTEXT), "--kv-cache-tokens", str(CONTEXT)]  # fmt: skip
@@ -324,13 +328,14 @@ def tier_rows(name: str, path: Path, vocab: list[str], args, env) -> list[str]:
                                              stderr=subprocess.DEVNULL)  # fmt: skip
             harness.wait_up(port, "/health", procs[server], timeout=900)
         for port, _ in servers.values():  # first touches
-            conversation_load(port, f"warm-up. {system}", users)
+            conversation_load(port, [f"warm-up. {text}" for text in systems], users)
         for round_ in range(1, args.rounds + 1):
             order = list(servers) if round_ % 2 else list(servers)[::-1]  # each leads in turn
             for server in order:
                 salt = f"round {round_}"  # a fresh conversation set per round: no stale hits
-                first, later, agg = conversation_load(servers[server][0], f"{salt}. {system}",
-                                                      users)  # fmt: skip
+                first, later, agg = conversation_load(
+                    servers[server][0], [f"{salt}. {text}" for text in systems], users
+                )
                 print(f"{name} round {round_} {server:8s}: turn 1 TTFT p50 "
                       f"{statistics.median(first):.3f} s, turns 2+ p50 "
                       f"{statistics.median(later):.3f} s, chat {agg:.1f} t/s",
