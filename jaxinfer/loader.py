@@ -26,7 +26,7 @@ from .engine import Engine, carries_state, device_bytes
 from .errors import JaxinferError, UnsupportedModelError
 from .formats import open_checkpoint
 from .formats.tokenizer import Tokenizer
-from .model.kvquant import PoolDtype, pool_dtype
+from .ops.kvquant import PoolDtype, pool_dtype
 from .ops.quant import HostQuant, quantize_int8, with_activations
 from .options import EngineOptions
 from .parallel.depth import place_depth

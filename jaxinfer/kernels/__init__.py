@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import jax
 
-from ..model import kvquant
+from ..ops import kvquant
 from . import cpu, tpu
 from .backend import family, mode
 from .cpu import (

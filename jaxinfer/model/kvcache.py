@@ -26,8 +26,8 @@ from flax import struct
 from jax import lax
 
 from .. import kernels
+from ..ops import kvquant
 from ..ops.vma import varying_like
-from . import kvquant
 
 NULL_PAGE = 0
 NULL_STATE = 0  # the state index padding rows read and write (gdn.py)

@@ -73,7 +73,7 @@ def place_dense(
     read: Reader, cfg: ModelConfig, dtype, name: str, mesh: Mesh, rules, *, kv_dtypes
 ) -> Placement:
     """Every layer on every device of the mesh, weights placed straight into their shardings;
-    K and V pools of `kv_dtypes` (their formats, model/kvquant.py)."""
+    K and V pools of `kv_dtypes` (their formats, ops/kvquant.py)."""
     graphdef, state = nnx.split(abstract_model(cfg, expert_split(cfg, mesh, rules)))
     shardings = param_shardings(cfg, mesh, rules)
     kernel = kernel_fits(mesh)

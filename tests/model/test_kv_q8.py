@@ -1,4 +1,4 @@
-"""The q8_0 KV cache (model/kvquant.py; llama.cpp's -ctk / -ctv q8_0): the quantizer and the
+"""The q8_0 KV cache (ops/kvquant.py; llama.cpp's -ctk / -ctv q8_0): the quantizer and the
 pool layout against a NumPy definition of llama.cpp's quantize_row_q8_0_ref; attention over
 q8_0 pools (alone and beside float pools, and depth-stacked) in the XLA path, every CPU kernel
 variant this machine runs and the Pallas kernel (interpreted) against a float64 attention over
@@ -19,8 +19,9 @@ import jaxinfer
 from jaxinfer.errors import JaxinferError
 from jaxinfer.kernels import cpu as qkernel
 from jaxinfer.kernels.pallas.attention import paged_attention
-from jaxinfer.model import kvcache, kvquant
+from jaxinfer.model import kvcache
 from jaxinfer.model.kvcache import AttentionKV, KVConfig, KVView
+from jaxinfer.ops import kvquant
 
 VARIANTS = qkernel.runnable() if qkernel.available() else []  # best first
 FLOATS = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
@@ -230,12 +231,13 @@ class Case:
 
 
 def cases():
-    """Every shape, at a decode step, a verify chunk and a prompt chunk, under every pair (the
-    first three in the default tier, the rest slow)."""
+    """Every shape, at a decode step, a verify chunk and a prompt chunk, under every pair (in
+    the default tier: the first pair at every T and the next two at a prompt chunk; the rest
+    slow)."""
     for shape in SHAPES:
         for T in (1, 5, 21):
             for i, (k, v) in enumerate(KINDS):
-                marks = [pytest.mark.slow] * (i >= 3)
+                marks = [pytest.mark.slow] * (i >= 3 or (i > 0 and T != 21))
                 name = f"H{shape[3]}-S{shape[4]}-T{T}-{k}-{v}"
                 yield pytest.param(shape, T, (k, v), id=name, marks=marks)
 
@@ -308,7 +310,8 @@ def test_depth_stacked_pools(kinds):
                 np.testing.assert_array_equal(np.asarray(g[at]).view(np.uint8), o.view(np.uint8))
 
 
-@pytest.mark.parametrize("T", [1, 5, 21])
+@pytest.mark.parametrize("T", [pytest.param(1, marks=pytest.mark.slow), 5,
+                               pytest.param(21, marks=pytest.mark.slow)])  # fmt: skip
 @pytest.mark.parametrize("kinds", [("q8_0", "q8_0"), ("q8_0", "float16"), ("float32", "q8_0")])
 def test_pallas_interpreted(T, kinds):
     """The Pallas kernel (interpreted) over pools kvcache.write filled: pages dequantized in

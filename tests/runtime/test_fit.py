@@ -99,11 +99,11 @@ WIDE_CTX = ModelConfig(d_model=128, n_layers=2, n_heads=4, n_kv_heads=4, head_di
 
 
 def test_a_small_memory_serves_a_full_context_on_every_slot(tmp_path):
-    e = jaxinfer.load(WIDE_CTX, fit=True, fit_memory_mib=20, fit_target_mib=0, fit_ctx=256,
+    e = jaxinfer.load(WIDE_CTX, fit=True, fit_memory_mib=12, fit_target_mib=0, fit_ctx=256,
                       slots=2, compile_cache_dir=tmp_path)  # fmt: skip
     plan = e.fit_plan
     assert plan is not None and plan.gave_up[-1].startswith("context")
-    assert 256 <= e.max_seq_len < 32768 and plan.planned <= 20 * MIB
+    assert 256 <= e.max_seq_len < 32768 and plan.planned <= 12 * MIB
     # the plan's bytes are the engine's own
     mem = e.memory()
     assert (mem["weights"], mem["kv_pool"]) == (plan.weights, plan.kv_pool)
@@ -114,6 +114,7 @@ def test_a_small_memory_serves_a_full_context_on_every_slot(tmp_path):
     assert [len(r.token_ids) for r in out] == [n - 40] * 2
 
 
+@pytest.mark.slow
 def test_two_fits_two_percent_apart_compile_nothing_the_second_time(tmp_path):
     kw = dict(fit=True, fit_target_mib=0, fit_ctx=256, slots=2, compile_cache_dir=tmp_path)
     first = jaxinfer.load(WIDE_CTX, fit_memory_mib=48, **kw)

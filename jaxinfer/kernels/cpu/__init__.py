@@ -313,7 +313,7 @@ def grouped_matmuls(x: jax.Array, counts: jax.Array, fmt: str, weights, out_feat
 
 
 # The attention kernel's pool kinds by the pools' array dtype (the engine's kv_cache_dtype, or
-# its K and V sides apart; int8 pools hold q8_0, model/kvquant.py): 16-bit pools are widened
+# its K and V sides apart; int8 pools hold q8_0, ops/kvquant.py): 16-bit pools are widened
 # to float32 as they are read, q8_0's scaled by their blocks' scales.
 ATTEND_POOLS = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "int8": "q8_0"}
 # The (K, V) pool dtype pairs with a handler: same kinds, and q8_0 on one side with any float

@@ -6,7 +6,7 @@ chunk's keys are already in the pages (kvcache.write), so every query reads its 
 through the block table, up to its own position (causal), only the live pages. The pools keep
 the cache's layout [P, K, H, page] (positions on the fast axis), in any float dtype (float32,
 float16, bfloat16: products in the wider of the query's and the pool's type, accumulated in
-float32), or q8_0's [P, K, rows, page] int8 (model/kvquant.py), each page dequantized to
+float32), or q8_0's [P, K, rows, page] int8 (ops/kvquant.py), each page dequantized to
 float32 in the kernel after it is loaded (its scales' bytes put together with integer
 arithmetic). Qwen3-Next/3.5's output gate (`out * sigmoid(gate)`) is applied on the way out.
 
@@ -32,7 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from ...model import kvquant
+from ...ops import kvquant
 from ...ops.vma import agreed
 
 _MASKED = -1e30  # finite: a fully masked page gives exp(0) * 0, never NaN

@@ -5,7 +5,7 @@
 // q [B, T, K, G, H] f32 (scaled, rotated), the tokens' k, v [B, T, K, H] f32, pools
 // [P, K, H, S] f32, f16 or bf16 (positions contiguous within a page; 16-bit pools are widened
 // to f32 as they are read and the tokens rounded to nearest even as they are written) or
-// q8_0's [P, K, H + 2 nb, S] int8 (model/kvquant.py: H rows of values, then per block of
+// q8_0's [P, K, H + 2 nb, S] int8 (ops/kvquant.py: H rows of values, then per block of
 // min(32, H) head dims two rows holding its S float16 scales; the tokens quantized as
 // llama.cpp's quantize_row_q8_0_ref as they are written), K and V each of its own kind, table
 // [B, NB] int32 page ids, start [B] int32 (the first token's position), length [B] (the row's
