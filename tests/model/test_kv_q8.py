@@ -231,13 +231,12 @@ class Case:
 
 
 def cases():
-    """Every shape, at a decode step, a verify chunk and a prompt chunk, under every pair (in
-    the default tier: the first pair at every T and the next two at a prompt chunk; the rest
-    slow)."""
+    """Every shape, at a decode step, a verify chunk and a prompt chunk, under every pair (the
+    first pair in the default tier, the rest slow)."""
     for shape in SHAPES:
         for T in (1, 5, 21):
             for i, (k, v) in enumerate(KINDS):
-                marks = [pytest.mark.slow] * (i >= 3 or (i > 0 and T != 21))
+                marks = [pytest.mark.slow] * (i > 0)
                 name = f"H{shape[3]}-S{shape[4]}-T{T}-{k}-{v}"
                 yield pytest.param(shape, T, (k, v), id=name, marks=marks)
 
@@ -376,8 +375,10 @@ def test_stories_greedy_under_q8_0():
 @pytest.mark.parametrize(
     "folder",
     [
-        "qwen3_moe_e8k2_bpe",  # an MoE: 8 experts, top-2, head_dim 16 (one block)
-        "qwen3_next_l3f1_e8k2_mtp",  # a hybrid: DeltaNet and gated attention, head_dim 32
+        # an MoE: 8 experts, top-2, head_dim 16 (one block)
+        pytest.param("qwen3_moe_e8k2_bpe", marks=pytest.mark.slow),
+        # a hybrid: DeltaNet and gated attention, head_dim 32
+        pytest.param("qwen3_next_l3f1_e8k2_mtp", marks=pytest.mark.slow),
         pytest.param("qwen3_5_moe_l3f1_e8k2_mtp", marks=pytest.mark.slow),
     ],
 )
@@ -405,6 +406,7 @@ def test_prefix_cache_hit_gives_the_same_tokens():
     assert e.kv_stats()["prefix_hits"] > hits
 
 
+@pytest.mark.slow
 def test_speculative_ngram_under_q8_0():
     prompt = PROMPT * 4
     plain = greedy(jaxinfer.load(None, kv_cache_dtype="q8_0"), prompt, 32)
@@ -412,6 +414,7 @@ def test_speculative_ngram_under_q8_0():
     assert greedy(spec, prompt, 32) == plain
 
 
+@pytest.mark.slow
 def test_depth_shared_layers_under_q8_0():
     """shared_layers (the default) on one CPU device: the layers' pools are stacks the kernel
     reads at their layer; the same tokens as separate layers."""

@@ -98,6 +98,7 @@ WIDE_CTX = ModelConfig(d_model=128, n_layers=2, n_heads=4, n_kv_heads=4, head_di
                        vocab_size=512, max_position=32768)  # fmt: skip
 
 
+@pytest.mark.slow
 def test_a_small_memory_serves_a_full_context_on_every_slot(tmp_path):
     e = jaxinfer.load(WIDE_CTX, fit=True, fit_memory_mib=12, fit_target_mib=0, fit_ctx=256,
                       slots=2, compile_cache_dir=tmp_path)  # fmt: skip
