@@ -221,9 +221,10 @@ def fitted(
 
 
 def executable_store(o: EngineOptions) -> ExecutableStore | None:
-    """The executable store of these options: in the compile cache dir, unless there is none,
-    its size is 0, or the engine spans several processes (each would need its own)."""
-    if o.compile_cache_dir is None or not o.executable_store_mib or jax.process_count() > 1:
+    """The executable store of these options: in the compile cache dir, unless there is none or
+    its size is 0. Processes of one engine (`jax.distributed`) may share the folder: each keeps
+    its own programs, under keys and a manifest that name the process (fingerprint())."""
+    if o.compile_cache_dir is None or not o.executable_store_mib:
         return None
     variant = kernels.cpu.current() if jax.default_backend() == "cpu" else None
     flags = kernels.cpu.cpu_flags()

@@ -17,9 +17,13 @@ no one else can rename it out of (the user's or root's, writable by others only 
 the user's own, 0600. The stored key is compared before anything is unpickled. A file that
 fails, or is truncated, corrupt or from another format, is passed over (a debug line) and the
 program compiles. Writes go to a temporary file renamed into place, so two processes sharing
-the store never read half a file. The store holds at most `capacity` bytes, temporary files
-included; past that the least recently used executables go, and temporary files an
-interrupted write left (older than STALE seconds) go at every save and clear.
+the store never read half a file. The processes of one engine on `jax.distributed` may share
+a folder: each saves and loads its own executables (its part of a mesh over all processes'
+devices), kept apart by the fingerprint's `process i of n`, and they share its capacity; one
+that misses compiles while the others load (compiling takes no collective). The store holds
+at most `capacity` bytes, temporary files included; past that the least recently used
+executables go, and temporary files an interrupted write left (older than STALE seconds) go
+at every save and clear.
 
 File layout: MAGIC, then the key text, the serialized executable and the pickled argument and
 output trees (each behind its 8-byte length), then the SHA-256 of all that.
