@@ -32,6 +32,7 @@ from .runtime.executor import Executor, cache_bytes
 from .runtime.fit import FitPlan, trim_heap
 from .runtime.host_cache import copy_buckets
 from .runtime.kv import KVManager
+from .runtime.lockstep import Follower, Leader
 from .runtime.perf import PerfStats
 from .runtime.profiler import profile
 from .runtime.reasoning import Reasoning, Thoughts
@@ -188,6 +189,8 @@ class Engine:
             raise JaxinferError("this engine was built without a loader; it cannot reshard")
         if not self._scheduler.idle():
             raise JaxinferError("requests are still running; finish or cancel them first")
+        if self.executor.lockstep:
+            raise JaxinferError("an engine serving a process group cannot reshard")
         self.executor.params = self.executor.kv = self.executor.draft = None  # shards go first
         draft = self._place_draft(layout, devices) if self._place_draft else None
         self.executor.adopt(self._place(layout, devices), draft)
@@ -195,6 +198,24 @@ class Engine:
         if self.strict:
             self._warm = False  # new programs are expected until the next warmup()
             self.compile_cache.strict = False
+
+    # ---- a process group (jax.distributed) ----------------------------------------------
+
+    def lead(self, leader: Leader) -> None:
+        """Lead a process group (process 0; `lockstep.connect` made `leader`): from now on
+        every device call reaches the followers first, so any code may drive this engine as
+        it would on one process. Call it idle, after warmup (each process warms up alone)."""
+        if not self._scheduler.idle():
+            raise JaxinferError("requests are still running; lead the group before any")
+        self.executor.lockstep = leader
+        self._scheduler = self._new_scheduler()  # no device array from before the group
+
+    def follow(self, follower: Follower) -> None:
+        """Follow a process group's leader (`lockstep.connect` made `follower`): run the device
+        calls it sends, in order, until it stops the group."""
+        follower.executor = self.executor
+        with self._watched():
+            follower.serve()
 
     def _clock(self) -> float:
         """Wall seconds minus the seconds spent compiling and loading executables: phase
@@ -289,7 +310,7 @@ class Engine:
         processes serve the same requests in the same order): a hash of both, folded into
         the int31 range the sampler keys take."""
         self._requests += 1
-        if params.seed is not None or jax.process_count() == 1:
+        if params.seed is not None or jax.process_count() == 1 or self.executor.lockstep:
             return params.resolved_seed()
         return hash((self._requests, tuple(ids))) % (2**31 - 1)
 

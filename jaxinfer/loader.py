@@ -198,6 +198,12 @@ def fitted(
     before the weights), besides the weights."""
     page_bytes, state_bytes = cache_bytes(placement, draft, o.page_size)
     weights = device_bytes(placement.params) + (device_bytes(draft.params) if draft else 0)
+    # a group plans once: the least memory, the most any process holds (fit.agreed)
+    free, weights, page_bytes, state_bytes = fit.agreed(
+        [memory[0], weights, page_bytes, state_bytes], [False, True, True, True]
+    )
+    if jax.process_count() > 1:
+        memory = (free, f"{memory[1]}, the least of {jax.process_count()} processes")
     rows = o.slots or max(o.batch_buckets)
     need = fit.Need(
         weights, 0, page_bytes, state_bytes, rows, cfg.max_position,
@@ -205,7 +211,7 @@ def fitted(
     )  # fmt: skip
     plan = fit.plan(o, need, *memory)
     made = engine(plan.options(o))
-    temporaries = made.temporaries()
+    (temporaries,) = fit.agreed([made.temporaries()], [True])
     measured = dataclasses.replace(plan, temporaries=temporaries)
     if measured.planned > plan.memory - plan.target:  # plan again with the temporaries
         plan = fit.plan(o, dataclasses.replace(need, temporaries=temporaries), *memory)

@@ -30,6 +30,7 @@ from ..options import (
     ServerOptions,
 )
 from ..shardings import BUILTIN
+from . import group
 
 SAMPLING = SamplingParams()  # the defaults of every sampling flag
 ENGINE = EngineOptions()  # the defaults of every engine flag
@@ -257,6 +258,7 @@ def _parser() -> argparse.ArgumentParser:
         help="slots: requests decoded together with continuous batching",
     )  # fmt: skip
     _serving(g)
+    group.add_flags(g)
 
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over the slots")
     _common(s)
@@ -300,6 +302,7 @@ def _parser() -> argparse.ArgumentParser:
                    f"(Qwen3-Embedding), their mean or at its first ({SERVER.pooling})")  # fmt: skip
     _limits(s)
     _serving(s)
+    group.add_flags(s)
 
     b = sub.add_parser("bench", help="llama-bench style throughput")
     _common(b)
@@ -313,6 +316,7 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("-o", "--output", default="md", choices=["md", "json", "csv"])
     b.add_argument("--mem-bw", type=float, default=None, help="memory bandwidth in GB/s")
     b.add_argument("--profile", default=None, metavar="DIR", help="write a jax profiler trace")
+    group.add_flags(b)
 
     i = sub.add_parser("info", help="describe a model")
     _common(i)
@@ -490,6 +494,14 @@ def _kernels() -> str:
 def _generate_run(args) -> None:
     params = _sampling(args)  # a bad flag fails before the model loads
     engine = _load(args)
+    leader = group.lead(engine) if args.grouped else None
+    try:
+        _generate_with(args, engine, params)
+    finally:
+        group.finish(leader)
+
+
+def _generate_with(args, engine, params: SamplingParams) -> None:
     print(f"model: {engine.name} [{engine.source}]", file=sys.stderr)
     if args.file:
         try:
@@ -558,13 +570,25 @@ def _serve(args) -> None:
         chat_template_kwargs=args.chat_template_kwargs, reasoning_format=args.reasoning_format,
         reasoning_budget=args.reasoning_budget,
     )  # fmt: skip
-    server = Server(lambda: _load(args), options, on_ready=ready)
+    leader = []  # process 0 of a group: its Leader, once the engine warmed up
+
+    def join(engine) -> None:
+        leader.append(group.lead(engine, on_lost=server.lost))
+
+    server = Server(lambda: _load(args), options, on_ready=ready,
+                    join=join if args.grouped else None)  # fmt: skip
     print(f"jaxinfer serve: listening on {server.url}; loading {args.model or 'stories260K'} "
           "(/health answers 503 until it is ready)", file=sys.stderr, flush=True)  # fmt: skip
     try:
         server.run()
     except KeyboardInterrupt:  # uvicorn shut down gracefully, then re-raised Ctrl-C
         print("jaxinfer serve: stopped", file=sys.stderr)
+    finally:
+        if args.grouped:
+            made = server.worker.engine
+            at_ready = server.worker.compiles_at_ready
+            after = None if made is None else group.compiles(made) - at_ready
+            group.finish(leader[0] if leader else None, after)
 
 
 def _positive_flag(flag: str, value: int) -> None:
@@ -782,6 +806,10 @@ def main(argv: list[str] | None = None) -> int:
         commands = {"generate": _generate, "serve": _serve, "info": _info, "bench": _bench}
         if args.clear_executable_store:
             _clear_store(args)
+        args.grouped = args.command != "info" and group.join(args)  # before any device
+        if args.grouped and not group.leader():
+            group.follow(_load(args))  # until process 0 stops the group
+            return 0
         commands[args.command](args)
     except JaxinferError as e:
         if args.verbose:

@@ -24,6 +24,7 @@ from ..parallel.sharding import named
 from .buckets import bucket_for
 from .compile import CompileCache, CompileJob, shapes_text
 from .host_cache import MAX_COPY, copy_buckets
+from .lockstep import Leader
 from .programs import Program, programs
 from .speculative import SpecConfig
 
@@ -49,6 +50,9 @@ class Executor:
         self.compile_cache = compile_cache
         self.device_ms = 0.0  # time inside compiled decode calls (and their wait)
         self._step_counts: dict[str, int] = {}  # step numbers of the trace annotations
+        # On several processes, the leader's Leader (lockstep.py): each device call goes to
+        # the followers first, and the arrays calls return are numbered alike everywhere.
+        self.lockstep: Leader | None = None
         self.adopt(placement, draft)
 
     def adopt(self, placement: Placement, draft: Placement | None = None) -> None:
@@ -67,6 +71,11 @@ class Executor:
         )  # fmt: skip
         self.kv: Any = None  # the page pools (a list of per-layer tuples), allocated on first use
         self._replicated = named(self.mesh)
+        # This process's devices of the mesh. Over several processes, device_put of a host
+        # value to the whole mesh first checks that every process holds the same (a collective
+        # and an eager compile per call); here every process does by construction (the
+        # leader sends it, lockstep.py), so each process places its copies itself.
+        self._local = [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
         # The host tier's copies land in pinned host memory where the backend has it (a DMA
         # straight from the device); on CPU devices the device memory is the host's.
         device = self.mesh.devices.flat[0]
@@ -161,8 +170,10 @@ class Executor:
 
     def run(self, name: str, *inputs):
         """Call a program on host (numpy) or device inputs; returns its outputs after the pools."""
+        if self.lockstep:
+            self.lockstep.send("run", name, *inputs)
         self.allocate()
-        args = (self.model_params(), self.kv, *self.put(inputs))
+        args = (self.model_params(), self.kv, *self._put(inputs))
         compiled = self._executable(name, args)
         if name not in ("decode", "verify"):
             outs = self._annotated(name, compiled, *args)
@@ -171,6 +182,8 @@ class Executor:
             outs = jax.block_until_ready(self._annotated(name, compiled, *args))
             self.device_ms += (time.perf_counter() - t0) * 1e3
         self.kv = outs[0]
+        if self.lockstep:
+            self.lockstep.track(outs[1:])
         return outs[1:]
 
     def copy_out(self, pages: list[int], snaps: list[int]) -> tuple[list, list]:
@@ -178,6 +191,8 @@ class Executor:
         (< 0: none; its rows are junk), on the host: ([n, ...] per paged leaf, [n, ...] per
         state leaf). A call per MAX_COPY pages, each padded to a copy bucket; run before the
         call that writes the pages again (JAX orders it before the pools are donated)."""
+        if self.lockstep:
+            self.lockstep.send("copy_out", pages, snaps)
         self.allocate()
         parts = []
         for at in range(0, len(pages), MAX_COPY):
@@ -185,7 +200,7 @@ class Executor:
             index = np.zeros((2, bucket_for(n, self.copy_buckets)), np.int32)  # pages; snaps
             index[0, :n] = pages[at : at + n]
             index[1, :n] = np.maximum(snaps[at : at + n], 0)
-            args = (self.model_params(), self.kv, *self.put((index[0], index[1])))
+            args = (self.model_params(), self.kv, *self._put((index[0], index[1])))
             outs = jax.device_get(self._annotated("spill", self._executable("spill", args), *args))
             parts.append(jax.tree.map(lambda a, n=n: np.asarray(a)[:n], outs))
         return jax.tree.map(lambda *a: np.concatenate(a), *parts)
@@ -194,6 +209,8 @@ class Executor:
         """Write host `contents` ([n, ...] per paged leaf) into `pages` of the pools and, with
         `state` ([1, ...] per copied state leaf), that state into state index `snap`: a call
         per MAX_COPY pages, each padded to a copy bucket (the padding writes nothing)."""
+        if self.lockstep:
+            self.lockstep.send("copy_in", pages, contents, snap, state)
         self.allocate()
         kv = self.kv_config
         for at in range(0, len(pages), MAX_COPY):
@@ -207,7 +224,7 @@ class Executor:
                 p[:n] = c[at : at + n]
             where = np.array([kv.n_states if state is None else snap], np.int32)
             values = state if state is not None else [np.zeros(s.shape, s.dtype) for s in states]
-            args = (self.model_params(), self.kv, *self.put((index, padded, where, values)))
+            args = (self.model_params(), self.kv, *self._put((index, padded, where, values)))
             self.kv = self._annotated("restore", self._executable("restore", args), *args)
 
     def _executable(self, name: str, args: tuple):
@@ -226,10 +243,29 @@ class Executor:
         """Host arrays go to the devices in one transfer, replicated, so that every key sees
         device shardings; device arrays pass as they are (inputs reused over several calls
         are put once by the caller)."""
+        if self.lockstep:
+            self.lockstep.send("put", inputs)
+        placed = self._put(inputs)
+        if self.lockstep:
+            self.lockstep.track(placed)
+        return placed
+
+    def _put(self, inputs):
         leaves, treedef = jax.tree_util.tree_flatten(inputs)
         host = [i for i, x in enumerate(leaves) if isinstance(x, np.ndarray | np.generic)]
         if host:
-            placed = jax.device_put([leaves[i] for i in host], self._replicated)
+            values = [leaves[i] for i in host]
+            local = self._local
+            if len(local) == self.mesh.devices.size:
+                placed = jax.device_put(values, self._replicated)
+            else:  # a mesh over several processes: each places its own copies (see below)
+                copies = jax.device_put([v for v in values for _ in local], local * len(values))
+                placed = [
+                    jax.make_array_from_single_device_arrays(
+                        np.shape(v), self._replicated, copies[k * len(local) : (k + 1) * len(local)]
+                    )
+                    for k, v in enumerate(values)
+                ]
             for i, x in zip(host, placed, strict=True):
                 leaves[i] = x
         return jax.tree_util.tree_unflatten(treedef, leaves)

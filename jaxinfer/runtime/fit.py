@@ -27,6 +27,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from ..errors import JaxinferError
 from ..options import EngineOptions
 
@@ -58,6 +60,22 @@ def free_memory(device) -> tuple[int, str]:
     if cgroup is not None and cgroup < free:
         free, source = cgroup, "the cgroup's memory limit"
     return free, source
+
+
+def agreed(values: list[int], most: list[bool]) -> list[int]:
+    """The same figures on every process of a group: each value's least over the processes
+    (the most where `most` says), so that every process plans the same shapes (one that
+    planned others would wait forever in a collective the others never call). One process:
+    the values themselves."""
+    import jax
+
+    if jax.process_count() == 1:
+        return values
+    from jax.experimental import multihost_utils
+
+    mine = np.asarray(values, np.int64)
+    every = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, len(values))
+    return [int(c.max() if m else c.min()) for c, m in zip(every.T, most, strict=True)]
 
 
 def _meminfo(key: str) -> int:

@@ -21,10 +21,41 @@ _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
-def engine_snapshot(engine: Engine, compiles_at_ready: int) -> dict:
-    """What the engine knows now (taken on the engine thread)."""
-    stats, kv, now = engine.perf_stats(), engine.kv_stats(), engine.activity()
+def process_counters(engine: Engine, compiles_at_ready: int) -> dict:
+    """What each process of a group counts for itself (a follower's heartbeats carry them):
+    its compiles and recompiles."""
+    stats = engine.perf_stats()
     return {
+        "recompiles": {
+            "same_shape": stats.recompiles_same,
+            "changed_shape": stats.recompiles_diff,
+            "sharding": stats.recompiles_sharding,
+        },
+        "programs": stats.programs,
+        "executables_loaded": stats.loaded,
+        "compiles_after_warmup": stats.programs + stats.untracked_compiles - compiles_at_ready,
+        "compile_seconds": stats.compile_seconds,
+    }
+
+
+def engine_snapshot(engine: Engine, compiles_at_ready: int) -> dict:
+    """What the engine knows now (taken on the engine thread); with a process group, the
+    compile counters summed over its processes (the followers' from their last heartbeat)."""
+    stats, kv, now = engine.perf_stats(), engine.kv_stats(), engine.activity()
+    counters = process_counters(engine, compiles_at_ready)
+    leader = engine.executor.lockstep
+    followers = leader.counters() if leader else []
+    for other in followers:
+        for key, value in other.items():
+            if key == "recompiles":
+                for kind, n in value.items():
+                    counters["recompiles"][kind] += n
+            elif key in counters:
+                counters[key] += value
+    return {
+        "processes": 1 + len(followers),
+        "lockstep_calls": leader.calls if leader else 0,
+        "lockstep_bytes": leader.bytes_sent if leader else 0,
         "slots_total": engine.slots or 1,
         "slots_busy": now["running"],
         "requests_deferred": now["queued"],
@@ -37,15 +68,7 @@ def engine_snapshot(engine: Engine, compiles_at_ready: int) -> dict:
         "host_cache_hits": kv["host_hits"],
         "host_cache_evictions": kv["host_evictions"],
         "graphs_reused": stats.graphs_reused,
-        "recompiles": {
-            "same_shape": stats.recompiles_same,
-            "changed_shape": stats.recompiles_diff,
-            "sharding": stats.recompiles_sharding,
-        },
-        "programs": stats.programs,
-        "executables_loaded": stats.loaded,
-        "compiles_after_warmup": stats.programs + stats.untracked_compiles - compiles_at_ready,
-        "compile_seconds": stats.compile_seconds,
+        **counters,
         "decode_tokens": stats.eval_tokens,
         "spec_draft_tokens": stats.draft_tokens,
         "spec_accepted_tokens": stats.accepted_tokens,
@@ -109,6 +132,7 @@ class _EngineCollector:
         if s is None:
             return
         for name, key, doc in (  # data: (metric, snapshot key, help) per gauge
+            ("processes", "processes", "Processes the engine spans (jax.distributed)"),
             ("slots_total", "slots_total", "Slots (requests decoded together)"),
             ("slots_busy", "slots_busy", "Slots serving a request"),
             ("requests_processing", "slots_busy", "Requests being processed"),
@@ -137,6 +161,12 @@ class _EngineCollector:
             ("spec_draft_tokens", "spec_draft_tokens", "Speculative draft tokens verified"),
             ("spec_accepted_tokens", "spec_accepted_tokens", "Speculative drafts accepted"),
             ("requests_preempted", "requests_preempted", "Requests preempted (resumed later)"),
+            ("lockstep_calls", "lockstep_calls", "Device calls process 0 sent its followers"),
+            (
+                "lockstep_bytes",
+                "lockstep_bytes",
+                "Bytes of the device calls process 0 sent each follower",
+            ),
             (
                 "prefix_cache_queries",
                 "prefix_cache_queries",

@@ -34,6 +34,7 @@ from .. import __version__
 from ..engine import Engine
 from ..errors import JaxinferError, RequestError
 from ..options import SamplingParams, ServerOptions
+from ..runtime.lockstep import ProcessLost
 from ..runtime.request import Result, StreamPiece
 from . import anthropic
 from .chat import ChatTemplate
@@ -58,6 +59,7 @@ from .worker import QueueFull, Task, Worker
 log = logging.getLogger(__name__)
 PUBLIC = ("/health", "/v1/health", "/metrics")  # answered without the API key, as in vLLM
 MESSAGES = ("/v1/messages", "/v1/messages/count_tokens")  # Anthropic's: its error shape
+LINGER = 5.0  # seconds a server whose process group ended answers 503s before it stops
 
 
 class Server:
@@ -74,14 +76,15 @@ class Server:
         options: ServerOptions | None = None,
         *,
         on_ready: Callable[[Server], None] | None = None,
+        join: Callable[[Engine], None] | None = None,
         **fields,
     ):
         o = self.options = ServerOptions.make(options, **fields)
         self.socket = _listen(o.host, o.port)
         self.host, self.port = self.socket.getsockname()[:2]
         self.worker = Worker(
-            _retrieving(load, o), progress=o.progress, on_failure=lambda e: self._shut(),
-            on_ready=(lambda: on_ready(self)) if on_ready else None,
+            _retrieving(load, o), progress=o.progress, on_failure=self._failed,
+            on_ready=(lambda: on_ready(self)) if on_ready else None, join=join,
         )  # fmt: skip
         self.metrics = Metrics()
         self.app = _App(self).build()
@@ -116,6 +119,18 @@ class Server:
         self._shut()
         if self._thread is not None:
             self._thread.join(30)
+
+    def lost(self, reason: str) -> None:
+        """A process of the engine's group is gone (any thread): running requests end with
+        503s or a stream's error event, /health answers 503, and the server stops LINGER
+        seconds later (a supervisor's health check sees the 503 before the port closes)."""
+        self.worker.lose(ProcessLost(f"the process group ended: {reason}"))
+
+    def _failed(self, error: BaseException) -> None:
+        if isinstance(error, ProcessLost):
+            threading.Timer(LINGER, self._shut).start()
+        else:  # the model failed to load
+            self._shut()
 
     def _shut(self) -> None:
         self._uvicorn.should_exit = True
@@ -198,6 +213,8 @@ class _App:
                 response = self.error(str(e), e.code, e.kind)
                 response.headers.update(e.headers)
                 return response
+            except ProcessLost as e:  # the engine's process group ended: not the user's
+                return self.error(str(e), 503, "unavailable_error")
             except JaxinferError as e:  # RequestError and the like: the user's to fix
                 return self.error(str(e), 400)
 
@@ -222,6 +239,8 @@ class _App:
         return endpoint
 
     def unavailable(self):
+        if isinstance(self.worker.error, ProcessLost):
+            return self.error(str(self.worker.error), 503, "unavailable_error")
         if self.worker.status == "failed":
             return self.error(f"the model failed to load: {self.worker.error}", 500, "server_error")
         return self.error("Loading model", 503, "unavailable_error")
@@ -373,6 +392,7 @@ class _App:
             "embedding": self.options.embedding,
             "rerank": self.options.rerank,
             "pooling": self.options.pooling,
+            "processes": _processes(e),
         })  # fmt: skip
 
     def reasoning(self) -> dict | None:
@@ -564,6 +584,8 @@ class _App:
                 self.worker.cancel(handle)
             return Response(status_code=499)
         results = collect.result()
+        if isinstance(results, ProcessLost):
+            return self.error(str(results), 503, "unavailable_error")
         if isinstance(results, Exception):
             return self.error(f"generation failed: {results}", 500, "server_error")
         answer = job.response(results, tokens, echoed)
@@ -618,6 +640,9 @@ class _App:
                     if rest or thought or made:
                         yield _sse(job.chunk(index, rest or None, calls=made, reasoning=thought))
                     yield _sse(job.chunk(index, None, finish, stop_reason=stop))
+                elif isinstance(item, ProcessLost):  # the group ended: the stream with it
+                    yield _sse(error_body(str(item), 503, "unavailable_error"))
+                    return
                 else:  # the engine failed this step: say so in the stream, as vLLM does
                     yield _sse(error_body(f"generation failed: {item}", 500, "server_error"))
                     return
@@ -757,6 +782,17 @@ def _slot(index: int, engine: Engine, run: dict | None) -> dict:
     return {"id": index, "n_ctx": engine.max_seq_len, "speculative": engine.spec is not None,
             "is_processing": run is not None, "params": params,
             "prompt": run["prompt"] if run else "", "next_token": progress}  # fmt: skip
+
+
+def _processes(engine: Engine) -> list[dict]:
+    """The processes the engine spans (jax.distributed; one without) and each one's devices of
+    its mesh, by global device id."""
+    devices = list(engine.mesh.devices.flat)
+    return [
+        {"process": p, "devices": [d.id for d in devices if d.process_index == p],
+         "platform": devices[0].platform}
+        for p in sorted({d.process_index for d in devices})
+    ]  # fmt: skip
 
 
 def _sse(payload: dict) -> str:

@@ -17,6 +17,7 @@ thread steps without pause; idle, it sleeps on its inbox.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import queue
@@ -24,12 +25,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor, Future
+from concurrent.futures import Executor, Future, InvalidStateError
 from functools import partial
 
 from ..engine import Engine
 from ..errors import RequestError
 from ..options import SamplingParams
+from ..runtime.lockstep import ProcessLost
 from ..runtime.reasoning import Reasoning
 from ..runtime.request import Request, Result
 from ..runtime.structured import Constraint, grammar_key
@@ -152,8 +154,10 @@ class Worker:
         progress: bool = False,
         on_ready: Callable[[], None] | None = None,
         on_failure: Callable[[BaseException], None] | None = None,
+        join: Callable[[Engine], None] | None = None,
     ):
         self._load = load
+        self._join = join  # after warmup: e.g. lead a process group (Engine.lead)
         self._progress = progress  # warmup progress on stderr
         self._on_ready, self._on_failure = on_ready, on_failure
         self.status = "loading"  # -> "warming up" -> "ready"; or "failed", "stopped"
@@ -223,6 +227,24 @@ class Worker:
     def cancel(self, request: Request) -> None:
         self.call(lambda engine: self._cancel(request))
 
+    def lose(self, error: BaseException) -> None:
+        """The engine cannot run any more (a process of its group is gone; any thread may
+        say so, the engine thread may be blocked in a collective with it): every running
+        request, task and waiting call ends with `error` at once, and the worker takes no
+        more work (status "failed")."""
+        if self.status == "failed":
+            return
+        self.error, self.status = error, "failed"
+        for sink in list(self._live.values()):
+            sink(error)
+        for _, future, _ in list(self._tasks):
+            with contextlib.suppress(InvalidStateError):
+                future.set_exception(error)
+        self._fail_pending(error)
+        self._inbox.put(_STOP)
+        if self._on_failure:
+            self._on_failure(error)
+
     # ---- the engine thread --------------------------------------------------------------
 
     def _run(self) -> None:
@@ -230,6 +252,8 @@ class Worker:
             engine = self._load()
             self.status = "warming up"
             engine.warmup(progress=self._progress)
+            if self._join is not None:
+                self._join(engine)
             stats = engine.perf_stats()
             self.compiles_at_ready = stats.programs + stats.untracked_compiles
             self.engine, self.status = engine, "ready"
@@ -258,7 +282,8 @@ class Worker:
             self._cancel(request)
         for steps, _, _ in self._tasks:
             steps.close()  # a scoring pass gives its pages back
-        self.status = "stopped"
+        if self.status != "failed":  # (lost: the error stays what /health reports)
+            self.status = "stopped"
 
     def _drain(self, block: bool) -> bool:
         """Run every waiting call; False once asked to stop."""
@@ -308,6 +333,10 @@ class Worker:
         try:
             self.engine.step(on_pieces=self._deliver)  # first tokens before the decode call
         except Exception as e:  # e.g. strict mode refused a compile: end what was running
+            if self.engine.executor.lockstep:  # a group out of step cannot go on
+                why = f"the process group ended: a step failed: {e}"
+                self.lose(e if isinstance(e, ProcessLost) else ProcessLost(why))
+                return
             log.exception("engine step failed; the requests it was serving end with an error")
             for request, sink in list(self._live.items()):
                 sink(e)

@@ -1,0 +1,208 @@
+"""`jaxinfer serve` over two processes on jax.distributed (127.0.0.1, 2 CPU devices each, the
+mesh over all 4): the official openai client gets the greedy texts and logprobs of a
+one-process server on the same layout, with concurrent streams, a cancel and prefix hits;
+nothing compiles after warmup on either process; refused requests never reach the follower;
+a follower killed mid-stream ends the stream with an error event, /health turns 503, and
+both processes exit."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from contextlib import contextmanager
+
+import pytest
+from support.models import client_of, http_json, live_server
+
+import jaxinfer
+
+openai = pytest.importorskip("openai")
+pytestmark = pytest.mark.slow  # two processes warm up (~1 min on 2 cores)
+
+FLAGS = ["-np", "4", "-c", "512", "-ub", "64"]  # a small plan, the same on every server
+PROMPTS = ["Once upon a time", "The little dog", "Lily and Tom went", "One day, a bird"]
+BAD = [  # (path, body, words of its 400), as on one process (tests/serve/test_server.py)
+    ("/v1/completions", {"prompt": "x", "temperature": "hot"}, "temperature"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, "n = 0"),
+    ("/v1/completions", {"prompt": [5, 99999]}, "token ids must lie in [0, 512)"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs = 21 is invalid"),
+    ("/v1/completions", {"prompt": "Once upon a time " * 600}, "exceeds the available context"),
+    ("/v1/chat/completions", {"messages": "hi"}, "messages must be"),
+]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Group:
+    """The processes of one `jaxinfer serve` group, process 0's URL, their stderr files."""
+
+    def __init__(self, procs, url, logs):
+        self.procs, self.url, self.logs, self.port = procs, url, logs, int(url.rsplit(":", 1)[1])
+
+    def log(self, i: int) -> str:
+        return self.logs[i].read_text(errors="replace")
+
+
+@contextmanager
+def group(tmp_path, cache, layout: str = "tensor", n: int = 2):
+    coordinator, port = f"127.0.0.1:{_port()}", _port()
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_NUM_CPU_DEVICES"] = "2"
+    procs, logs = [], []
+    for i in range(n):
+        logs.append(tmp_path / f"process{i}.log")
+        cmd = [sys.executable, "-m", "jaxinfer.cli", "serve", "--coordinator", coordinator,
+               "--num-processes", str(n), "--process-id", str(i), "--layout", layout,
+               "--port", str(port), "--compile-cache-dir", str(cache), *FLAGS]  # fmt: skip
+        with open(logs[-1], "w") as err:
+            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err))
+    g = Group(procs, f"http://127.0.0.1:{port}", logs)
+    try:
+        deadline = time.monotonic() + 400
+        while not _healthy(g.url):
+            assert time.monotonic() < deadline, g.log(0)[-3000:]
+            assert all(p.poll() is None for p in procs), g.log(0)[-3000:] + g.log(1)[-3000:]
+            time.sleep(0.5)
+        yield g
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(30)
+
+
+def _healthy(url: str) -> bool:
+    return _status(url + "/health") == 200
+
+
+def _status(url: str) -> int | None:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except OSError:
+        return None
+
+
+def _metrics(url: str) -> dict[str, float]:
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("jaxinfer:") and " " in line:
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def _complete(client, prompt: str) -> tuple[str, list[float]]:
+    """A greedy completion streamed: its text and each token's logprob."""
+    text, lps = "", []
+    stream = client.completions.create(
+        model="m", prompt=prompt, max_tokens=24, temperature=0, logprobs=2, stream=True
+    )
+    for chunk in stream:
+        choice = chunk.choices[0]
+        text += choice.text
+        if choice.logprobs is not None:
+            lps += choice.logprobs.token_logprobs
+    return text, lps
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("group-store")  # the second group loads what the first saved
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The texts and logprobs of a one-process server, same layout and shapes over 4 devices."""
+    opts = dict(layout="tensor", devices=4, slots=4, max_seq_len=512, prefill_buckets=(64,))
+    with live_server(lambda: jaxinfer.load(None, **opts)) as srv:
+        client = client_of(srv)
+        return [_complete(client, p) for p in PROMPTS]
+
+
+def test_two_processes_serve_as_one(tmp_path, cache, reference):
+    with group(tmp_path, cache) as g:
+        client = openai.OpenAI(base_url=g.url + "/v1", api_key="-", max_retries=0)
+        # four concurrent streams, each the one-process server's text and logprobs
+        got: dict[int, tuple] = {}
+        threads = [
+            threading.Thread(target=lambda i=i: got.__setitem__(i, _complete(client, PROMPTS[i])))
+            for i in range(4)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        for i, (text, lps) in enumerate(reference):
+            assert got[i][0] == text
+            assert len(got[i][1]) == len(lps)
+            assert max(abs(a - b) for a, b in zip(got[i][1], lps, strict=True)) < 2e-3
+        # a stream cancelled after its first piece frees its slot; the next requests run
+        stream = client.completions.create(
+            model="m", prompt=PROMPTS[0], max_tokens=400, temperature=0, stream=True
+        )
+        next(iter(stream))
+        stream.close()
+        # prefix hits: a long prompt twice, the second served from the cache
+        long = " ".join(PROMPTS * 14)  # ~300 tokens: two full 128-token pages
+        first = client.completions.create(model="m", prompt=long, max_tokens=4, temperature=0)
+        again = client.completions.create(model="m", prompt=long, max_tokens=4, temperature=0)
+        assert again.choices[0].text == first.choices[0].text
+        assert again.usage.prompt_tokens_details.cached_tokens >= 128
+        # refused requests never reach the follower: no device call goes out for them
+        calls = _metrics(g.url)["jaxinfer:lockstep_calls_total"]
+        for path, body, words in BAD:
+            status, error = http_json(g, "POST", path, body)
+            assert status == 400 and words in error["error"]["message"], (body, error)
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model="m", prompt="x", temperature=-1)
+        assert _metrics(g.url)["jaxinfer:lockstep_calls_total"] == calls
+        # /props lists both processes and their devices; nothing compiled after warmup
+        _, props = http_json(g, "GET", "/props")
+        assert [p["process"] for p in props["processes"]] == [0, 1]
+        assert [len(set(p["devices"])) for p in props["processes"]] == [2, 2]
+        metrics = _metrics(g.url)
+        assert metrics["jaxinfer:processes"] == 2
+        assert metrics["jaxinfer:compiles_after_warmup_total"] == 0
+        # Ctrl-C on process 0 stops the group: every process exits cleanly
+        g.procs[0].send_signal(signal.SIGINT)
+        for p in g.procs:
+            assert p.wait(60) == 0, g.log(0)[-2000:] + g.log(1)[-2000:]
+        for i in (0, 1):
+            assert f"process {i}: compiles after warmup = 0" in g.log(i)
+            assert f"process {i} of 2: " in g.log(i)  # its share of the weights
+
+
+def test_a_killed_follower_ends_the_group(tmp_path, cache):
+    with group(tmp_path, cache) as g:
+        client = openai.OpenAI(base_url=g.url + "/v1", api_key="-", max_retries=0)
+        stream = client.completions.create(
+            model="m", prompt=PROMPTS[1], max_tokens=480, temperature=0, stream=True,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        chunks = iter(stream)
+        next(chunks)
+        g.procs[1].kill()
+        t0 = time.monotonic()
+        with pytest.raises(openai.APIError, match="process group ended"):
+            for _ in chunks:
+                pass
+        assert time.monotonic() - t0 < 30
+        # /health says 503 at once (until the server stops), then every process exits
+        assert _status(g.url + "/health") in (503, None)
+        for p in g.procs:
+            p.wait(60 - (time.monotonic() - t0))
+        assert g.procs[0].returncode != 0
