@@ -210,12 +210,13 @@ class Engine:
         self.executor.lockstep = leader
         self._scheduler = self._new_scheduler()  # no device array from before the group
 
-    def follow(self, follower: Follower) -> None:
+    def follow(self, follower: Follower):
         """Follow a process group's leader (`lockstep.connect` made `follower`): run the device
-        calls it sends, in order, until it stops the group."""
+        calls it sends, in order, until it stops the group (None) or moves to another engine
+        (what it said of that one: Follower.serve)."""
         follower.executor = self.executor
         with self._watched():
-            follower.serve()
+            return follower.serve()
 
     def _clock(self) -> float:
         """Wall seconds minus the seconds spent compiling and loading executables: phase

@@ -7,6 +7,7 @@ to stdout as it is produced; perf stats go to stderr.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import sys
@@ -445,7 +446,6 @@ def _generate(args) -> None:
 
 
 def _bench(args) -> None:
-    from ..loader import load
     from ..runtime.profiler import profile
     from .bench import render, run_bench
 
@@ -454,19 +454,22 @@ def _bench(args) -> None:
         raise JaxinferError(f"--graph-reuse {args.graph_reuse!r}: use on, off or on,off")
     devices = args.devices if isinstance(args.devices, tuple) else (args.devices,)
 
-    def make_engine(layout, dev, slots, graph_reuse, need):
-        ctx = args.ctx_size or max(need, 128)
-        options = _options(
-            args, layout=layout, devices=dev, max_seq_len=ctx, batch_buckets=(slots,),
-            graph_reuse=graph_reuse, kv_cache_tokens=ctx * slots,
-        )  # fmt: skip
-        return load(args.model, options=options)
+    leader = group.lead_engines(args) if args.grouped else None
+
+    def make_engine(*made):
+        if leader is not None:
+            leader.engine(*made)  # the followers make the same
+        engine = _bench_engine(args, *made)
+        if leader is not None:
+            engine.lead(leader)
+        return engine
 
     def progress(row):
         if args.verbose:
             print(f"bench: {row.layout} {row.test} {row.ts} t/s", file=sys.stderr)
 
-    with profile(args.profile):
+    with profile(args.profile), contextlib.ExitStack() as done:
+        done.callback(group.finish, leader)
         rows = run_bench(
             make_engine, prompts=list(args.n_prompt), gens=list(args.n_gen),
             depths=list(args.n_depth), repeats=args.repetitions, layouts=args.layout.split(","),
@@ -477,6 +480,18 @@ def _bench(args) -> None:
     if args.output == "md":  # the table's machine: which kernels ran it
         print(f"cpu kernels: {_kernels()}\n")
     print(render(rows, args.output))
+
+
+def _bench_engine(args, layout, dev, slots: int, graph_reuse: bool, need: int):
+    """The engine of one bench configuration."""
+    from ..loader import load
+
+    ctx = args.ctx_size or max(need, 128)
+    options = _options(
+        args, layout=layout, devices=dev, max_seq_len=ctx, batch_buckets=(slots,),
+        graph_reuse=graph_reuse, kv_cache_tokens=ctx * slots,
+    )  # fmt: skip
+    return load(args.model, options=options)
 
 
 def _kernels() -> str:
@@ -807,8 +822,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.clear_executable_store:
             _clear_store(args)
         args.grouped = args.command != "info" and group.join(args)  # before any device
-        if args.grouped and not group.leader():
-            group.follow(_load(args))  # until process 0 stops the group
+        if args.grouped and not group.leader():  # follow process 0 until it stops the group
+            if args.command == "bench":
+                group.follow_engines(args, lambda *made: _bench_engine(args, *made))
+            else:
+                group.follow(_load(args), warm=args.command == "serve")
             return 0
         commands[args.command](args)
     except JaxinferError as e:

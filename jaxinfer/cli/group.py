@@ -56,15 +56,17 @@ def leader() -> bool:
     return jax.process_index() == 0
 
 
-def follow(engine) -> None:
-    """A follower's life after load: warm up, report its share, run process 0's calls until
-    it stops the group, report its compiles after warmup."""
+def follow(engine, warm: bool = True) -> None:
+    """A follower's life after load: warm up as process 0 does (`warm`: a server does, generate
+    compiles what it calls), report its share, run process 0's calls until it stops the
+    group, report its compiles after warmup."""
     import jax
 
     from ..runtime.lockstep import Follower, connect, leave
     from ..serve.metrics import process_counters
 
-    engine.warmup(progress=False)
+    if warm:
+        engine.warmup(progress=False)
     at_ready = compiles(engine)
     share(engine)
     follower = connect(identity(engine), lambda: process_counters(engine, at_ready))
@@ -73,6 +75,34 @@ def follow(engine) -> None:
     print(f"process {jax.process_index()}: compiles after warmup = "
           f"{compiles(engine) - at_ready}", file=sys.stderr, flush=True)  # fmt: skip
     leave(follower)
+
+
+def follow_engines(args, make) -> None:
+    """A follower of a command that makes several engines (bench): for each one process 0
+    announces (Leader.engine), make the same with `make(*what it said)` and follow it."""
+    from ..runtime.lockstep import Follower, connect, leave
+
+    follower = connect(flags(args))
+    assert isinstance(follower, Follower)
+    made = follower.serve()
+    while made is not None:
+        made = make(*made).follow(follower)
+    leave(follower)
+
+
+def lead_engines(args):
+    """Process 0 of a command that makes several engines: the group's Leader, before any."""
+    from ..runtime.lockstep import Leader, connect
+
+    leader = connect(flags(args))
+    assert isinstance(leader, Leader)
+    return leader
+
+
+def flags(args) -> str:
+    """What must be the same on every process of a command that makes several engines: its
+    flags (but --process-id)."""
+    return repr(sorted((k, repr(v)) for k, v in vars(args).items() if k != "process_id"))
 
 
 def lead(engine, on_lost=None):

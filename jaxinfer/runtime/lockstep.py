@@ -178,6 +178,14 @@ class Leader:
             self._handles.setdefault(id(x), handle)
             weakref.finalize(x, self._drop, id(x), handle)
 
+    def engine(self, *args) -> None:
+        """Before process 0 makes another engine (bench makes one per layout and slots):
+        each follower's `serve` returns `args`, to make the same one and follow it."""
+        if self.lost is not None:
+            raise ProcessLost(f"the process group ended: {self.lost}")
+        with self._lock:
+            self._broadcast(("engine", args, []))
+
     def counters(self) -> list[dict]:
         """Each follower's last reported counters, in process order."""
         return [dict(p.counters, process=p.process) for p in self.peers]
@@ -273,26 +281,33 @@ class Follower:
         self.next = 0  # the next handle
         self.sock, self.counters = sock, counters
         self.executor: Any = None
+        self._inbox: list = []  # messages the reader thread received, in order
+        self._ready = threading.Condition()
+        self._reading = False
         self.arrays: dict[int, object] = {}  # handle -> this process's device array
         self.calls = 0
         self._send = threading.Lock()
 
-    def serve(self) -> None:
-        """Run the leader's calls until it says stop (returns) or is lost (exits the process:
-        this thread may be blocked in a collective the leader will never join)."""
-        inbox: list = []
-        ready = threading.Condition()
-        threading.Thread(target=self._read, args=(inbox, ready), daemon=True,
-                         name="jaxinfer-lockstep-read").start()  # fmt: skip
-        threading.Thread(target=self._beat, daemon=True, name="jaxinfer-lockstep").start()
+    def serve(self):
+        """Run the leader's calls until it says stop (returns None) or moves to another engine
+        (returns the arguments it gave: a command that makes several engines, e.g. bench,
+        makes the same one and follows again); exits the process if the leader is lost (this
+        thread may be blocked in a collective the leader will never join)."""
+        if not self._reading:
+            self._reading = True
+            threading.Thread(target=self._read, daemon=True,
+                             name="jaxinfer-lockstep-read").start()  # fmt: skip
+            threading.Thread(target=self._beat, daemon=True, name="jaxinfer-lockstep").start()
         while True:
-            with ready:
-                ready.wait_for(lambda: inbox)
-                op, args, freed = inbox.pop(0)
+            with self._ready:
+                self._ready.wait_for(lambda: self._inbox)
+                op, args, freed = self._inbox.pop(0)
             for handle in freed:
                 self.arrays.pop(handle, None)
             if op == "stop":
-                return
+                return None
+            if op == "engine":
+                return args
             try:
                 self.apply(op, args)
             except Exception as e:  # the group is out of step: say so, and end
@@ -312,16 +327,16 @@ class Follower:
                 self.next += 1
         self.calls += 1
 
-    def _read(self, inbox: list, ready: threading.Condition) -> None:
+    def _read(self) -> None:
         self.sock.settimeout(SILENT)
         try:
             while True:
                 message = recv(self.sock)
                 if message[0] == "beat":
                     continue
-                with ready:
-                    inbox.append(message)
-                    ready.notify()
+                with self._ready:
+                    self._inbox.append(message)
+                    self._ready.notify()
                 if message[0] == "stop":
                     return
         except (OSError, EOFError, pickle.UnpicklingError) as e:

@@ -5,7 +5,9 @@ nothing compiles after warmup on either process; refused requests never reach th
 a follower killed mid-stream ends the stream with an error event, /health turns 503, and
 both processes exit."""
 
+import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -206,3 +208,55 @@ def test_a_killed_follower_ends_the_group(tmp_path, cache):
         for p in g.procs:
             p.wait(60 - (time.monotonic() - t0))
         assert g.procs[0].returncode != 0
+
+
+def _run_group(tmp_path, cache, *command: str) -> tuple[str, str]:
+    """A CLI command over two processes, to the end: process 0's stdout (jax's gloo lines
+    left out) and stderr."""
+    coordinator = f"127.0.0.1:{_port()}"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_NUM_CPU_DEVICES"] = "2"
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "jaxinfer.cli",
+                *command,
+                "--coordinator",
+                coordinator,
+                "--num-processes",
+                "2",
+                "--process-id",
+                str(i),
+                "--compile-cache-dir",
+                str(cache),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for i in (0, 1)
+    ]
+    try:
+        outs = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
+    return re.sub(r"\[Gloo\][^\n]*\n", "", outs[0][0]), outs[0][1]
+
+
+def test_generate_and_bench_over_two_processes(tmp_path, cache, stories_gguf):
+    want = stories_gguf.generate("Once upon a time", max_new_tokens=16, temperature=0).text
+    out, _ = _run_group(tmp_path, cache, "generate", "-p", "Once upon a time", "-n", "16",
+                        "--temp", "0", "--layout", "layer")  # fmt: skip
+    assert out.strip() == "Once upon a time" + want
+    out, _ = _run_group(tmp_path, cache, "bench", "-p", "16", "-n", "8", "-r", "2",
+                        "--layout", "layer,tensor", "--mem-bw", "10", "-o", "json")  # fmt: skip
+    rows = json.loads(out[out.index("[") :])
+    assert [(r["layout"], r["test"], r["devices"]) for r in rows] == [
+        ("layer", "pp16", 4), ("layer", "tg8", 4), ("tensor", "pp16", 4), ("tensor", "tg8", 4)
+    ]  # fmt: skip
+    assert all(r["avg_ts"] > 0 for r in rows)
