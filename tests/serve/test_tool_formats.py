@@ -514,7 +514,7 @@ def test_tool_call_format_option_and_flag(monkeypatch, capsys):
     class Recorder:
         url = "http://127.0.0.1:0"
 
-        def __init__(self, load, options, on_ready=None):
+        def __init__(self, load, options, on_ready=None, join=None):
             seen.append(options)
 
         def run(self):
