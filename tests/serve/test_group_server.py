@@ -126,17 +126,22 @@ def cache(tmp_path_factory):
     return tmp_path_factory.mktemp("group-store")  # the second group loads what the first saved
 
 
+@pytest.fixture(scope="module", params=["tensor", "layer"])
+def layout(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def reference():
+def reference(layout):
     """The texts and logprobs of a one-process server, same layout and shapes over 4 devices."""
-    opts = dict(layout="tensor", devices=4, slots=4, max_seq_len=512, prefill_buckets=(64,))
+    opts = dict(layout=layout, devices=4, slots=4, max_seq_len=512, prefill_buckets=(64,))
     with live_server(lambda: jaxinfer.load(None, **opts)) as srv:
         client = client_of(srv)
         return [_complete(client, p) for p in PROMPTS]
 
 
-def test_two_processes_serve_as_one(tmp_path, cache, reference):
-    with group(tmp_path, cache) as g:
+def test_two_processes_serve_as_one(tmp_path, cache, layout, reference):
+    with group(tmp_path, cache, layout) as g:
         client = openai.OpenAI(base_url=g.url + "/v1", api_key="-", max_retries=0)
         # four concurrent streams, each the one-process server's text and logprobs
         got: dict[int, tuple] = {}
