@@ -55,7 +55,7 @@ class Group:
 
 
 @contextmanager
-def group(tmp_path, cache, layout: str = "tensor", n: int = 2):
+def group(tmp_path, cache, layout: str = "tensor", flags=tuple(FLAGS), n: int = 2):
     coordinator, port = f"127.0.0.1:{_port()}", _port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["JAX_NUM_CPU_DEVICES"] = "2"
@@ -64,7 +64,7 @@ def group(tmp_path, cache, layout: str = "tensor", n: int = 2):
         logs.append(tmp_path / f"process{i}.log")
         cmd = [sys.executable, "-m", "jaxinfer.cli", "serve", "--coordinator", coordinator,
                "--num-processes", str(n), "--process-id", str(i), "--layout", layout,
-               "--port", str(port), "--compile-cache-dir", str(cache), *FLAGS]  # fmt: skip
+               "--port", str(port), "--compile-cache-dir", str(cache), *flags]  # fmt: skip
         with open(logs[-1], "w") as err:
             procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err))
     g = Group(procs, f"http://127.0.0.1:{port}", logs)
@@ -265,3 +265,76 @@ def test_generate_and_bench_over_two_processes(tmp_path, cache, stories_gguf):
         ("layer", "pp16", 4), ("layer", "tg8", 4), ("tensor", "pp16", 4), ("tensor", "tg8", 4)
     ]  # fmt: skip
     assert all(r["avg_ts"] > 0 for r in rows)
+
+
+# ---- every feature as on one process --------------------------------------------------------
+
+FEATURES = ["-np", "2", "-c", "1024", "-ub", "128", "--spec-type", "ngram", "--embedding",
+            "--cache-ram", "64", "--kv-cache-tokens", "1536"]  # fmt: skip
+STORY = "Once upon a time, there was a little girl named Lily. She loved to play outside. "
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}},
+          "required": ["name"], "additionalProperties": False}  # fmt: skip
+WEATHER = {
+    "name": "get_weather",
+    "description": "The weather in a city, now.",
+    "input_schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                     "required": ["city"], "additionalProperties": False},
+}  # fmt: skip
+
+
+def _features(url: str) -> dict:
+    """What one server answers to: speculative greedy text, a json_schema chat, a forced tool
+    call through Anthropic's SDK, embeddings, and prefix hits that come back from the host
+    tier (the pool holds 12 pages: the long prompts between evict the first one's)."""
+    import anthropic
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0)
+    out: dict = {}
+    out["ngram"] = (
+        client.completions.create(model="m", prompt=STORY * 3, max_tokens=48, temperature=0)
+        .choices[0]
+        .text
+    )
+    chat = client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Name a cat."}], max_tokens=24,
+        temperature=0, response_format={"type": "json_schema",
+                                        "json_schema": {"name": "cat", "schema": SCHEMA}},
+    )  # fmt: skip
+    out["json"] = json.loads(chat.choices[0].message.content)
+    claude = anthropic.Anthropic(base_url=url, api_key="-", max_retries=0)
+    answer = claude.messages.create(
+        model="m", max_tokens=32, tools=[WEATHER],
+        tool_choice={"type": "tool", "name": "get_weather"},
+        messages=[{"role": "user", "content": "The weather in Paris?"}],
+        extra_body={"temperature": 0},
+    )  # fmt: skip
+    out["tool"] = [(b.name, b.input) for b in answer.content if b.type == "tool_use"]
+    vectors = client.embeddings.create(model="m", input=["a cat", STORY])
+    out["embeddings"] = [d.embedding for d in vectors.data]
+    prompts = [f"{i} {STORY * 20}" for i in range(6)]  # ~4 pages each
+    for p in prompts:
+        client.completions.create(model="m", prompt=p, max_tokens=2, temperature=0)
+    again = client.completions.create(model="m", prompt=prompts[0], max_tokens=8, temperature=0)
+    out["again"] = again.choices[0].text
+    out["host_hits"] = _metrics(url)["jaxinfer:host_cache_hits_total"]
+    return out
+
+
+def test_every_feature_as_on_one_process(tmp_path, tmp_path_factory, cache):
+    from support.models import stories_chat
+    from support.templates import QWEN25
+
+    model = stories_chat(tmp_path_factory, QWEN25)  # Hermes tool calls
+    opts = dict(layout="tensor", devices=4, slots=2, max_seq_len=1024, prefill_buckets=(128,),
+                speculative="ngram", embeddings=True, cache_ram_mib=64,
+                kv_cache_tokens=1536)  # fmt: skip
+    with live_server(lambda: jaxinfer.load(model, **opts), embedding=True) as srv:
+        want = _features(srv.url)
+    with group(tmp_path, cache, flags=[*FEATURES, "--model", str(model)]) as g:
+        got = _features(g.url)
+        assert _metrics(g.url)["jaxinfer:compiles_after_warmup_total"] == 0
+    assert want["host_hits"] > 0 and got["host_hits"] > 0
+    for key in ("ngram", "json", "tool", "again"):
+        assert got[key] == want[key], key
+    for a, b in zip(got["embeddings"], want["embeddings"], strict=True):
+        assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-4
