@@ -73,8 +73,10 @@ def agreed(values: list[int], most: list[bool]) -> list[int]:
         return values
     from jax.experimental import multihost_utils
 
-    mine = np.asarray(values, np.int64)
-    every = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, len(values))
+    # as int32 pairs: without jax_enable_x64 an int64 array would arrive cut to 32 bits
+    mine = np.asarray(values, np.int64).view(np.int32)
+    got = np.asarray(multihost_utils.process_allgather(mine), np.int32)
+    every = np.ascontiguousarray(got.reshape(-1, 2 * len(values))).view(np.int64)
     return [int(c.max() if m else c.min()) for c, m in zip(every.T, most, strict=True)]
 
 

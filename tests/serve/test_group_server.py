@@ -215,42 +215,26 @@ def test_a_killed_follower_ends_the_group(tmp_path, cache):
         assert g.procs[0].returncode != 0
 
 
-def _run_group(tmp_path, cache, *command: str) -> tuple[str, str]:
-    """A CLI command over two processes, to the end: process 0's stdout (jax's gloo lines
-    left out) and stderr."""
+def _run_group(tmp_path, cache, *command: str, each=((), ())) -> tuple[str, str]:
+    """A CLI command over two processes (`each`: flags of one process), to the end: process
+    0's stdout (jax's gloo lines left out), and both processes' stderr."""
     coordinator = f"127.0.0.1:{_port()}"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["JAX_NUM_CPU_DEVICES"] = "2"
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "jaxinfer.cli",
-                *command,
-                "--coordinator",
-                coordinator,
-                "--num-processes",
-                "2",
-                "--process-id",
-                str(i),
-                "--compile-cache-dir",
-                str(cache),
-            ],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )  # fmt: skip
-        for i in (0, 1)
-    ]
+    procs = []
+    for i in (0, 1):
+        cmd = [sys.executable, "-m", "jaxinfer.cli", *command, "--coordinator", coordinator,
+               "--num-processes", "2", "--process-id", str(i), "--compile-cache-dir", str(cache),
+               *each[i]]  # fmt: skip
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))  # fmt: skip
     try:
         outs = [p.communicate(timeout=300) for p in procs]
     finally:
         for p in procs:
             p.kill()
     assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
-    return re.sub(r"\[Gloo\][^\n]*\n", "", outs[0][0]), outs[0][1]
+    return re.sub(r"\[Gloo\][^\n]*\n", "", outs[0][0]), outs[0][1] + outs[1][1]
 
 
 def test_generate_and_bench_over_two_processes(tmp_path, cache, stories_gguf):
@@ -338,3 +322,15 @@ def test_every_feature_as_on_one_process(tmp_path, tmp_path_factory, cache):
         assert got[key] == want[key], key
     for a, b in zip(got["embeddings"], want["embeddings"], strict=True):
         assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-4
+
+
+def test_fit_makes_one_plan_for_the_group(tmp_path, cache):
+    """Process 1 has less memory (--fit-memory): both plan with the least, so the context is
+    cut on both (one process with the other's memory keeps the whole 2048)."""
+    fit = ("generate", "-v", "-p", "Once upon a time", "-n", "8", "--temp", "0", "--layout",
+           "tensor", "-np", "2", "--fit", "--fit-ctx", "256")  # fmt: skip
+    _, err = _run_group(
+        tmp_path, cache, *fit, each=(("--fit-memory", "4096"), ("--fit-memory", "1030"))
+    )
+    plans = re.findall(r"fit: context (\d+) x 2 slots", err)
+    assert plans == ["1024", "1024"], err[-3000:]
