@@ -215,6 +215,20 @@ def test_a_killed_follower_ends_the_group(tmp_path, cache):
         assert g.procs[0].returncode != 0
 
 
+def test_a_killed_leader_takes_the_followers_down(tmp_path, cache):
+    with group(tmp_path, cache) as g:
+        client = openai.OpenAI(base_url=g.url + "/v1", api_key="-", max_retries=0)
+        stream = client.completions.create(
+            model="m", prompt=PROMPTS[2], max_tokens=480, temperature=0, stream=True,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        next(iter(stream))
+        g.procs[0].kill()
+        t0 = time.monotonic()
+        assert g.procs[1].wait(60) != 0
+        assert time.monotonic() - t0 < 60
+
+
 def _run_group(tmp_path, cache, *command: str, each=((), ())) -> tuple[str, str]:
     """A CLI command over two processes (`each`: flags of one process), to the end: process
     0's stdout (jax's gloo lines left out), and both processes' stderr."""
