@@ -193,15 +193,21 @@ def test_two_processes_serve_as_one(tmp_path, cache, layout, reference):
             assert f"process {i} of 2: " in g.log(i)  # its share of the weights
 
 
+def _long_stream(url: str):
+    """A stream of 480 tokens, its first piece read: the rest of its chunks."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0)
+    stream = client.completions.create(
+        model="m", prompt=PROMPTS[1], max_tokens=480, temperature=0, stream=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    chunks = iter(stream)
+    next(chunks)
+    return chunks
+
+
 def test_a_killed_follower_ends_the_group(tmp_path, cache):
     with group(tmp_path, cache) as g:
-        client = openai.OpenAI(base_url=g.url + "/v1", api_key="-", max_retries=0)
-        stream = client.completions.create(
-            model="m", prompt=PROMPTS[1], max_tokens=480, temperature=0, stream=True,
-            extra_body={"ignore_eos": True},
-        )  # fmt: skip
-        chunks = iter(stream)
-        next(chunks)
+        chunks = _long_stream(g.url)
         g.procs[1].kill()
         t0 = time.monotonic()
         with pytest.raises(openai.APIError, match="process group ended"):
@@ -217,12 +223,7 @@ def test_a_killed_follower_ends_the_group(tmp_path, cache):
 
 def test_a_killed_leader_takes_the_followers_down(tmp_path, cache):
     with group(tmp_path, cache) as g:
-        client = openai.OpenAI(base_url=g.url + "/v1", api_key="-", max_retries=0)
-        stream = client.completions.create(
-            model="m", prompt=PROMPTS[2], max_tokens=480, temperature=0, stream=True,
-            extra_body={"ignore_eos": True},
-        )  # fmt: skip
-        next(iter(stream))
+        _long_stream(g.url)
         g.procs[0].kill()
         t0 = time.monotonic()
         assert g.procs[1].wait(60) != 0
