@@ -14,8 +14,6 @@ import os
 import sys
 import threading
 
-from ..errors import JaxinferError
-
 log = logging.getLogger(__name__)
 EXIT_AFTER = 30.0  # seconds a leader whose group ended may take to stop before it is ended
 
@@ -45,8 +43,6 @@ def join(args) -> bool:
     processes. A plain start stays one process (nothing is initialized)."""
     from ..runtime.lockstep import initialize
 
-    if getattr(args, "coordinator", None) is None and args.process_id is not None:
-        raise JaxinferError("--process-id needs --coordinator and --num-processes")
     return initialize(args.coordinator, args.num_processes, args.process_id)
 
 

@@ -393,15 +393,17 @@ def initialize(coordinator: str | None, processes: int | None, process_id: int |
     """Join `jax.distributed` when asked: by the three values, by JAX_COORDINATOR_ADDRESS, or by
     a cluster jax detects (SLURM, a TPU slice...); True when this process is in a group of
     several. jax's heartbeat and shutdown timeouts are set below the group's loss detection."""
+    coordinator = coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS") or None
     given = (coordinator, processes, process_id)
     if any(v is not None for v in given) and not all(v is not None for v in given):
-        raise JaxinferError(
-            "--coordinator, --num-processes and --process-id go together; pass all three "
-            "(or none, for one process)"
-        )
+        if not _cluster():  # (a cluster tells jax the other two)
+            raise JaxinferError(
+                "--coordinator (or JAX_COORDINATOR_ADDRESS), --num-processes and --process-id "
+                "go together; pass all three (or none, for one process)"
+            )
     if processes is not None and not 0 <= process_id < processes:  # type: ignore[operator]
         raise JaxinferError(f"--process-id {process_id} is not in [0, {processes})")
-    if coordinator is None and not os.environ.get("JAX_COORDINATOR_ADDRESS") and not _cluster():
+    if coordinator is None and not _cluster():
         return False
     jax.distributed.initialize(
         coordinator, num_processes=processes, process_id=process_id,
@@ -411,13 +413,22 @@ def initialize(coordinator: str | None, processes: int | None, process_id: int |
 
 
 def _cluster() -> bool:
-    """Whether jax would find a cluster of processes by itself (SLURM, Open MPI, a TPU slice)."""
+    """Whether jax would find a job of several processes by itself: a SLURM or Open MPI job,
+    or a Cloud TPU slice of several hosts (jax's opt-in methods, and Kubernetes, where every
+    pod would look like a cluster, are left to the explicit ways)."""
     try:
         from jax._src.clusters import ClusterEnv
-
-        return any(env.is_env_present() for env in ClusterEnv._cluster_types)
-    except Exception:  # another jax's internals: only the explicit ways count
+    except ImportError:  # another jax's internals: only the explicit ways count
         return False
+    for env in ClusterEnv._cluster_types:
+        if env.opt_in_only_method or env.__name__ == "K8sCluster":
+            continue
+        try:
+            if env.is_env_present() and env.get_process_count() > 1:
+                return True
+        except Exception:  # a half-present environment: not a cluster to join
+            continue
+    return False
 
 
 def connect(
