@@ -207,13 +207,29 @@ def _long_stream(url: str):
 
 def test_a_killed_follower_ends_the_group(tmp_path, cache):
     with group(tmp_path, cache) as g:
+        client = openai.OpenAI(base_url=g.url + "/v1", api_key="-", max_retries=0)
+        failed: list = []
+
+        def whole() -> None:  # a non-streaming request running through the kill
+            try:
+                client.completions.create(model="m", prompt=PROMPTS[3], max_tokens=480,
+                                          extra_body={"ignore_eos": True})  # fmt: skip
+            except openai.APIStatusError as e:
+                failed.append(e)
+
         chunks = _long_stream(g.url)
+        waiting = threading.Thread(target=whole)
+        waiting.start()
+        time.sleep(0.5)
         g.procs[1].kill()
         t0 = time.monotonic()
         with pytest.raises(openai.APIError, match="process group ended"):
             for _ in chunks:
                 pass
+        waiting.join(30)
         assert time.monotonic() - t0 < 30
+        assert [e.status_code for e in failed] == [503]
+        assert "process group ended" in failed[0].message
         # /health says 503 at once (until the server stops), then every process exits
         assert _status(g.url + "/health") in (503, None)
         for p in g.procs:
