@@ -1,9 +1,9 @@
 """`jaxinfer serve` over two processes on jax.distributed (127.0.0.1, 2 CPU devices each, the
-mesh over all 4): the official openai client gets the greedy texts and logprobs of a
-one-process server on the same layout, with concurrent streams, a cancel and prefix hits;
+mesh over all 4): the official openai client gets the greedy texts and logprobs of one
+process on the same layout, with concurrent streams, a cancel and prefix hits;
 nothing compiles after warmup on either process; refused requests never reach the follower;
 a follower killed mid-stream ends the stream with an error event, /health turns 503, and
-both processes exit."""
+both processes exit; a group started again loads every process's programs from the store."""
 
 import json
 import os
@@ -19,7 +19,7 @@ import urllib.request
 from contextlib import contextmanager
 
 import pytest
-from support.models import client_of, http_json, live_server
+from support.models import http_json, live_server
 
 import jaxinfer
 
@@ -133,11 +133,12 @@ def layout(request):
 
 @pytest.fixture(scope="module")
 def reference(layout):
-    """The texts and logprobs of a one-process server, same layout and shapes over 4 devices."""
-    opts = dict(layout=layout, devices=4, slots=4, max_seq_len=512, prefill_buckets=(64,))
-    with live_server(lambda: jaxinfer.load(None, **opts)) as srv:
-        client = client_of(srv)
-        return [_complete(client, p) for p in PROMPTS]
+    """The texts and logprobs one process makes: the same layout and shapes over 4 devices
+    (what its server answers, tests/serve/test_server.py; no plan to warm up here)."""
+    engine = jaxinfer.load(None, layout=layout, devices=4, slots=4, max_seq_len=512,
+                           prefill_buckets=(64,))  # fmt: skip
+    results = engine.generate(PROMPTS, max_new_tokens=24, temperature=0, logprobs=2)
+    return [(r.text, [lp.logprob for lp in r.logprobs]) for r in results]
 
 
 def test_two_processes_serve_as_one(tmp_path, cache, layout, reference):
@@ -205,9 +206,18 @@ def _long_stream(url: str):
     return chunks
 
 
-def test_a_killed_follower_ends_the_group(tmp_path, cache):
+def test_a_killed_follower_ends_the_group(tmp_path, cache, stories_gguf):
     with group(tmp_path, cache) as g:
+        # the group of the first test started again: every process loads its programs from
+        # the executable store the first one filled, and none compiles
+        metrics = _metrics(g.url)
+        assert metrics["jaxinfer:programs_compiled_total"] == 0
+        assert metrics["jaxinfer:executables_loaded_total"] > 0
         client = openai.OpenAI(base_url=g.url + "/v1", api_key="-", max_retries=0)
+        loaded = client.completions.create(model="m", prompt=PROMPTS[0], max_tokens=16,
+                                           temperature=0)  # fmt: skip
+        want = stories_gguf.generate(PROMPTS[0], max_new_tokens=16, temperature=0)
+        assert loaded.choices[0].text == want.text
         failed: list = []
 
         def whole() -> None:  # a non-streaming request running through the kill
@@ -268,16 +278,23 @@ def _run_group(tmp_path, cache, *command: str, each=((), ())) -> tuple[str, str]
     return re.sub(r"\[Gloo\][^\n]*\n", "", outs[0][0]), outs[0][1] + outs[1][1]
 
 
-def test_generate_and_bench_over_two_processes(tmp_path, cache, stories_gguf):
+def test_generate_with_one_fit_plan_and_bench_over_two_processes(tmp_path, cache, stories_gguf):
+    """generate's greedy text is one process's; process 1 has less memory (--fit-memory) and
+    both plan with the least, so the context is cut on both (one process with process 0's
+    memory keeps the whole 2048). bench gives its rows over the group."""
     want = stories_gguf.generate("Once upon a time", max_new_tokens=16, temperature=0).text
-    out, _ = _run_group(tmp_path, cache, "generate", "-p", "Once upon a time", "-n", "16",
-                        "--temp", "0", "--layout", "layer")  # fmt: skip
+    generate = ("generate", "-v", "-p", "Once upon a time", "-n", "16", "--temp", "0", "--layout",
+                "layer", "-np", "2", "-ub", "64", "--fit", "--fit-ctx", "256")  # fmt: skip
+    memory = (("--fit-memory", "4096"), ("--fit-memory", "1030"))
+    out, err = _run_group(tmp_path, cache, *generate, each=memory)
     assert out.strip() == "Once upon a time" + want
+    plans = re.findall(r"fit: context (\d+) x 2 slots", err)
+    assert len(plans) == 2 and plans[0] == plans[1] and int(plans[0]) < 2048, err[-3000:]
     out, _ = _run_group(tmp_path, cache, "bench", "-p", "16", "-n", "8", "-r", "2",
-                        "--layout", "layer,tensor", "--mem-bw", "10", "-o", "json")  # fmt: skip
+                        "--layout", "tensor", "--mem-bw", "10", "-o", "json")  # fmt: skip
     rows = json.loads(out[out.index("[") :])
     assert [(r["layout"], r["test"], r["devices"]) for r in rows] == [
-        ("layer", "pp16", 4), ("layer", "tg8", 4), ("tensor", "pp16", 4), ("tensor", "tg8", 4)
+        ("tensor", "pp16", 4), ("tensor", "tg8", 4)
     ]  # fmt: skip
     assert all(r["avg_ts"] > 0 for r in rows)
 
@@ -353,15 +370,3 @@ def test_every_feature_as_on_one_process(tmp_path, tmp_path_factory, cache):
         assert got[key] == want[key], key
     for a, b in zip(got["embeddings"], want["embeddings"], strict=True):
         assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-4
-
-
-def test_fit_makes_one_plan_for_the_group(tmp_path, cache):
-    """Process 1 has less memory (--fit-memory): both plan with the least, so the context is
-    cut on both (one process with the other's memory keeps the whole 2048)."""
-    fit = ("generate", "-v", "-p", "Once upon a time", "-n", "8", "--temp", "0", "--layout",
-           "tensor", "-np", "2", "-ub", "64", "--fit", "--fit-ctx", "256")  # fmt: skip
-    _, err = _run_group(
-        tmp_path, cache, *fit, each=(("--fit-memory", "4096"), ("--fit-memory", "1030"))
-    )
-    plans = re.findall(r"fit: context (\d+) x 2 slots", err)
-    assert len(plans) == 2 and plans[0] == plans[1] and int(plans[0]) < 2048, err[-3000:]
