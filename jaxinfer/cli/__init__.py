@@ -461,6 +461,7 @@ def _bench(args) -> None:
             leader.engine(*made)  # the followers make the same
         engine = _bench_engine(args, *made)
         if leader is not None:
+            group.spanned(engine)
             engine.lead(leader)
         return engine
 

@@ -14,6 +14,8 @@ import os
 import sys
 import threading
 
+from ..errors import JaxinferError
+
 log = logging.getLogger(__name__)
 EXIT_AFTER = 30.0  # seconds a leader whose group ended may take to stop before it is ended
 
@@ -61,6 +63,7 @@ def follow(engine, warm: bool = True) -> None:
     from ..runtime.lockstep import Follower, connect, leave
     from ..serve.metrics import process_counters
 
+    spanned(engine)
     if warm:
         engine.warmup(progress=False)
     at_ready = compiles(engine)
@@ -82,7 +85,9 @@ def follow_engines(args, make) -> None:
     assert isinstance(follower, Follower)
     made = follower.serve()
     while made is not None:
-        made = make(*made).follow(follower)
+        engine = make(*made)
+        spanned(engine)
+        made = engine.follow(follower)
     leave(follower)
 
 
@@ -108,6 +113,7 @@ def lead(engine, on_lost=None):
     engine thread may be blocked in a collective forever)."""
     from ..runtime.lockstep import Leader, connect
 
+    spanned(engine)
     leader = connect(identity(engine))
     assert isinstance(leader, Leader)
 
@@ -147,17 +153,34 @@ def share(engine) -> None:
 
     mine = engine.weight_bytes()
     whole = sum(leaf.nbytes for leaf in jax.tree.leaves(engine.params))
-    local, total = len(jax.local_devices()), engine.mesh.devices.size
+    devices = list(engine.mesh.devices.flat)
+    local = sum(d.process_index == jax.process_index() for d in devices)
+    total = len(devices)
     print(f"process {jax.process_index()} of {jax.process_count()}: {mine / 2**20:.2f} MiB of the "
           f"weights ({whole / 2**20:.2f} MiB in all) on its {local} of {total} devices",
           file=sys.stderr, flush=True)  # fmt: skip
 
 
+def spanned(engine) -> None:
+    """Refuse a layout whose mesh leaves a process out (e.g. `single`: the model on process 0's
+    first device): that process could run none of its calls. Every process finds the same."""
+    import jax
+
+    there = {d.process_index for d in engine.mesh.devices.flat}
+    if len(there) < jax.process_count():
+        raise JaxinferError(
+            f"the layout {engine.layout!r} puts the model on the devices of {len(there)} of the "
+            f"{jax.process_count()} processes; use one that spans them all (layer, tensor, "
+            "layer-tensor, expert...), or run one process"
+        )
+
+
 def identity(engine) -> str:
-    """What must be the same on every process: the model, its options (--fit-memory apart:
-    the plan agrees on the least memory) and the shapes they gave."""
+    """What must be the same on every process: the model (its config and format, not its path:
+    each host has its own copy), its options (--fit-memory apart: the plan agrees on the least
+    memory) and the shapes they gave."""
     options = engine.options.replace(fit_memory_mib=None)
-    return repr((engine.name, engine.source, options, engine.kv_config, engine.shapes))
+    return repr((engine.cfg, engine.source, options, engine.kv_config, engine.shapes))
 
 
 def compiles(engine) -> int:
