@@ -70,13 +70,10 @@ class SpecConfig:
         return NGRAM_HISTORY if self.method == "ngram" else 0
 
 
-def ngram(history: jax.Array, pos: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """Prompt lookup. history [B, H] token ids by position mod H (-1 = empty), holding
-    positions up to pos [B] (the row's input token) -> drafts [B, k], count [B] real drafts.
-
-    The row's last n tokens (n up to NGRAM_MAX) are compared with every earlier window of its
-    history; the longest match, the most recent among equals, proposes what followed it.
-    """
+def suffix_matches(history: jax.Array, pos: jax.Array) -> jax.Array:
+    """history [B, H] token ids by position mod H (-1 = empty), holding positions up to pos [B]
+    -> matches [B, H]: at each entry, how many tokens (capped at NGRAM_MAX) the window ending
+    there shares with the window ending at pos. Computed once per call; `extend` keeps it."""
     B, H = history.shape
     rows = jnp.arange(B)[:, None]
     age = (pos[:, None] - jnp.arange(H)[None]) % H  # [B, H] how far back each entry lies
@@ -88,16 +85,51 @@ def ngram(history: jax.Array, pos: jax.Array, k: int) -> tuple[jax.Array, jax.Ar
         # entry x ends a candidate at position pos - age; its i-th token must exist
         run = run & (earlier == token) & (age + i <= pos[:, None])
         length = length + run
+    return length
+
+
+def extend(matches, history, pos, new, count) -> tuple[jax.Array, jax.Array]:
+    """Each row appends its tokens new[b, :count[b]] (new [B, t]) after position pos [b] ->
+    the matches [B, H] and history [B, H] of the window ending at its last one. A window
+    ending at entry x grows by one where x holds the new token and the window before it
+    matched, else it is 0: O(H) a token where `suffix_matches` is O(NGRAM_MAX x H), for the
+    decode loop looks up every step and must cost a small model's step little."""
+    entry = jnp.arange(history.shape[1])[None]
+    for t in range(new.shape[1]):
+        token, write = new[:, t, None], (t < count)[:, None]
+        grown = jnp.minimum(jnp.roll(matches, 1, axis=1) + 1, NGRAM_MAX)
+        matches = jnp.where(write, jnp.where(history == token, grown, 0), matches)
+        at = entry == ((pos + 1 + t) % history.shape[1])[:, None]
+        history = jnp.where(write & at, token, history)  # written after: its own entry is age 0
+    return matches, history
+
+
+def propose(matches: jax.Array, history: jax.Array, pos: jax.Array, k: int):
+    """Prompt lookup from the matches [B, H] of the window ending at pos [B] -> drafts [B, k],
+    count [B] real drafts. The longest match (at least NGRAM_MIN), the most recent among
+    equals, proposes the tokens that followed it."""
+    H = history.shape[1]
+    age = (pos[:, None] - jnp.arange(H)[None]) % H  # [B, H]
     usable = (age >= 1) & (age <= H - NGRAM_MAX)  # earlier than pos, its window still held
-    length = jnp.where(usable, length, 0)
-    best = jnp.argmax(length * H - age, axis=1)  # [B]: longest, then most recent
-    best_len = jnp.take_along_axis(length, best[:, None], axis=1)[:, 0]
-    best_age = jnp.take_along_axis(age, best[:, None], axis=1)[:, 0]
-    count = jnp.where(best_len >= NGRAM_MIN, jnp.minimum(k, best_age), 0)  # known followers
-    follow = (best[:, None] + 1 + jnp.arange(k)[None]) % H  # [B, k]
+    # One max: length * H - age orders by length, then recency, and encodes both.
+    best = jnp.max(jnp.where(usable, matches * H - age, -H), axis=1)  # [B]
+    length = (best + H - 1) // H
+    best_age = length * H - best
+    count = jnp.where(length >= NGRAM_MIN, jnp.minimum(k, best_age), 0)  # known followers
+    follow = (pos[:, None] - best_age[:, None] + 1 + jnp.arange(k)[None]) % H  # [B, k]
     drafts = jnp.take_along_axis(history, follow, axis=1)
     drafts = jnp.where(jnp.arange(k)[None] < count[:, None], drafts, 0)
     return drafts.astype(jnp.int32), count.astype(jnp.int32)
+
+
+def ngram(history: jax.Array, pos: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """Prompt lookup. history [B, H] token ids by position mod H (-1 = empty), holding
+    positions up to pos [B] (the row's input token) -> drafts [B, k], count [B] real drafts.
+
+    The row's last n tokens (n up to NGRAM_MAX) are compared with every earlier window of its
+    history; the longest match, the most recent among equals, proposes what followed it.
+    """
+    return propose(suffix_matches(history, pos), history, pos, k)
 
 
 def backoff(state: jax.Array, count: jax.Array, n: jax.Array) -> jax.Array:
@@ -225,15 +257,16 @@ def model_drafts(loop: Loop, s: DecodeState, live, pick, draft_kv):
     return drafts, jnp.full((B,), K, I32), draft_kv
 
 
-def next_drafts(loop: Loop, s: DecodeState, pick, draft_kv, catch):
+def next_drafts(loop: Loop, s: DecodeState, pick, draft_kv, catch, matches):
     """The coming step's drafts [B, K] and count [B] (0 for done rows, rows backing off and
     rows a grammar holds, and never past a row's budget), and the proposer's kv. `catch`:
     for the MTP head, the rows kept since its last proposal (their hidden states, next
-    tokens, first position and count)."""
+    tokens, first position and count); `matches`: for n-gram, those of s.history (which holds
+    the input tokens) at s.pos."""
     live = ~s.done
     method, K = loop.setup.spec.method, loop.setup.spec.k
     if method == "ngram":
-        drafts, count = ngram(with_input(s), s.pos, K)
+        drafts, count = propose(matches, s.history, s.pos, K)
     elif method == "mtp":
         drafts, count, draft_kv = mtp_drafts(loop, live, s.state_index, draft_kv, *catch)
     else:
@@ -280,22 +313,34 @@ def keep_snapshots(loop: Loop, pools, kv, draft_kv, s: DecodeState, n, T: int):
     return model_pools, draft_pools
 
 
-def step(loop: Loop, carry, speculating: bool):
+class Carry(NamedTuple):
+    """What changes from step to step of the verify loop."""
+
+    made: jax.Array  # [B] tokens each row made this call
+    kv: Any  # the model's caches (per-token linear states for the call)
+    draft_kv: Any  # the proposer's (a draft model's or the MTP head's)
+    pools: tuple  # with snapshots, the linear pools they are written into
+    s: DecodeState
+    out: tuple  # the call's tokens [B, decode_chunk + K] and their Logprobs
+    pick: jax.Array  # [B] the linear states' index of each row's last kept token
+    counts: jax.Array  # [3] drafts scored, drafts accepted, row steps
+    drafts: jax.Array  # [B, K] the coming step's
+    n_drafts: jax.Array  # [B] real drafts among them
+    matches: jax.Array  # [B, H] n-gram suffix matches (`extend`); H = 0 for other methods
+
+
+def step(loop: Loop, carry: Carry, speculating: bool) -> Carry:
     """One step of the verify loop: score the drafts (or, with none anywhere, the plain
     one-token forward), keep what is accepted, back off, propose the next drafts."""
-    made, kv, draft_kv, pools, s, out, pick, counts, drafts, count = carry
+    made, kv, draft_kv, pools, s, out, pick, counts, drafts, count, matches = carry
     setup, sampling = loop.setup, loop.sampling
     B = s.tokens.shape[0]
     rows = jnp.arange(B)
     window = ring_put(s.window, s.pos, s.tokens[:, None], jnp.ones_like(s.pos))
-    history = with_input(s)
     live = ~s.done
     if speculating:
         with jax.named_scope("verify"):
             new, n, h, kv, windows, lp = score_drafts(loop, s, kv, window, drafts, count, pick)
-        H = history.shape[1]
-        if H:  # accepted drafts join the history
-            history = ring_put(history, s.pos + 1, drafts, n)
         window = windows[rows, n]
     else:  # the plain decode step
         view = KVView(loop.table, s.pos, live.astype(I32), None, pick, jnp.int32(0))
@@ -304,14 +349,17 @@ def step(loop: Loop, carry, speculating: bool):
         new = sample(logits, window, sampling, s.pos + 1)
         lp = jax.tree.map(lambda x: x[:, None], logprobs(logits, new, sampling))
         new, n = new[:, None], jnp.zeros((B,), I32)
-    made, out, s_new, n = advance(s, made, out, new, n, sampling.stops, window, history, lp)
+    made, out, s_new, n = advance(s, made, out, new, n, sampling.stops, window, s.history, lp)
+    if s.history.shape[1]:  # the kept tokens join the n-gram history
+        matches, history = extend(matches, s.history, s.pos, new, s_new.pos - s.pos)
+        s_new = s_new.replace(history=history)
     if loop.snaps is not None:
         pools = keep_snapshots(loop, pools, kv, draft_kv, s, n, h.shape[1])
     counts = counts + jnp.stack([count.sum(), n.sum(), live.sum()])
     s_new = s_new.replace(backoff=backoff(s.backoff, count, n))
     catch = (h, new, s.pos, jnp.where(live, n + 1, 0))  # the rows kept now
-    drafts, count, draft_kv = next_drafts(loop, s_new, n, draft_kv, catch)
-    return made, kv, draft_kv, pools, s_new, out, n, counts, drafts, count
+    drafts, count, draft_kv = next_drafts(loop, s_new, n, draft_kv, catch, matches)
+    return Carry(made, kv, draft_kv, pools, s_new, out, n, counts, drafts, count, matches)
 
 
 def verify(
@@ -337,14 +385,13 @@ def verify(
     kv = take_states(setup, kv, state.state_index, T)
     draft_kv = take_states(setup, draft_kv, state.state_index, T + 1, "draft")
 
-    def more(carry):
-        made, _, _, _, s, *_ = carry
-        return jnp.any(~s.done) & (jnp.max(jnp.where(s.done, 0, made)) < steps)
+    def more(c: Carry):
+        return jnp.any(~c.s.done) & (jnp.max(jnp.where(c.s.done, 0, c.made)) < steps)
 
-    def drafted(carry):
-        return jnp.any(carry[-1] > 0)
+    def drafted(c: Carry):
+        return jnp.any(c.n_drafts > 0)
 
-    def phases(carry):
+    def phases(carry: Carry) -> Carry:
         """Plain steps while no row has a draft, then verify steps while some row has.
         (Two loops, not a cond: XLA CPU copies every KV pool into a cond's branches.)"""
         plain = jax.lax.while_loop(
@@ -362,15 +409,20 @@ def verify(
         (hidden,) = gdn.take(draft_kv[1], state.state_index)
         live = (~state.done).astype(I32)
         catch = (hidden[:, None], state.tokens[:, None], state.pos - 1, live)
-    drafts, count, draft_kv = next_drafts(loop, state, pick, draft_kv, catch)
-    init = (jnp.zeros((B,), I32), kv, draft_kv, carried, state, out, pick,
-            jnp.zeros((3,), I32), drafts, count)  # fmt: skip
-    _, kv, draft_kv, carried, state, out, pick, counts, *_ = jax.lax.while_loop(more, phases, init)
+    # From here on the history holds each row's input token; the lookup's matches are kept
+    # up to date token by token (`extend`).
+    state = state.replace(history=with_input(state))
+    matches = suffix_matches(state.history, state.pos) if state.history.shape[1] else state.history
+    drafts, count, draft_kv = next_drafts(loop, state, pick, draft_kv, catch, matches)
+    init = Carry(jnp.zeros((B,), I32), kv, draft_kv, carried, state, out, pick,
+                 jnp.zeros((3,), I32), drafts, count, matches)  # fmt: skip
+    end = jax.lax.while_loop(more, phases, init)
+    kv, draft_kv, state, pick = end.kv, end.draft_kv, end.s, end.pick
     if snaps is not None:
-        pools, draft_pools = carried
+        pools, draft_pools = end.pools
     kv = put_states(setup, pools, kv, state.state_index, pick)
     # The draft's state before the pending input token (index T): the next call feeds it.
     draft_kv = put_states(
         setup, draft_pools, draft_kv, state.state_index, jnp.full_like(pick, T), "draft"
     )
-    return kv + draft_kv, state, *out, counts
+    return kv + draft_kv, state, *end.out, end.counts

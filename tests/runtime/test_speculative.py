@@ -115,15 +115,17 @@ def test_advance_keeps_the_accepted_prefix_up_to_a_stop_token_and_the_budget():
 # ---- the lookup against a brute-force search ----------------------------------------
 
 
-def _ngram_reference(context: list[int], k: int) -> list[int]:
+def _ngram_reference(context: list[int], k: int, held: int | None = None) -> list[int]:
     """The longest (NGRAM_MIN..NGRAM_MAX) suffix of `context` that occurs earlier, the latest
-    such occurrence; the up to k tokens after it."""
+    such occurrence; the up to k tokens after it. `held`: the history's width, when only the
+    occurrences whose window lies in the last `held` - NGRAM_MAX positions count."""
     pos = len(context) - 1
+    first = 0 if held is None else pos - held + speculative.NGRAM_MAX
     for n in range(speculative.NGRAM_MAX, speculative.NGRAM_MIN - 1, -1):
         if n > pos:
             continue
         suffix = context[pos - n + 1 :]
-        for end in range(pos - 1, n - 2, -1):
+        for end in range(pos - 1, max(n - 2, first - 1), -1):
             if context[end - n + 1 : end + 1] == suffix:
                 return context[end + 1 : end + 1 + k]
     return []
@@ -149,6 +151,31 @@ def test_ngram_lookup_matches_brute_force(seed):
         want = _ngram_reference(context, K)
         assert int(count[b]) == len(want), (b, context)
         assert [int(t) for t in drafts[b, : len(want)]] == want
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_ngram_matches_kept_token_by_token(seed):
+    """The decode loop looks up from matches it extends as rows keep tokens (1 to K + 1 a
+    step, rows apart), in a history that wraps: each lookup equals the brute-force search."""
+    rng = np.random.default_rng(seed)
+    K, H, B = 4, 32, 3
+    contexts = [[int(t) for t in rng.integers(0, 4, int(rng.integers(2, 20)))] for _ in range(B)]
+    history = jnp.asarray(np.stack([recent_window(c, H) for c in contexts]))
+    pos = jnp.asarray([len(c) - 1 for c in contexts], jnp.int32)
+    matches = speculative.suffix_matches(history, pos)
+    for _ in range(40):  # every context outgrows the history
+        new = rng.integers(0, 4, (B, K + 1)).astype(np.int32)
+        kept = rng.integers(0, K + 2, B).astype(np.int32)  # 0: a row that is done
+        matches, history = speculative.extend(
+            matches, history, pos, jnp.asarray(new), jnp.asarray(kept)
+        )
+        pos = pos + kept
+        drafts, count = speculative.propose(matches, history, pos, K)
+        for b in range(B):
+            contexts[b] += [int(t) for t in new[b, : kept[b]]]
+            want = _ngram_reference(contexts[b], K, held=H)
+            assert int(count[b]) == len(want), (b, contexts[b])
+            assert [int(t) for t in drafts[b, : len(want)]] == want
 
 
 # ---- greedy output equals the references ----------------------------------------------
