@@ -256,6 +256,7 @@ class Engine:
         """A checked request: any bad value raises here, before anything runs."""
         ids = self._ids(prompt, self.max_seq_len - 1)
         stop_ids = token_ids("stop_tokens", list(params.stop_tokens), self.cfg.vocab_size)
+        kept = token_ids("preserved_tokens", list(params.preserved_tokens), self.cfg.vocab_size)
         if not params.ignore_eos:
             stop_ids += [t for t in self.tokenizer.eos_ids if t not in stop_ids]
         seed = self._seed(params, ids)
@@ -268,7 +269,7 @@ class Engine:
             stop_ids=stop_ids,
             stop_strings=list(params.stop),
             budget=min(params.max_new_tokens, self.max_seq_len - len(ids)),
-            decoder=self.tokenizer.stream(context=ids[-4:]),
+            decoder=self.tokenizer.stream(context=ids[-4:], keep=kept),
             sampling=SamplingRows.row(params, seed, stop_ids, guided),
             interactive=stream or bool(params.stop),
             constraint=self._constraint(params, constraint),

@@ -75,6 +75,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings (a single string is taken as one)
     stop_tokens: tuple[int, ...] = ()  # stop token ids, besides the tokenizer's EOS
     ignore_eos: bool = False  # keep generating past EOS
+    # special token ids the text keeps (others are skipped): the tags a chat format's parser
+    # reads, which a vocabulary may mark special (llama.cpp's preserved_tokens)
+    preserved_tokens: tuple[int, ...] = ()
     # prefix caching: requests share cached prompt pages only under the same salt (tenants);
     # cache_prompt=False neither reads nor fills the cache (llama-server's field)
     cache_salt: str | None = None
@@ -131,14 +134,15 @@ class SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         if any(not isinstance(s, str) or not s for s in stop):
             raise RequestError("stop strings must be non-empty strings")
-        try:  # numpy integers too; the engine checks them against its vocabulary
-            tokens = tuple(_index(t) for t in self.stop_tokens or ())
-        except TypeError:
-            raise RequestError(
-                f"stop_tokens must be integers; got {list(self.stop_tokens)!r:.60}"
-            ) from None
+        for name in ("stop_tokens", "preserved_tokens"):
+            try:  # numpy integers too; the engine checks them against its vocabulary
+                tokens = tuple(_index(t) for t in getattr(self, name) or ())
+            except TypeError:
+                raise RequestError(
+                    f"{name} must be integers; got {list(getattr(self, name))!r:.60}"
+                ) from None
+            object.__setattr__(self, name, tokens)
         object.__setattr__(self, "stop", stop)
-        object.__setattr__(self, "stop_tokens", tokens)
         object.__setattr__(self, "ignore_eos", bool(self.ignore_eos))
 
     @staticmethod

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
-from functools import cached_property
+from collections.abc import Collection, Iterable, Sequence
+from functools import cached_property, partial
 from pathlib import Path
 from typing import Any
 
@@ -275,9 +275,14 @@ class Tokenizer:
         # add_bos implies a BOS id (__init__)
         return [self.bos_id, *ids] if self.add_bos and self.bos_id is not None else ids
 
-    def decode(self, ids) -> str:
-        """Text of `ids` (any int sequence, e.g. a numpy row); special tokens are skipped."""
-        return self.backend.decode([int(i) for i in ids], skip_special_tokens=True)
+    def decode(self, ids, keep: Collection[int] = ()) -> str:
+        """Text of `ids` (any int sequence, e.g. a numpy row); special tokens are skipped, but
+        those in `keep`, which read as their text (a chat format's tags: `specials`)."""
+        ids = [int(i) for i in ids]
+        if not keep:
+            return self.backend.decode(ids, skip_special_tokens=True)
+        kept = [i for i in ids if i in keep or i not in self.special_ids]
+        return self.backend.decode(kept, skip_special_tokens=False)
 
     @cached_property
     def max_token_bytes(self) -> int:
@@ -301,13 +306,19 @@ class Tokenizer:
         added = self.backend.get_added_tokens_decoder()
         return frozenset(i for i, token in added.items() if token.special)
 
-    def stream(self, context: Sequence[int] = ()) -> StreamDecoder:
-        """A fresh incremental decoder for one generated sequence.
+    def specials(self, texts: Iterable[str]) -> tuple[int, ...]:
+        """The ids of those `texts` that are each one special token of this vocabulary (a
+        Mistral GGUF's `[TOOL_CALLS]`), sorted; texts that are not are left out."""
+        ids = (self.backend.token_to_id(text) for text in texts)
+        return tuple(sorted({i for i in ids if i is not None and i in self.special_ids}))
+
+    def stream(self, context: Sequence[int] = (), keep: Collection[int] = ()) -> StreamDecoder:
+        """A fresh incremental decoder for one generated sequence (`keep`: as in `decode`).
 
         `context` (the prompt's last ids) is decoded but never returned: the generated text is
         what it adds, so a continuation keeps its leading space ("Once upon" + " a time").
         """
-        return StreamDecoder(self, context)
+        return StreamDecoder(self, context, keep)
 
 
 class StreamDecoder:
@@ -316,10 +327,10 @@ class StreamDecoder:
     A character can be split over several byte tokens, so text ending in an incomplete UTF-8
     sequence (decoded as U+FFFD) is held back until later ids complete it, or `flush` gives it
     up. The concatenation of every `push` result and `flush` equals `tokenizer.decode(all
-    ids)`. The one exception is garbage from SentencePiece byte fallback: a run of byte tokens
-    that is not valid UTF-8 decodes to one U+FFFD per byte as a whole, so characters already
-    streamed from its valid beginning differ from `decode`. Byte-level vocabularies have no
-    such case.
+    ids, keep)` (`keep`: the special ids that read as text). The one exception is garbage from
+    SentencePiece byte fallback: a run of byte tokens that is not valid UTF-8 decodes to one
+    U+FFFD per byte as a whole, so characters already streamed from its valid beginning differ
+    from `decode`. Byte-level vocabularies have no such case.
 
     Each id costs bounded work: only a short window of recent ids is decoded (TGI/vLLM style),
     and a tail held back for more than `HOLD` ids (a run of bytes that never completes a
@@ -330,13 +341,16 @@ class StreamDecoder:
 
     HOLD = 8  # ids a tail may be held back before a push gives up what is final of it
 
-    def __init__(self, tokenizer: Tokenizer, context: Sequence[int] = ()) -> None:
-        self._decode_ids = tokenizer.decode
-        self._special = tokenizer.special_ids
+    def __init__(
+        self, tokenizer: Tokenizer, context: Sequence[int] = (), keep: Collection[int] = ()
+    ) -> None:
+        keep = frozenset(keep)
+        self._decode_ids = partial(tokenizer.decode, keep=keep)
+        self._skipped = tokenizer.special_ids - keep
         self._reset()
         self._ids: list[int] = [int(i) for i in context]
         self._read = len(self._ids)
-        self._emitted = len(tokenizer.decode(self._ids))
+        self._emitted = len(self._decode_ids(self._ids))
         self._prefix = self._emitted
 
     def _reset(self) -> None:
@@ -356,9 +370,9 @@ class StreamDecoder:
     def push(self, ids) -> str:
         """Adds newly generated ids; returns the text they complete (possibly "")."""
         held = len(self._ids) - self._read  # ids held back before these
-        # decode skips special ids: leaving them out changes no text, and a run of them no
-        # longer widens the window
-        self._ids.extend(i for i in map(int, ids) if i not in self._special)
+        # decode skips special ids (but those kept): leaving them out changes no text, and a
+        # run of them no longer widens the window
+        self._ids.extend(i for i in map(int, ids) if i not in self._skipped)
         end = len(self._ids)
         text = self._decode(end)
         if len(text) > self._prefix and not text.endswith("\ufffd"):

@@ -1,9 +1,10 @@
 """Anthropic's Messages API (`POST /v1/messages`) as a translation of chat completions.
 
 `chat_body` turns a Messages request into the chat-completions body that `openai_api.chat_job`
-checks, so every limit and check of chat applies to it; `message` turns the chat answer into a
-Message, `MessageStream` the chat stream's chunks into Anthropic's server-sent events, and
-`error_body` an error into Anthropic's shape. Plain dicts in and out, no I/O.
+checks, so every limit and check of chat applies to it (a last assistant message is a prefill,
+chat's continue_final_message); `message` turns the chat answer into a Message,
+`MessageStream` the chat stream's chunks into Anthropic's server-sent events, and `error_body`
+an error into Anthropic's shape. Plain dicts in and out, no I/O.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ def chat_body(body, *, count: bool = False) -> dict:
             raise RequestError(f"{name} is not supported by this server; leave it out")
     messages = _system(body.get("system")) + _messages(body.get("messages"))
     chat: dict[str, Any] = {"messages": messages}
+    if messages[-1]["role"] == "assistant":  # a prefill: the answer continues it, unrepeated
+        chat["continue_final_message"] = True
     if body.get("model") is not None:
         chat["model"] = body["model"]  # chat_job checks it is a string
     if not count:
@@ -164,11 +167,6 @@ def _messages(messages) -> list[dict]:
             if thinking:
                 reply["reasoning_content"] = "\n".join(thinking)
             out.append(reply)
-    if messages[-1].get("role") == "assistant":
-        raise RequestError(
-            "the last message is the assistant's (a prefill), which this server does not "
-            "continue; end messages with a user message"
-        )
     return out
 
 

@@ -4,8 +4,10 @@ The template comes from the checkpoint (`tokenizer_config.json` / `chat_template
 GGUF `tokenizer.chat_template`) or from the user. It is rendered the way transformers'
 `apply_chat_template` renders it: a sandboxed jinja environment with trim_blocks and
 lstrip_blocks, the `tojson` filter, `raise_exception` and `strftime_now`, and the model's
-bos_token / eos_token. The text is then tokenized as llama.cpp does: specials are parsed, and
-when the tokenizer adds BOS itself a BOS written by the template is dropped (one BOS either way).
+bos_token / eos_token; with `continue_final_message` the text stops inside the last message, which
+the answer then continues (an assistant prefill). The text is then tokenized as llama.cpp does:
+specials are parsed, and when the tokenizer adds BOS itself a BOS written by the template is
+dropped (one BOS either way).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from ..formats.tokenizer import Tokenizer
 from ..options import json_object
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
+MARK = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' mark of where the final message ends
 
 
 class ChatTemplate:
@@ -38,12 +41,23 @@ class ChatTemplate:
         messages: Sequence[dict],
         *,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         tools: Sequence[dict] | None = None,
         **extra,
     ) -> str:
         """The prompt text of `messages` ([{"role", "content"}, ...], already checked) and of
         `tools` (OpenAI's [{"type": "function", "function": {...}}], passed as transformers
-        does: as given, None when absent)."""
+        does: as given, None when absent). `continue_final_message` (transformers' and vLLM's;
+        not with `add_generation_prompt`) ends the text right after the last message's content,
+        cutting the end of turn the template writes after it."""
+        if continue_final_message:
+            if add_generation_prompt:
+                raise RequestError(
+                    "continue_final_message and add_generation_prompt cannot both be true; set "
+                    "add_generation_prompt to false to continue the final message"
+                )
+            content = messages[-1]["content"]  # marked where it ends, as transformers does
+            messages = [*messages[:-1], {**messages[-1], "content": content + MARK}]
         tok = self.tokenizer
 
         def render(messages) -> str:
@@ -58,12 +72,12 @@ class ChatTemplate:
 
         try:
             try:
-                return render(messages)
+                text = render(messages)
             except TypeError:  # (DeepSeek's templates add a call's arguments to a string:
                 as_text = _arguments_as_text(messages)  # they want OpenAI's JSON text)
                 if as_text is None:
                     raise
-                return render(as_text)
+                text = render(as_text)
         except jinja2.TemplateError as e:
             raise RequestError(f"the chat template failed: {_line(e)}") from None
         except RecursionError:
@@ -72,6 +86,7 @@ class ChatTemplate:
             raise RequestError(
                 f"the chat template failed on these messages: {type(e).__name__}: {_line(e)}"
             ) from None
+        return _open_end(text, content) if continue_final_message else text
 
     def encode(self, messages: Sequence[dict], limit: int | None = None, **extra) -> list[int]:
         """Token ids of the rendered messages, with exactly one BOS where the model wants one;
@@ -142,6 +157,18 @@ def _tool_calls(calls, where: str) -> list[dict]:
         arguments = _arguments(function.get("arguments"), f"{at}.function.arguments")
         out.append({**call, "function": {**function, "arguments": arguments}})
     return out
+
+
+def _open_end(text: str, content: str) -> str:
+    """`text`, rendered with the final message's `content` + MARK, cut where the mark begins
+    (less the blanks a template that trims the content trimmed before it: transformers' rule)."""
+    at = text.rfind(MARK.strip())
+    if at < 0 or content.strip() not in text:
+        raise RequestError(
+            "the chat template does not write the final message's content as given, so it "
+            "cannot be continued; send it without continue_final_message"
+        )
+    return text[:at] if text.startswith(MARK, at) else text[:at].rstrip()
 
 
 def _arguments_as_text(messages: Sequence[dict]) -> list[dict] | None:

@@ -34,6 +34,7 @@ from ..runtime.reasoning import Reasoning
 from ..runtime.request import Result, TokenLogprob
 from .chat import ChatTemplate, check_messages
 from .thinking import ReasoningSplit, opened, split, thinking_tags
+from .tool_formats import TABLE
 from .tools import ToolRequest, ToolStream, check_tools, grammar, parse, tool_format
 
 # llama.cpp's extras next to OpenAI's own fields: body key -> SamplingParams field
@@ -349,8 +350,10 @@ def chat_job(
     body, template: ChatTemplate | None, n_ctx: int, model: str,
     limits: ServerOptions = DEFAULT_LIMITS,
 ) -> Job:  # fmt: skip
-    """POST /v1/chat/completions: messages rendered with the model's chat template; within
-    the server's `limits`."""
+    """POST /v1/chat/completions: messages rendered with the model's chat template (with
+    vLLM's continue_final_message, the answer continues the last message); within the
+    server's `limits`. The answers keep as text the special tokens that its tool-call format
+    and reasoning tags are made of (SamplingParams.preserved_tokens)."""
     body = _object(body)
     _choices(body, 1, limits)
     _fits_kib(body.get("tools"), "tools", limits)
@@ -383,16 +386,20 @@ def chat_job(
                 "serving.md lists them); name the model's with --tool-call-format, pass a "
                 "template that has one with --chat-template-file, or leave tools out"
             )
-    generation = _get(body, "add_generation_prompt", bool, True)
+    continues = flag(body, "continue_final_message")
     text = template.render(
-        messages, add_generation_prompt=generation, tools=tools.tools if tools else None, **extra
-    )
+        messages, add_generation_prompt=_get(body, "add_generation_prompt", bool, not continues),
+        continue_final_message=continues, tools=tools.tools if tools else None, **extra,
+    )  # fmt: skip
     ids = template.tokenize(text, limit=n_ctx - 1)
     _fits(len(ids), n_ctx)
     max_tokens = _max_tokens(body, "max_completion_tokens", None)
     body = {**body, "max_tokens": _max_tokens(body, "max_tokens", max_tokens)}
     forced = grammar(tools, fmt)  # tool_choice required / a named function: a call is forced
     job = _job(body, [ids], n_ctx, model, limits, chat=True, default_max=None, forced=forced)
+    kept = [*(TABLE[fmt].preserved if fmt else ()), *(tags or ())]  # those a parser reads
+    if preserved := template.tokenizer.specials(kept):
+        job = job.replace(sampling=job.sampling.replace(preserved_tokens=preserved))
     if fmt:
         assert tools is not None  # a tool format is only looked for with tools
         job = job.replace(tool_format=fmt, parallel_tool_calls=tools.parallel, tool_request=tools)

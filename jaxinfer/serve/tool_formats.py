@@ -1,10 +1,11 @@
 """Tool-call formats: how each family of chat templates teaches its model to call functions.
 
 One row per format (`ToolFormat`, the `TABLE`): how the format is recognised in a template's
-source, how the calls of a finished answer are read (XML formats carry bare text, typed here by
-the tool's JSON schema), what a streaming reader must hold back, and the llguidance grammar
-that makes a model write calls. Text inside `<think>...</think>` is never a call. serve/tools.py
-checks a request's tools and turns what is read here into OpenAI's tool_calls.
+source, which of its tags decoding must keep where a vocabulary makes them special tokens, how
+the calls of a finished answer are read (XML formats carry bare text, typed here by the tool's
+JSON schema), what a streaming reader must hold back, and the llguidance grammar that makes a
+model write calls. Text inside `<think>...</think>` is never a call. serve/tools.py checks a
+request's tools and turns what is read here into OpenAI's tool_calls.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ FUNCTION, END_FUNCTION = "<function=", "</function>"  # qwen3_coder
 PARAMETER, END_PARAMETER = "<parameter=", "</parameter>"
 ARG_KEY, END_ARG_KEY = "<arg_key>", "</arg_key>"  # glm45
 ARG_VALUE, END_ARG_VALUE = "<arg_value>", "</arg_value>"
-PYTHON_TAG = "<|python_tag|>"  # llama3_json: Llama's tool-call token; decoded text may lack it
+PYTHON_TAG = "<|python_tag|>"  # llama3_json: Llama's tool-call token (the reader takes both)
 TOOL_CALLS, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"  # mistral
 CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"  # deepseek
 CALL_BEGIN, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
@@ -58,6 +59,9 @@ class ToolFormat:
     opens: tuple[str, ...] = ()  # text that begins a call anywhere outside <think>
     leading: tuple[str, ...] = ()  # text that begins a call only at the answer's start
     frame: tuple[str, str, str] = ("", "\n", "")  # several forced calls: before, between, after
+    # the tags `read` needs: where a vocabulary makes them special tokens, decoding keeps them
+    # as text (llama.cpp's preserved tokens: Mistral's [TOOL_CALLS] and [ARGS] are special)
+    preserved: tuple[str, ...] = ()
     several: bool = True  # whether one answer can carry several calls
     new_id: Callable[[], str] = _openai_id  # a call's id, as the template will want it back
 
@@ -704,6 +708,7 @@ TABLE: dict[str, ToolFormat] = {
             read=_read_hermes,
             call=_json_call_rules(OPEN + '\n{{"name": "{name}", "arguments": ', "}}\n" + CLOSE),
             opens=(OPEN,),
+            preserved=(OPEN, CLOSE),
         ),
         # Llama 3.1, 3.2, 3.3
         ToolFormat(
@@ -713,6 +718,7 @@ TABLE: dict[str, ToolFormat] = {
             call=_json_call_rules('{{"name": "{name}", "parameters": ', "}}"),
             leading=("{", PYTHON_TAG),
             several=False,
+            preserved=(PYTHON_TAG,),
         ),
         # Qwen3-Coder, Qwen3.5, Qwen3.6
         ToolFormat(
@@ -726,6 +732,7 @@ TABLE: dict[str, ToolFormat] = {
                 "\n" + END_PARAMETER + "\n",
             ),
             opens=(OPEN, FUNCTION),
+            preserved=(OPEN, CLOSE),
         ),
         # GLM-4.5, GLM-4.6
         ToolFormat(
@@ -739,6 +746,7 @@ TABLE: dict[str, ToolFormat] = {
                 END_ARG_VALUE + "\n",
             ),
             opens=(OPEN,),
+            preserved=(OPEN, CLOSE, ARG_KEY, END_ARG_KEY, ARG_VALUE, END_ARG_VALUE),
         ),
         # Mistral Nemo, Mistral Small 3/3.1 (a JSON list after [TOOL_CALLS])
         ToolFormat(
@@ -749,6 +757,7 @@ TABLE: dict[str, ToolFormat] = {
             opens=(TOOL_CALLS,),
             frame=(TOOL_CALLS + "[", ", ", "]"),
             new_id=_mistral_id,
+            preserved=(TOOL_CALLS,),
         ),
         # Mistral Small 3.2, Devstral, Magistral (each call [TOOL_CALLS]name[ARGS]{...})
         ToolFormat(
@@ -759,6 +768,7 @@ TABLE: dict[str, ToolFormat] = {
             opens=(TOOL_CALLS,),
             frame=("", "", ""),
             new_id=_mistral_id,
+            preserved=(TOOL_CALLS, ARGS, CALL_ID),
         ),
         # DeepSeek V3, R1 and its distills (```json fenced arguments)
         ToolFormat(
@@ -770,6 +780,7 @@ TABLE: dict[str, ToolFormat] = {
             ),
             opens=(CALLS_BEGIN, CALL_BEGIN),
             frame=(CALLS_BEGIN, "\n", CALLS_END),
+            preserved=(CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP),
         ),
         # DeepSeek V3.1 (name<｜tool▁sep｜>{...})
         ToolFormat(
@@ -779,6 +790,7 @@ TABLE: dict[str, ToolFormat] = {
             call=_json_call_rules(CALL_BEGIN + "{name}" + SEP, CALL_END),
             opens=(CALLS_BEGIN, CALL_BEGIN),
             frame=(CALLS_BEGIN, "", CALLS_END),
+            preserved=(CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP),
         ),
     ]
 }

@@ -2,11 +2,12 @@
 serve/anthropic.py) on a live server over stories260K with Qwen 2.5's tool-calling template,
 driven by the real `anthropic` SDK: a tool-use round trip (inputs checked with jsonschema),
 streams the SDK assembles into the non-streamed answer, token counts against transformers'
-rendering of the equivalent chat, stop sequences, Anthropic-shaped errors and a dropped
-stream's cancellation; thinking blocks and budgets under DeepSeek-R1's template. A thinking
-answer with split tool calls (which this model does not write) goes through the SDK's own
-parser from a stubbed transport. Then an `openai-agents` agent calls one function tool and
-finishes, over chat completions."""
+rendering of the equivalent chat, an assistant prefill continued (and chat completions'
+continue_final_message) as the engine continues the prompt rendered by hand, stop sequences,
+Anthropic-shaped errors and a dropped stream's cancellation; thinking blocks and budgets under
+DeepSeek-R1's template. A thinking answer with split tool calls (which this model does not
+write) goes through the SDK's own parser from a stubbed transport. Then an `openai-agents`
+agent calls one function tool and finishes, over chat completions."""
 
 import asyncio
 import http.client
@@ -14,6 +15,7 @@ import json
 import socket
 from pathlib import Path
 
+import jinja2
 import jsonschema
 import pytest
 from support.models import live_server, stories_chat, wait_for
@@ -153,6 +155,61 @@ def test_count_tokens_is_the_prompt(client, chat_model):
     assert counted.input_tokens == _prompt_tokens(answer) == _reference_count(chat_model, chat)
     with_tools = client.messages.count_tokens(model="m", messages=STORY, tools=[WEATHER])
     assert with_tools.input_tokens == _reference_count(chat_model, STORY, [WEATHER])
+
+
+PREFILL = [*STORY, {"role": "assistant", "content": "Once upon"}]
+
+
+def _continued(stories_hf, max_tokens: int):
+    """The reference: the engine's greedy Result from the chat rendered by hand (jinja2, as
+    transformers renders it) and cut after the prefill, before its end of turn."""
+    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+    rendered = env.from_string(QWEN25).render(messages=PREFILL, add_generation_prompt=False)
+    assert rendered.endswith("<|im_start|>assistant\nOnce upon<|im_end|>\n")
+    prompt = rendered.removesuffix("<|im_end|>\n")
+    return stories_hf.generate(prompt, max_new_tokens=max_tokens, temperature=0)
+
+
+def test_an_assistant_prefill_is_continued(client, stories_hf):
+    """A last assistant message is a prefill: the answer continues it (greedy: the engine's
+    continuation of the same prompt, token for token) and does not repeat it; streamed
+    alike; count_tokens counts that prompt."""
+    want = _continued(stories_hf, 16)
+    kw = dict(model="m", max_tokens=16, messages=PREFILL, extra_body=GREEDY)
+    whole = client.messages.create(**kw)
+    with client.messages.stream(**kw) as stream:
+        streamed = stream.get_final_message()
+    for answer in (whole, streamed):
+        assert [(b.type, b.text) for b in answer.content] == [("text", want.text)]
+        assert answer.usage.output_tokens == len(want.token_ids)
+        assert _prompt_tokens(answer) == len(want.prompt_ids)
+    assert client.messages.count_tokens(model="m", messages=PREFILL).input_tokens == len(
+        want.prompt_ids
+    )
+
+
+def test_chat_continue_final_message(server, stories_hf):
+    """Chat completions take vLLM's continue_final_message: the same continuation (each
+    token's bytes from its logprobs), with add_generation_prompt false or left out; both true
+    is a one-line 400."""
+    openai = pytest.importorskip("openai")
+    chat = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0).chat
+    want = _continued(stories_hf, 12)
+    token_bytes = [list(stories_hf.vocabulary.token_bytes(i)) for i in want.token_ids]
+    for generation in ({"add_generation_prompt": False}, {}):
+        answer = chat.completions.create(
+            model="m", messages=PREFILL, max_tokens=12, temperature=0, logprobs=True,
+            extra_body={"continue_final_message": True, **generation},
+        ).choices[0]  # fmt: skip
+        assert answer.message.content == want.text
+        assert [t.bytes for t in answer.logprobs.content] == token_bytes
+    with pytest.raises(openai.BadRequestError) as e:
+        chat.completions.create(
+            model="m", messages=PREFILL, max_tokens=4,
+            extra_body={"continue_final_message": True, "add_generation_prompt": True},
+        )  # fmt: skip
+    said = e.value.body["message"]
+    assert "continue_final_message and add_generation_prompt" in said and "\n" not in said
 
 
 def test_stop_sequences(client, server):
@@ -471,6 +528,8 @@ def test_chat_body_translates_a_conversation():
     assert "thinking_budget" not in chat_body({**short, "thinking": {"type": "adaptive"}})
     counted = chat_body({"model": "m", "messages": ASK}, count=True)  # no max_tokens needed
     assert counted == {"model": "m", "messages": ASK}
+    prefill = {**short, "messages": [*ASK, {"role": "assistant", "content": "It is"}]}
+    assert chat_body(prefill)["continue_final_message"] is True
 
 
 @pytest.mark.parametrize("change, words", [
@@ -478,7 +537,6 @@ def test_chat_body_translates_a_conversation():
     ({"max_tokens": 0}, "max_tokens = 0 is invalid"),
     ({"messages": []}, "messages must be a non-empty list"),
     ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role = 'system'"),
-    ({"messages": [*ASK, {"role": "assistant", "content": "It is"}]}, "(a prefill)"),
     ({"messages": [{"role": "user", "content": [{"type": "document"}]}]},
      "messages[0].content[0] is of type 'document', which is not supported"),
     ({"messages": [{"role": "user", "content": [{"type": "tool_use"}]}]},

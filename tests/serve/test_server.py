@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -19,9 +20,11 @@ from support.models import client_of, live_server, stories_chat, wait_for
 
 import jaxinfer
 from jaxinfer.cli import main
+from jaxinfer.errors import RequestError
 from jaxinfer.formats import gguf_file
 from jaxinfer.formats.tokenizer import Tokenizer
 from jaxinfer.serve.chat import ChatTemplate, check_messages
+from jaxinfer.serve.thinking import opened, thinking_tags
 
 openai = pytest.importorskip("openai")
 
@@ -153,6 +156,40 @@ def test_chat_template_matches_transformers(chat_model):
         ids = hf.apply_chat_template(messages, tokenize=True, return_dict=False, **kw)
         assert ours.encode(messages, **kw) == list(ids)
         assert ids.count(1) == 1  # one BOS: the template's (the tokenizer adds none twice)
+
+
+def test_continue_final_message_cuts_as_transformers(chat_model):
+    """continue_final_message ends the text after the last message's content as transformers
+    cuts it (trailing blanks kept where the template keeps them); content the template does
+    not write as given is a one-line RequestError."""
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(str(chat_model))
+    ours = ChatTemplate(TEMPLATE, Tokenizer.from_hf_dir(chat_model))
+    for role, content in [("assistant", "Once upon"), ("assistant", "Once upon  "),
+                          ("user", "  More!  "), ("assistant", "")]:  # fmt: skip
+        messages = check_messages([*MESSAGES[:2], {"role": role, "content": content}])
+        kw = dict(add_generation_prompt=False, continue_final_message=True)
+        text = hf.apply_chat_template(messages, tokenize=False, **kw)
+        assert ours.render(messages, **kw) == text and text.rstrip().endswith(content.strip())
+    # thinking templates: the prefill continues the answer (the prompt opens no reasoning)
+    utils = pytest.importorskip("transformers.utils.chat_template_utils")
+    messages = check_messages([*MESSAGES[1:2], {"role": "assistant", "content": "Once upon"}])
+    for name in ("deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja", "Qwen3.5-4B.jinja"):
+        source = (Path(__file__).parents[1] / "fixtures" / "templates" / name).read_text()
+        ours = ChatTemplate(source, Tokenizer.byte_level())
+        (text,), _ = utils.render_jinja_template(
+            conversations=[messages], chat_template=source, bos_token="<s>", eos_token="</s>",
+            **kw,
+        )  # fmt: skip
+        assert ours.render(messages, **kw) == text and text.endswith("Once upon")
+        tags = thinking_tags(source)
+        assert tags is not None and not opened(text, tags)
+    messages = check_messages([{"role": "assistant", "content": "Once"}])
+    for source in ("{{ messages[-1].content | upper }}", "{{ messages[-1].role }}"):
+        with pytest.raises(RequestError) as e:
+            ChatTemplate(source, ours.tokenizer).render(messages, **kw)
+        assert "does not write the final message's content" in str(e.value)
+        assert "\n" not in str(e.value)
 
 
 def test_chat_completion(client, chat_model, stories_hf):

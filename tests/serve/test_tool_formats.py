@@ -4,8 +4,10 @@ typed calls, rendered by transformers' Jinja renderer, reads back to the same ca
 content, whole and fed to the stream reader cut at every character, no tag ever in the
 streamed content; hand-written answers (content around calls, a call inside <think>, broken
 and cut-off calls); the forcing grammars through llguidance (a call in the format's layout
-accepted, invented keys refused, random answers valid under jsonschema); and, end to end, a
-served model forced to call through the official openai client, streamed and not."""
+accepted, invented keys refused, random answers valid under jsonschema); end to end, a
+served model forced to call through the official openai client, streamed and not; and
+Mistral's tags as special tokens (as its tokenizers have them), which chat answers keep for
+the parser and completions skip."""
 
 import json
 import random
@@ -17,11 +19,14 @@ import llguidance
 import numpy as np
 import pytest
 from support.byte_grammar import BYTES, sample
-from support.models import STORIES_HF, client_of, live_server, model_path
+from support.models import STORIES_HF, client_of, live_server, model_path, with_chat_template
 
 import jaxinfer
 from jaxinfer.errors import JaxinferError
+from jaxinfer.formats.tokenizer import Tokenizer
 from jaxinfer.options import TOOL_CALL_FORMATS, ServerOptions
+from jaxinfer.serve.chat import ChatTemplate
+from jaxinfer.serve.openai_api import chat_job, completion_job
 from jaxinfer.serve.tool_formats import TABLE
 from jaxinfer.serve.tools import ToolStream, check_tools, grammar, parse, tool_format
 
@@ -653,3 +658,110 @@ def test_a_call_sent_back_renders_whether_the_template_wants_text_or_an_object(n
     ])  # fmt: skip
     text = template.render(messages)
     assert "get_weather" in text and "Paris" in text and "sunny" in text
+
+
+# ---- tags that are special tokens ----------------------------------------------------------
+
+# Mistral's tokenizers (tokenizer.json, GGUF) make its tags control tokens, which decoding
+# skips. Five characters of stories260K's vocabulary that no merge makes or uses become those
+# tags here, special, so that the model can write them.
+MISTRAL_TAGS = {"™": "[TOOL_CALLS]", "\u200a": "[ARGS]", "€": "[CALL_ID]", "â": "[THINK]",
+                "\xa0": "[/THINK]"}  # fmt: skip
+MISTRAL_V11 = "Mistral-Small-3.2-24B-Instruct-2506.jinja"
+WEATHER = _function("get_weather", {"city": {"type": "string"}}, ["city"])
+ASK_WEATHER = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": QUESTION}]
+SAID = 'Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'  # a free answer that calls
+
+
+def _mistral_vocabulary(folder: Path, template: str) -> Path:
+    """stories260K's HF folder with `template`, its vocabulary holding Mistral's tags as
+    special tokens."""
+    with_chat_template(STORIES_HF, folder, template)
+    path = folder / "tokenizer.json"
+    spec = json.loads(path.read_text())
+    vocab = spec["model"]["vocab"]
+    for char, tag in MISTRAL_TAGS.items():
+        vocab[tag] = vocab.pop(char)
+        spec["added_tokens"].append({"id": vocab[tag], "content": tag, "special": True,
+                                     "normalized": False, "single_word": False,
+                                     "lstrip": False, "rstrip": False})  # fmt: skip
+    path.write_text(json.dumps(spec))
+    return folder
+
+
+def test_special_tags_reach_the_parser_of_chat_answers_only(tmp_path):
+    """A chat job keeps the special tokens that its format's parser (and its reasoning) reads:
+    its answer's ids, decoded whole and one id at a time, give the call; a completion, and a
+    chat without tools, still skip them (and then nothing is a call)."""
+    folder = _mistral_vocabulary(tmp_path / "m", (FIXTURES / MISTRAL_V11).read_text())
+    tok = Tokenizer.from_hf_dir(folder)
+    tag = {name: tok.backend.token_to_id(name) for name in MISTRAL_TAGS.values()}
+    assert {tag["[TOOL_CALLS]"], tag["[ARGS]"]} <= tok.special_ids
+    template = ChatTemplate(tok.chat_template or "", tok)
+    body = {"messages": ASK_WEATHER, "tools": [WEATHER], "tool_choice": "auto"}
+    chat = chat_job(body, template, 512, "m")
+    calls = ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]")
+    assert chat.tool_format == "mistral_v11"
+    assert chat.sampling.preserved_tokens == tuple(sorted(tag[name] for name in calls))
+    plain = chat_job({"messages": ASK_WEATHER}, template, 512, "m")
+    completion = completion_job({"prompt": QUESTION}, tok, 512, "m")
+    assert plain.sampling.preserved_tokens == completion.sampling.preserved_tokens == ()
+    ids = tok.encode(SAID)[1:]  # (less BOS) the tags' text encodes as their special ids
+    assert tag["[TOOL_CALLS]"] in ids and tag["[ARGS]"] in ids
+
+    def decoded(job) -> list[str]:
+        keep = job.sampling.preserved_tokens
+        stream = tok.stream(context=job.prompts[0][-4:], keep=keep)  # as Engine.submit's
+        one_by_one = "".join(stream.push([i]) for i in ids) + stream.flush()
+        return [tok.decode(ids, keep), one_by_one]
+
+    request = check_tools(body)
+    for text in decoded(chat):
+        content, made = parse(text, "mistral_v11", request)
+        # (after the prompt the stream keeps the space of SentencePiece's "▁Sure"; whole, not)
+        assert content is not None and content.strip() == "Sure."
+        assert _shape(made, "mistral_v11") == _sorted([("get_weather", {"city": "Paris"})])
+    for job in (plain, completion):
+        for text in decoded(job):
+            assert "[TOOL_CALLS]" not in text and "get_weather" in text
+            assert parse(text, "mistral_v11", request) == (text, [])
+    # a thinking template's tags too (Magistral thinks in [THINK]...[/THINK])
+    thinker = ChatTemplate(
+        "{% for m in messages %}{% if m.role == 'assistant' %}[THINK]{{ m.reasoning_content }}"
+        "[/THINK]{{ m.content }}{% else %}[INST]{{ m.content }}[/INST]{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}[THINK]{% endif %}",
+        tok,
+    )
+    thinks = chat_job({"messages": ASK_WEATHER}, thinker, 512, "m")
+    assert thinks.reasoning is not None and thinks.reasoning.opened
+    assert thinks.sampling.preserved_tokens == tuple(sorted((tag["[THINK]"], tag["[/THINK]"])))
+
+
+def test_served_mistral_tags_that_are_special_tokens_make_calls(tmp_path):
+    """End to end: a model that writes Mistral's special tags itself (tool_choice auto; a
+    grammar by token id stands in for a trained model) gets its call read, whole and
+    streamed, with the text before it as content; /v1/completions skips the tags."""
+    folder = _mistral_vocabulary(tmp_path / "m", (FIXTURES / MISTRAL_V11).read_text())
+    tok = Tokenizer.from_hf_dir(folder)
+    calls, args = (tok.backend.token_to_id(name) for name in ("[TOOL_CALLS]", "[ARGS]"))
+    arguments = json.dumps({"city": "Paris"})
+    grammar = (f'%llguidance {{}}\nstart: "Sure." <[{calls}]> "get_weather" <[{args}]> '
+               f"{json.dumps(arguments)}")  # fmt: skip
+    plan = dict(slots=1, max_seq_len=512, prefill_buckets=(128,), batch_buckets=(1,))
+    with live_server(lambda: jaxinfer.load(folder, **plan)) as srv:
+        client = client_of(srv)
+        kw = dict(model="m", messages=ASK_WEATHER, tools=[WEATHER], tool_choice="auto",
+                  max_tokens=64, temperature=0, extra_body={"grammar": grammar})  # fmt: skip
+        whole = client.chat.completions.create(**kw).choices[0]
+        assert whole.finish_reason == "tool_calls" and whole.message.content == "Sure."
+        made = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or ()]
+        assert made == [("get_weather", arguments)]
+        chunks = [c.choices[0] for c in client.chat.completions.create(stream=True, **kw)]
+        assert "".join(c.delta.content or "" for c in chunks) == "Sure."
+        deltas = [call for c in chunks for call in c.delta.tool_calls or ()]
+        assert [(d.function.name, d.function.arguments) for d in deltas] == made
+        assert chunks[-1].finish_reason == "tool_calls"
+        text = client.completions.create(model="m", prompt=QUESTION, max_tokens=64,
+                                         temperature=0, extra_body={"grammar": grammar}
+                                         ).choices[0].text  # fmt: skip
+        assert "[TOOL_CALLS]" not in text and "get_weather" in text
