@@ -73,7 +73,8 @@ def read(fmt: ToolFormat, text: str, schemas: Schemas) -> tuple[str | None, list
     """(content, calls) of a whole answer, or None when it makes no well-formed call (then it
     is all content). Content is the text outside the calls, each piece stripped, joined by
     newlines (the text before the first call keeps its start), None if blank; a tag that the
-    answer stopped in (max_tokens) after its calls is not content."""
+    answer stopped in (max_tokens) after its calls, one that opens a call or the one that
+    closes the calls (DeepSeek's), is not content."""
     start = first_call(fmt, text)
     if start < 0:
         return None
@@ -81,9 +82,9 @@ def read(fmt: ToolFormat, text: str, schemas: Schemas) -> tuple[str | None, list
     if found is None or not found[1]:
         return None
     pieces, calls = found
-    if pieces and fmt.opens:
+    if pieces:
         last = pieces[-1]
-        pieces[-1] = last[: len(last) - max(_partial(last, tag) for tag in fmt.opens)]
+        pieces[-1] = last[: len(last) - _stopped_in(last, (*fmt.opens, fmt.frame[2]))]
     outside = [text[:start].rstrip(), *(piece.strip() for piece in pieces)]
     return "\n".join(piece for piece in outside if piece) or None, calls
 
@@ -185,6 +186,16 @@ def _partial(text: str, tag: str) -> int:
     return 0
 
 
+def _stopped_in(text: str, tags: tuple[str, ...]) -> int:
+    """The length of the end of `text` where the answer stopped (max_tokens) inside one of
+    `tags`: a start of the tag, and the U+FFFD that decoding writes for the bytes of a
+    character the answer stopped inside (a byte-level vocabulary spells DeepSeek's "｜" and
+    "▁" a byte at a time); 0 if none."""
+    body = text.rstrip("\ufffd")
+    held = max((_partial(body, tag) for tag in tags if tag), default=0)
+    return len(text) - len(body) + held if held else 0
+
+
 def _skip_space(text: str, pos: int) -> int:
     while pos < len(text) and text[pos].isspace():
         pos += 1
@@ -213,15 +224,23 @@ def _json_call(call, *keys: str) -> Call | None:
 Inner = Callable[[str, int], tuple[list[Call], int] | None]  # calls read at text[pos:], end
 
 
-def _blocks(text: str, open_: str, close: str, inner: Inner) -> Found | None:
+def _blocks(
+    text: str, open_: str, close: str, inner: Inner, inside: tuple[str, ...] = ()
+) -> Found | None:
     """Calls in `open_ ... close` blocks (the text begins with one), each block's inside read
-    from its start (so a value may hold the close tag). A last block that lacks its close (the
-    answer stopped) is taken as it is; one that does not read, after calls that do, is where
-    the answer stopped (max_tokens): it is dropped and the calls before it stand."""
+    from its start (so a value may hold the close tag). A last block that lacks its close, or
+    stopped inside it (the answer stopped; not where the tags `inside` that could go on with
+    the block's inside start the same), is taken as it is; one that does not read, after calls
+    that do, is where the answer stopped (max_tokens): it is dropped and the calls before it
+    stand."""
     pos, calls, pieces = 0, list[Call](), list[str]()
     while True:
         found = inner(text, pos + len(open_))
         end = _skip_space(text, found[1]) if found else 0
+        rest = text[end:]
+        if found and found[0] and rest and _stopped_in(rest, (close,)) == len(rest):
+            if not any(tag.startswith(rest) for tag in inside):
+                return pieces, calls + found[0]
         if not found or not found[0] or (end < len(text) and not text.startswith(close, end)):
             stopped = calls and text.find(close, pos) < 0
             return (pieces, calls) if stopped else None
@@ -284,8 +303,8 @@ def _read_qwen3_coder(text: str, schemas: Schemas) -> Found | None:
         return calls, pos
 
     if text.startswith(FUNCTION):  # a <function=...> the model wrote without <tool_call>
-        return _blocks(OPEN + text, OPEN, CLOSE, inner)
-    return _blocks(text, OPEN, CLOSE, inner)
+        return _blocks(OPEN + text, OPEN, CLOSE, inner, (FUNCTION,))
+    return _blocks(text, OPEN, CLOSE, inner, (FUNCTION,))
 
 
 def _xml_function(text: str, pos: int, schemas: Schemas) -> tuple[Call, int] | None:
@@ -324,10 +343,10 @@ def _xml_function(text: str, pos: int, schemas: Schemas) -> tuple[Call, int] | N
 
 def _read_glm45(text: str, schemas: Schemas) -> Found | None:
     def inner(text: str, pos: int) -> tuple[list[Call], int] | None:
-        stops = (text.find("\n", pos), text.find(ARG_KEY, pos), text.find(CLOSE, pos), len(text))
-        cut = min(at for at in stops if at >= 0)
+        stops = [at for at in (text.find(t, pos) for t in ("\n", ARG_KEY, CLOSE)) if at >= 0]
+        cut = min(stops, default=-1)  # none: the answer stopped inside the name
         name = text[pos:cut].strip()
-        if not NAME.fullmatch(name):
+        if cut < 0 or not NAME.fullmatch(name):
             return None
         schema, arguments = schemas.get(name, {}), {}
         while text.startswith(ARG_KEY, pos := _skip_space(text, cut)):
@@ -342,7 +361,7 @@ def _read_glm45(text: str, schemas: Schemas) -> Found | None:
             cut = value_end + len(END_ARG_VALUE)
         return [(name, arguments)], pos
 
-    return _blocks(text, OPEN, CLOSE, inner)
+    return _blocks(text, OPEN, CLOSE, inner, (ARG_KEY,))
 
 
 V11_HEAD = re.compile(  # [TOOL_CALLS] NAME([CALL_ID]id)[ARGS]
@@ -394,6 +413,8 @@ def _mistral_calls(text: str, pos: int, decoder: json.JSONDecoder) -> tuple[int,
             return None
         calls.append(call)
         end = _skip_space(text, end)
+        if end == len(text):  # it stopped before the "]"
+            return end, calls
         if text.startswith("]", end):
             return end + 1, calls
         if not text.startswith(",", end):
