@@ -8,6 +8,8 @@ Workloads:
 - copy: a passage (the model's own 96 greedy tokens from BOS), then BOS and its first 12
   tokens again, so that the continuation can be looked up (if the model copies);
 - plain: "Once upon a time" prompts for stories260K, random ids for the random 86M;
+- long: the plain prompt, 256 new tokens (four calls: an n-gram engine starts a prompt that
+  does not end in a repeat with a plain call, then tries drafting; runtime/drafting.py);
 - draft (86M only): stories260K drafting for the 86M random model (same vocabulary): the
   drafts are hardly ever accepted, so this is the mechanism's overhead;
 - self: the model as its own draft: acceptance must be ~100% (a check of the accept logic).
@@ -32,10 +34,10 @@ import jaxinfer
 N_NEW = 64
 
 
-def _run(engine, prompt) -> tuple[float, float, float]:
+def _run(engine, prompt, n_new=N_NEW) -> tuple[float, float, float]:
     """(decode tok/s, acceptance, tokens per step) of one greedy request."""
     engine.reset_perf()
-    engine.generate(prompt, max_new_tokens=N_NEW, temperature=0, ignore_eos=True)
+    engine.generate(prompt, max_new_tokens=n_new, temperature=0, ignore_eos=True)
     s = engine.perf_stats()
     rate = 1e3 * s.eval_tokens / s.eval_ms
     accept = s.accepted_tokens / s.draft_tokens if s.draft_tokens else 0.0
@@ -66,6 +68,8 @@ def main() -> None:
             ("copy", "ngram K=4", ngram, copy),
             ("plain", "none", base, plain),
             ("plain", "ngram K=4", ngram, plain),
+            ("long", "none", base, plain),
+            ("long", "ngram K=4", ngram, plain),
             ("plain", "self draft K=4", self_draft, plain),
         ]
         if label != "stories260K":
@@ -73,7 +77,8 @@ def main() -> None:
             runs.append(("plain", "stories260K draft K=4", draft, plain))
         for work, method, engine, prompt in runs:
             engine.warmup(progress=False)
-            cases[label, work, method] = functools.partial(_run, engine, prompt)
+            n_new = 4 * N_NEW if work == "long" else N_NEW
+            cases[label, work, method] = functools.partial(_run, engine, prompt, n_new)
     runs = harness.interleaved(cases, args.rounds, progress=True)
     med = {k: tuple(statistics.median(x[i] for x in v) for i in range(3)) for k, v in runs.items()}
     lines = [

@@ -90,11 +90,13 @@ class Engine:
         # wakes more often there (text to show, strings to find, requests to admit).
         self.stream_chunk = min(o.stream_chunk, o.decode_chunk)
         self.spec = spec  # speculative decoding: `verify` serves in place of `decode`
-        loop = "verify" if spec else "decode"
+        # n-gram speculation also plans plain decode, for calls where no row drafts
+        loops = ("verify", "decode") if spec and spec.method == "ngram" else ("verify",)
+        loops = loops if spec else ("decode",)
         # Pooled passes (embeddings, rerank): several texts a call, one on linear layers.
         pool = 1 if carries_state(placement, draft) else o.slots or max(o.batch_buckets)
         self.shapes = ShapePlan.make(
-            o.prefill_buckets, o.batch_buckets, o.slots, self.max_seq_len, loop,
+            o.prefill_buckets, o.batch_buckets, o.slots, self.max_seq_len, loops,
             pool if o.embeddings else 0,
         )  # fmt: skip
         # A smaller pool is allowed: requests that could never fit are refused at submit.

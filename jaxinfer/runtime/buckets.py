@@ -2,12 +2,13 @@
 
 A program's shapes never depend on the context length (rows reach their KV pages through block
 tables), so the plan is small and known before serving: `cache`, `decode[B]` (with
-speculation `verify[B]` in its place) per batch bucket, `prefill[B, T]` per batch bucket and
-chunk within the prompt token budget (B x T at most the largest chunk, as llama.cpp's n_ubatch
-bounds the tokens of one prompt pass), and `score[1, T]` per chunk but the smallest (a short
-text pads to the next one: scoring is for evaluation, not latency); when embeddings or rerank
-are served, `pool[B, T]` at prefill's shapes, up to `pool` rows a call. `why()` says what each
-program is for (`jaxinfer info` lists them).
+speculation `verify[B]` in its place; n-gram speculation plans both) per batch bucket,
+`prefill[B, T]` per batch bucket and chunk within the prompt token budget (B x T at most the
+largest chunk, as llama.cpp's n_ubatch bounds the tokens of one prompt pass), and
+`score[1, T]` per chunk but the smallest (a short text pads to the next one: scoring is for
+evaluation, not latency); when embeddings or rerank are served, `pool[B, T]` at prefill's
+shapes, up to `pool` rows a call. `why()` says what each program is for (`jaxinfer info`
+lists them).
 """
 
 from __future__ import annotations
@@ -21,12 +22,14 @@ from ..errors import JaxinferError
 class ShapePlan:
     chunks: tuple[int, ...]  # prompt chunk lengths T, ascending
     batches: tuple[int, ...]  # batch sizes B, ascending; the last is the most rows at once
-    loop: str = "decode"  # the decode program: "decode", or "verify" with speculation
+    # the decode programs: ("decode",); with speculation ("verify",); with n-gram speculation
+    # ("verify", "decode"), a call choosing (drafting.py)
+    loops: tuple[str, ...] = ("decode",)
     pool: int = 0  # most rows of a pooled pass (embeddings, rerank) a call; 0: none planned
 
     @staticmethod
     def make(
-        chunks, batches, slots: int | None, max_seq_len: int, loop="decode", pool: int = 0
+        chunks, batches, slots: int | None, max_seq_len: int, loops=("decode",), pool: int = 0
     ) -> ShapePlan:
         """Chunks never longer than the context; batch buckets up to the rows served at once
         (the slots, else the largest batch bucket), that number itself included."""
@@ -41,7 +44,7 @@ class ShapePlan:
         rows = slots or max(batches)
         chunks = tuple(sorted({min(c, max_seq_len) for c in chunks}))
         batches = tuple(sorted({b for b in batches if b < rows} | {rows}))
-        return ShapePlan(chunks, batches, loop, pool)
+        return ShapePlan(chunks, batches, tuple(loops), pool)
 
     @property
     def rows(self) -> int:
@@ -77,7 +80,7 @@ class ShapePlan:
     def jobs(self) -> list[tuple[str, int, int]]:
         """Every (program, B, T) serving can call."""
         jobs = [("cache", 0, 0)]
-        jobs += [(self.loop, B, 0) for B in self.batches]
+        jobs += [(loop, B, 0) for loop in self.loops for B in self.batches]
         jobs += [("prefill", B, T) for B in self.batches for T in self.chunks
                  if B <= self.rows_for(T)]  # fmt: skip
         jobs += [("score", 1, T) for T in self.score_chunks]

@@ -51,8 +51,10 @@ class DecodeState:
     window: jax.Array  # [B, W] int32, recent tokens by position mod W (-1 = empty)
     state_index: jax.Array  # [B] int32, the row's state index (linear layers; 0 = padding)
     history: jax.Array  # [B, H] int32, tokens by position mod H for n-gram lookup (H may be 0)
-    # [B, 2] int32 speculation back-off: verify steps in a row that kept no draft, and steps
-    # left without drafting (each miss doubles the wait; speculative.backoff)
+    # [B, 2] int32 speculation back-off. A draft model or MTP: verify steps in a row that kept
+    # no draft, and steps left without drafting (each miss doubles the wait;
+    # speculative.backoff). n-gram: its proposals that came true in a row, and how many it
+    # needs before it drafts (speculative.trust)
     backoff: jax.Array
 
     if TYPE_CHECKING:  # added by flax.struct.dataclass, which the type checker cannot see

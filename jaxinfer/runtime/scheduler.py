@@ -35,6 +35,7 @@ import numpy as np
 from ..model.kvcache import NULL_STATE
 from ..ops.sampling import PENALTY_WINDOW, SamplingRows, free_mask, recent_window
 from .buckets import ShapePlan
+from .drafting import Drafting, StepCosts
 from .executor import Executor
 from .inputs import Chunk, DecodeState
 from .kv import KVManager, Lease
@@ -62,6 +63,7 @@ class _Active:
     left: int = 0  # tokens still allowed
     admitted: float = 0.0  # clock at admission
     since: float = 0.0  # clock at its first decoded token: its time slice starts
+    drafting: Drafting = field(default_factory=Drafting)  # n-gram: verify or plain calls
 
 
 class Scheduler:
@@ -96,6 +98,9 @@ class Scheduler:
         self._free_states = list(range(shapes.rows, NULL_STATE, -1))
         # The last decode call's rows, device state and sampling rows, and (host, device) table.
         self._last: tuple = ((), None, None, (None, None))
+        self._last_loop = ""  # the last decode call's program
+        self._chooses = len(shapes.loops) > 1  # n-gram: verify or plain calls (drafting.py)
+        self.costs = StepCosts()  # what the two programs' steps take (n-gram)
         self._guided = False  # the last decode call's masks guided a row
         self._step_arrays: dict[int, object] = {}
 
@@ -159,6 +164,8 @@ class Scheduler:
                 state.cached_tokens = lease.cached_tokens
             active = _Active(state, self._free_states.pop(), lease, context, lease.cached_tokens)
             active.admitted = self.clock()
+            if self._chooses:
+                active.drafting = Drafting.start(context)
             self.running.append(active)
 
     def _next(self) -> RequestState:
@@ -308,18 +315,30 @@ class Scheduler:
         upto = [min(a.pos + n + ahead, a.state.need) for a in rows]
         for active, tokens in zip(rows, upto, strict=True):  # pages for every position it writes
             self.kv.grow(active.kv, tokens)
-        state, sampling, tables = self._inputs(rows, B, upto)
+        loop = self._loop(rows)
+        state, sampling, tables = self._inputs(rows, B, upto, loop)
         t0 = self.clock()
         table, *snaps = tables
-        state, ids, lp, *counts = self._run(
-            self.shapes.loop, state, table, sampling, self._steps(n), *snaps
-        )
+        state, ids, lp, *counts = self._run(loop, state, table, sampling, self._steps(n), *snaps)
         ids, lp = np.asarray(ids), self._logprobs(rows, lp)
-        if counts:  # drafted, accepted, row steps
-            drafted, accepted, steps = (int(c) for c in np.asarray(counts[0]))
+        seconds = self.clock() - t0
+        if counts:  # per row: drafted, accepted, row steps, verify steps
+            per_row = np.asarray(counts[0])
+            drafted, accepted, steps, _ = (int(c) for c in per_row.sum(axis=0))
             self.perf.draft_tokens += drafted
             self.perf.accepted_tokens += accepted
             self.perf.spec_steps += steps
+            if self._chooses:
+                loop_steps, verifies = (int(c) for c in per_row[:, 2:].max(axis=0))
+                self.costs.timed(seconds, loop_steps, verifies)
+                trust = np.asarray(state.backoff)[:, 0]  # sliced on the host: no eager op
+                for b, active in enumerate(rows):
+                    kept, steps = int(per_row[b, 1]), int(per_row[b, 3])
+                    active.drafting.verified(kept, steps, int(trust[b]), self.costs)
+        elif self._chooses:
+            self.costs.timed(seconds, int((ids >= 0).sum(axis=1).max()), 0)
+            for active in rows:
+                active.drafting.plain()
         generated = 0
         for b, active in enumerate(rows):
             new = [t for t in ids[b].tolist() if t >= 0]
@@ -339,15 +358,22 @@ class Scheduler:
         self.perf.eval_tokens += generated
         self.perf.eval_ms += (self.clock() - t0) * 1e3
 
-    def _inputs(self, rows: tuple[_Active, ...], batch: int, upto: list[int]):
+    def _loop(self, rows: tuple[_Active, ...]) -> str:
+        """The decode program of a call: with n-gram speculation, `verify` where a row wants
+        to draft, else `decode` (drafting.py)."""
+        loops = self.shapes.loops
+        return loops[1] if self._chooses and not any(a.drafting.wants for a in rows) else loops[0]
+
+    def _inputs(self, rows: tuple[_Active, ...], batch: int, upto: list[int], loop: str):
         """The decode call's state, sampling rows and tables (the block table, and with
         snapshots the snapshot table for positions below upto[row]), on the device. While
-        the same rows decode call after call, the state is the one the last call returned and
-        the rows and tables are the ones already sent (a table changes once a page): a steady
-        call sends nothing to the devices (each transfer costs ~0.1 ms on the host here)."""
+        the same rows decode call after call with the same program, the state is the one the
+        last call returned and the rows and tables are the ones already sent (a table changes
+        once a page): a steady call sends nothing to the devices (each transfer costs ~0.1 ms
+        on the host here). (`decode` leaves the n-gram history behind: a switch rebuilds.)"""
         last_rows, state, sampling, (host_tables, tables) = self._last
         new_tables = self.kv.tables([a.kv for a in rows], batch, upto)
-        if rows != last_rows:  # rows joined or left: the device state is rebuilt, in one put
+        if rows != last_rows or loop != self._last_loop:  # the device state is rebuilt, one put
             state = self._host_state(rows, batch)
             sampling = self._sampling(rows, batch)
             host_tables = new_tables
@@ -360,6 +386,7 @@ class Scheduler:
             sampling = sampling.replace(mask=self.executor.put(self._masks(rows, batch)))
         self._guided = guided
         self._last = (rows, state, sampling, (host_tables, tables))
+        self._last_loop = loop
         return state, sampling, tables
 
     def _sampling(self, rows, batch: int, sampled=None) -> SamplingRows:
@@ -421,6 +448,9 @@ class Scheduler:
             tokens[b], pos[b], left[b], done[b] = active.token, active.pos, active.left, False
             state_index[b] = active.state_index
         backoff = np.zeros((batch, 2), np.int32)
+        if self._chooses and spec:  # n-gram: what each row's lookup proved, what it needs
+            backoff[: len(rows), 0] = [a.drafting.trust for a in rows]
+            backoff[:, 1] = self.costs.trust(spec.k)
         host = (tokens, pos, left, done, window, state_index, history, backoff)
         return DecodeState(*host)  # type: ignore[arg-type]  # host rows, put later
 

@@ -144,6 +144,18 @@ def backoff(state: jax.Array, count: jax.Array, n: jax.Array) -> jax.Array:
     return jnp.stack([miss, wait], axis=1)
 
 
+def trust(backoff: jax.Array, guess, count, first, n) -> jax.Array:
+    """n-gram's gate: backoff[:, 0] counts the lookup's proposals that came true in a row; a
+    row drafts once it reaches backoff[:, 1] (the host's: more where a verify step costs more
+    plain steps, drafting.StepCosts). guess [B] the first token the last lookup proposed (-1: none),
+    drafted or not; count [B] drafts the step scored, n [B] kept; first [B] the token the step
+    made after the input one -> the new backoff [B, 2]."""
+    streak = backoff[:, 0]
+    came = jnp.where(guess >= 0, jnp.where(first == guess, streak + 1, 0), streak)
+    streak = jnp.where(count > 0, jnp.where(n == count, streak + n, 0), came)
+    return jnp.stack([streak, backoff[:, 1]], axis=1)
+
+
 def with_input(s: DecodeState) -> jax.Array:
     """The history [B, H] with each row's input token at its position (n-gram lookup)."""
     H = s.history.shape[1]
@@ -265,14 +277,19 @@ def next_drafts(loop: Loop, s: DecodeState, pick, draft_kv, catch, matches):
     the input tokens) at s.pos."""
     live = ~s.done
     method, K = loop.setup.spec.method, loop.setup.spec.k
+    guess = jnp.full(live.shape, -1, I32)
     if method == "ngram":
         drafts, count = propose(matches, s.history, s.pos, K)
-    elif method == "mtp":
-        drafts, count, draft_kv = mtp_drafts(loop, live, s.state_index, draft_kv, *catch)
+        guess = jnp.where(count > 0, drafts[:, 0], -1)
+        count = jnp.where(s.backoff[:, 0] >= s.backoff[:, 1], count, 0)  # trusted enough
     else:
-        drafts, count, draft_kv = model_drafts(loop, s, live, pick, draft_kv)
-    count = jnp.where((s.backoff[:, 1] > 0) | constrained(loop.sampling), 0, count)
-    return drafts, jnp.where(live, jnp.minimum(count, s.budget - 1), 0), draft_kv
+        if method == "mtp":
+            drafts, count, draft_kv = mtp_drafts(loop, live, s.state_index, draft_kv, *catch)
+        else:
+            drafts, count, draft_kv = model_drafts(loop, s, live, pick, draft_kv)
+        count = jnp.where(s.backoff[:, 1] > 0, 0, count)  # backing off
+    count = jnp.where(constrained(loop.sampling), 0, count)
+    return drafts, jnp.where(live, jnp.minimum(count, s.budget - 1), 0), draft_kv, guess
 
 
 def score_drafts(loop: Loop, s: DecodeState, kv, window, drafts, count, pick):
@@ -323,16 +340,17 @@ class Carry(NamedTuple):
     s: DecodeState
     out: tuple  # the call's tokens [B, decode_chunk + K] and their Logprobs
     pick: jax.Array  # [B] the linear states' index of each row's last kept token
-    counts: jax.Array  # [3] drafts scored, drafts accepted, row steps
+    counts: jax.Array  # [B, 4] per row: drafts scored, drafts accepted, steps, verify steps
     drafts: jax.Array  # [B, K] the coming step's
     n_drafts: jax.Array  # [B] real drafts among them
     matches: jax.Array  # [B, H] n-gram suffix matches (`extend`); H = 0 for other methods
+    guess: jax.Array  # [B] the lookup's first proposed token, drafted or not (-1: none)
 
 
 def step(loop: Loop, carry: Carry, speculating: bool) -> Carry:
     """One step of the verify loop: score the drafts (or, with none anywhere, the plain
     one-token forward), keep what is accepted, back off, propose the next drafts."""
-    made, kv, draft_kv, pools, s, out, pick, counts, drafts, count, matches = carry
+    made, kv, draft_kv, pools, s, out, pick, counts, drafts, count, matches, guess = carry
     setup, sampling = loop.setup, loop.sampling
     B = s.tokens.shape[0]
     rows = jnp.arange(B)
@@ -355,11 +373,14 @@ def step(loop: Loop, carry: Carry, speculating: bool) -> Carry:
         s_new = s_new.replace(history=history)
     if loop.snaps is not None:
         pools = keep_snapshots(loop, pools, kv, draft_kv, s, n, h.shape[1])
-    counts = counts + jnp.stack([count.sum(), n.sum(), live.sum()])
-    s_new = s_new.replace(backoff=backoff(s.backoff, count, n))
+    counts = counts + jnp.stack([count, n, live, count > 0], axis=1).astype(I32)
+    if setup.spec.method == "ngram":
+        s_new = s_new.replace(backoff=trust(s.backoff, guess, count, new[:, 0], n))
+    else:
+        s_new = s_new.replace(backoff=backoff(s.backoff, count, n))
     catch = (h, new, s.pos, jnp.where(live, n + 1, 0))  # the rows kept now
-    drafts, count, draft_kv = next_drafts(loop, s_new, n, draft_kv, catch, matches)
-    return Carry(made, kv, draft_kv, pools, s_new, out, n, counts, drafts, count, matches)
+    drafts, count, draft_kv, guess = next_drafts(loop, s_new, n, draft_kv, catch, matches)
+    return Carry(made, kv, draft_kv, pools, s_new, out, n, counts, drafts, count, matches, guess)
 
 
 def verify(
@@ -368,10 +389,10 @@ def verify(
     """Speculative decode: while every live row has made fewer than `steps` tokens, each
     row proposes up to K drafts, one forward scores its input token and the drafts
     (T = K + 1 tokens), and the accepted prefix plus one token of the model's own is
-    kept. -> kv, state, out [B, decode_chunk + K] (-1 where no token), their Logprobs, counts [3]
-    (drafts scored, drafts accepted, row steps). Steps where no row has a draft run the
-    plain one-token forward. With snapshots (snaps [B, NB]), the states at page ends the
-    rows keep go to their pages' snapshots."""
+    kept. -> kv, state, out [B, decode_chunk + K] (-1 where no token), their Logprobs,
+    counts [B, 4] (per row: drafts scored, drafts accepted, steps, verify steps). Steps where
+    no row has a draft run the plain one-token forward. With snapshots (snaps [B, NB]), the
+    states at page ends the rows keep go to their pages' snapshots."""
     K = setup.spec.k
     T = K + 1
     params, kv, draft_params, draft_kv = setup.split(params, kv)
@@ -413,9 +434,9 @@ def verify(
     # up to date token by token (`extend`).
     state = state.replace(history=with_input(state))
     matches = suffix_matches(state.history, state.pos) if state.history.shape[1] else state.history
-    drafts, count, draft_kv = next_drafts(loop, state, pick, draft_kv, catch, matches)
+    drafts, count, draft_kv, guess = next_drafts(loop, state, pick, draft_kv, catch, matches)
     init = Carry(jnp.zeros((B,), I32), kv, draft_kv, carried, state, out, pick,
-                 jnp.zeros((3,), I32), drafts, count, matches)  # fmt: skip
+                 jnp.zeros((B, 4), I32), drafts, count, matches, guess)  # fmt: skip
     end = jax.lax.while_loop(more, phases, init)
     kv, draft_kv, state, pick = end.kv, end.draft_kv, end.s, end.pick
     if snaps is not None:

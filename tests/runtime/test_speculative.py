@@ -15,6 +15,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 from scipy.stats import chi2_contingency
 from support.compiles import CompileCounter
+from support.lookup import NGRAM_MAX, NGRAM_MIN, ngram_reference
 from support.models import GOLDEN, model_path
 
 import jaxinfer
@@ -115,22 +116,6 @@ def test_advance_keeps_the_accepted_prefix_up_to_a_stop_token_and_the_budget():
 # ---- the lookup against a brute-force search ----------------------------------------
 
 
-def _ngram_reference(context: list[int], k: int, held: int | None = None) -> list[int]:
-    """The longest (NGRAM_MIN..NGRAM_MAX) suffix of `context` that occurs earlier, the latest
-    such occurrence; the up to k tokens after it. `held`: the history's width, when only the
-    occurrences whose window lies in the last `held` - NGRAM_MAX positions count."""
-    pos = len(context) - 1
-    first = 0 if held is None else pos - held + speculative.NGRAM_MAX
-    for n in range(speculative.NGRAM_MAX, speculative.NGRAM_MIN - 1, -1):
-        if n > pos:
-            continue
-        suffix = context[pos - n + 1 :]
-        for end in range(pos - 1, max(n - 2, first - 1), -1):
-            if context[end - n + 1 : end + 1] == suffix:
-                return context[end + 1 : end + 1 + k]
-    return []
-
-
 @pytest.mark.parametrize("seed", range(6))
 def test_ngram_lookup_matches_brute_force(seed):
     rng = np.random.default_rng(seed)
@@ -146,9 +131,10 @@ def test_ngram_lookup_matches_brute_force(seed):
         rows.append(context)
     history = np.stack([recent_window(c, H) for c in rows])
     pos = np.array([len(c) - 1 for c in rows], np.int32)
+    assert (speculative.NGRAM_MIN, speculative.NGRAM_MAX) == (NGRAM_MIN, NGRAM_MAX)
     drafts, count = speculative.ngram(jnp.asarray(history), jnp.asarray(pos), K)
     for b, context in enumerate(rows):
-        want = _ngram_reference(context, K)
+        want = ngram_reference(context, K)
         assert int(count[b]) == len(want), (b, context)
         assert [int(t) for t in drafts[b, : len(want)]] == want
 
@@ -173,7 +159,7 @@ def test_ngram_matches_kept_token_by_token(seed):
         drafts, count = speculative.propose(matches, history, pos, K)
         for b in range(B):
             contexts[b] += [int(t) for t in new[b, : kept[b]]]
-            want = _ngram_reference(contexts[b], K, held=H)
+            want = ngram_reference(contexts[b], K, held=H)
             assert int(count[b]) == len(want), (b, contexts[b])
             assert [int(t) for t in drafts[b, : len(want)]] == want
 
@@ -183,14 +169,16 @@ def test_ngram_matches_kept_token_by_token(seed):
 
 @pytest.fixture(scope="module")
 def stories_ngram():
-    return jaxinfer.load(model_path(STORIES), speculative="ngram", **SMALL)
+    # Calls of 16 tokens: the first is plain (BOS repeats nothing), the next ones draft.
+    return jaxinfer.load(model_path(STORIES), speculative="ngram", decode_chunk=16, **SMALL)
 
 
 def test_ngram_greedy_equals_the_published_ids(stories_ngram):
-    # From BOS alone the text repeats words: the lookup proposes (and is refused).
+    # Plain calls and verify calls (whose lookups keep proposing words the model does not
+    # repeat) make the published ids.
     assert _greedy(stories_ngram, [1], len(GOLDEN)) == GOLDEN
     stats = stories_ngram.perf_stats()
-    assert stats.draft_tokens > 0
+    assert 0 < stats.spec_steps < len(GOLDEN)  # some steps in verify calls, not all
     assert stats.recompiles_same == stats.recompiles_diff == 0
 
 
