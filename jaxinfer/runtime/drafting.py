@@ -53,7 +53,7 @@ class Drafting:
     """One row's choice between drafting and plain calls."""
 
     wait: int = 0  # plain calls before it drafts again
-    misses: int = 0  # verify calls in a row in which it kept no draft
+    misses: int = 0  # verify calls in a row that did not pay for it
     trust: int = 0  # its lookup's proposals that came true in a row (speculative.trust)
 
     @staticmethod
