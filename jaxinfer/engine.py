@@ -91,8 +91,7 @@ class Engine:
         self.stream_chunk = min(o.stream_chunk, o.decode_chunk)
         self.spec = spec  # speculative decoding: `verify` serves in place of `decode`
         # n-gram speculation also plans plain decode, for calls where no row drafts
-        loops = ("verify", "decode") if spec and spec.method == "ngram" else ("verify",)
-        loops = loops if spec else ("decode",)
+        loops = ("decode",) if not spec else ("verify",) + ("decode",) * (spec.method == "ngram")
         # Pooled passes (embeddings, rerank): several texts a call, one on linear layers.
         pool = 1 if carries_state(placement, draft) else o.slots or max(o.batch_buckets)
         self.shapes = ShapePlan.make(

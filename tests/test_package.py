@@ -92,7 +92,7 @@ def test_nothing_imports_upward_or_sideways():
 
 # Inside runtime/: the host-side modules (what runs between calls: scheduling, the KV pool,
 # requests, shapes, counters) never import the device programs; the executor is the one seam.
-HOST_SIDE = {"scheduler", "kv", "pages", "request", "buckets", "perf"}
+HOST_SIDE = {"scheduler", "kv", "pages", "request", "buckets", "perf", "drafting"}
 DEVICE_PROGRAMS = {"steps", "speculative", "programs"}
 
 

@@ -23,8 +23,10 @@ import numpy as np
 
 PREDICTED = 2  # a prompt's last tokens the lookup must have predicted for its row to draft
 TRUST_MAX = 8  # most of them counted (speculative.trust)
-LOOKBACK = 1024  # prompt positions searched (speculative.NGRAM_HISTORY)
-MATCH_MIN, MATCH_MAX = 2, 8  # speculative.NGRAM_MIN, NGRAM_MAX
+# The lookup's own parameters, here on the host side; speculative.py's device lookup takes
+# them from this module.
+NGRAM_HISTORY = 1024  # positions of a row's history the lookup searches
+NGRAM_MIN, NGRAM_MAX = 2, 8  # match lengths (llama.cpp's ngram-simple and vLLM's lookup use 2..)
 WAIT_LOG2 = 4  # at most 2**4 - 1 = 15 plain calls between verify calls
 
 
@@ -32,18 +34,18 @@ def predicted(tokens: Sequence[int], most: int = TRUST_MAX) -> int:
     """How many of the last tokens (up to `most`) prompt lookup would have predicted, each in
     a row back from the end: the longest match (2 to 8 tokens, the most recent among equals)
     of the tokens before it with an earlier window was followed by it."""
-    ids = np.asarray(tokens[-LOOKBACK:], np.int64)
+    ids = np.asarray(tokens[-NGRAM_HISTORY:], np.int64)
     checked = range(len(ids) - 1, max(len(ids) - 1 - most, 2), -1)  # a window before each
     for n, i in enumerate(checked):
         ends = np.arange(1, i - 1)  # earlier windows end at k < i - 1, followed by ids[k + 1]
         length = np.zeros(len(ends), np.int64)
         run = np.ones(len(ends), bool)
-        for t in range(min(MATCH_MAX, i)):  # ids[i] from the window ending at i - 1
+        for t in range(min(NGRAM_MAX, i)):  # ids[i] from the window ending at i - 1
             back = ends - t
             run &= (back >= 0) & (ids[np.maximum(back, 0)] == ids[i - 1 - t])
             length += run
         best = ends[np.argmax(length * len(ids) + ends)]  # longest, then most recent
-        if length.max() < MATCH_MIN or ids[best + 1] != ids[i]:
+        if length.max() < NGRAM_MIN or ids[best + 1] != ids[i]:
             return n
     return len(checked)
 

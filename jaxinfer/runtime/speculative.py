@@ -42,6 +42,7 @@ from ..ops.sampling import (
     logprobs,
     sample,
 )
+from .drafting import NGRAM_HISTORY, NGRAM_MAX, NGRAM_MIN
 from .inputs import I32, DecodeState, ring_put
 from .steps import (
     Setup,
@@ -53,8 +54,6 @@ from .steps import (
 )
 
 METHODS = ("ngram", "draft", "mtp")
-NGRAM_HISTORY = 1024  # positions of a row's history the lookup searches
-NGRAM_MIN, NGRAM_MAX = 2, 8  # match lengths (llama.cpp's ngram-simple and vLLM's lookup use 2..)
 BACKOFF_LOG2 = 4  # a row that keeps missing drafts tries again every 2**4 = 16 steps
 
 

@@ -19,7 +19,7 @@ SMALL = dict(max_seq_len=512, prefill_buckets=(32, 128), batch_buckets=(1,))
 
 @pytest.mark.parametrize("seed", range(4))
 def test_predicted_is_the_lookup_predicting_the_last_tokens(seed):
-    assert (drafting.MATCH_MIN, drafting.MATCH_MAX) == (NGRAM_MIN, NGRAM_MAX)
+    assert (drafting.NGRAM_MIN, drafting.NGRAM_MAX) == (NGRAM_MIN, NGRAM_MAX)
     rng = np.random.default_rng(seed)
     seen = set()
     for _ in range(200):
