@@ -30,10 +30,13 @@ Per file:
 `--narrow` runs the narrow models instead (NARROW: F32, d 256, 40-48 layers of dense, hybrid
 and MoE kinds): cold warmups at 4 and at 40-48 layers, with depth-shared layers (the default)
 and with every layer traced on its own (`shared_layers=False`), then the deep file's speeds
-beside llama.cpp; it writes benchmarks/results/realshape_depth.md.
+beside llama.cpp; it writes benchmarks/results/realshape_depth.md. With `--layout layer
+--devices 2` the warmups run under that layout (pipeline stages on fake CPU devices), without
+the speed runs (write them elsewhere: `--out`).
 
 Usage: python benchmarks/realshape.py [--shapes llama3-8b,...] [--formats Q4_K_M,...] [-r 3]
     [--depth 4096] [--layers N] [--variant avx2] [--work DIR] [--threads 2] [--narrow]
+    [--layout layer --devices 2]
 Writes benchmarks/results/realshape.md (or --out).
 """
 
@@ -201,6 +204,8 @@ def main():
     ap.add_argument("--variant", help="JAXINFER_CPU_KERNELS for jaxinfer (default: the best)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/jaxinfer-realshape"))
     ap.add_argument("--narrow", action="store_true", help="the narrow models at depth instead")
+    ap.add_argument("--layout", help="with --narrow: warmups under this layout (e.g. layer)")
+    ap.add_argument("--devices", type=int, default=2, help="with --layout: fake CPU devices")
     args = ap.parse_args()
     harness.require_llama_cpp()
     args.work.mkdir(parents=True, exist_ok=True)
@@ -230,9 +235,15 @@ def narrow(args, tests, env) -> str:
     """Cold warmups of the narrow models at NARROW_DEPTHS (and with every layer traced on its
     own, shared_layers=False), then each one's deepest file beside llama.cpp."""
     t0 = time.perf_counter()
-    own = json.dumps({"prefix_cache": False, "shared_layers": False})
+    staged = {"layout": args.layout, "devices": args.devices} if args.layout else {}
+    if args.layout:  # fake CPU devices for the stages; warmups only (no speed beside llama.cpp)
+        env = env | {"XLA_FLAGS": f"--xla_force_host_platform_device_count={args.devices}"}
+        tests = {}
+    own = json.dumps({"prefix_cache": False, "shared_layers": False} | staged)
+    where = f" under layout {args.layout!r} on {args.devices} devices" if args.layout else ""
     lines = [
-        f"# Narrow models at depth ({time.strftime('%Y-%m-%d')}): cold warmup and speed",
+        f"# Narrow models at depth{where} ({time.strftime('%Y-%m-%d')}): cold warmup"
+        + ("" if args.layout else " and speed"),
         "",
         "Random F32 models, 32000 vocabulary, -c 4352; a cold warmup is `warmup()` of the "
         "default plan in a fresh process with an empty compile folder. Shared: layers of one "
@@ -247,13 +258,12 @@ def narrow(args, tests, env) -> str:
         unit = shape.gguf.get("attention_every", 1) if "linear_heads" in shape.gguf else 1
         depths = [n // unit * unit for n in NARROW_DEPTHS]
         files = {n: narrow_file(args.work, name, shape, n) for n in depths}
-        opts = json.dumps({"prefix_cache": False})
+        opts = json.dumps({"prefix_cache": False} | staged)
         warm = {n: (probe("ours", files[n], N_CTX, "cold", opts, env=env)["warmup_s"],
                     probe("ours", files[n], N_CTX, "cold", own, env=env)["warmup_s"])
                 for n in depths}  # fmt: skip
         print(f"{name}: warmups {warm}", flush=True)
-        info = measure_file(args, shape, files[depths[-1]], tests, env)
-        sp = info["speed"]
+        sp = measure_file(args, shape, files[depths[-1]], tests, env)["speed"] if tests else {}
         cells = [f"{warm[n][0]:.0f} / {warm[n][1]:.0f}" for n in depths]
         cells.append(f"**{warm[depths[-1]][0] / warm[depths[0]][0]:.2f}x**")
         for t in tests:

@@ -89,17 +89,20 @@ def quantizing(read: Reader, how: str, compute) -> Reader:
 def place(read: Reader, cfg: ModelConfig, dtype, kv_dtypes, activations: str, shared: bool,
           stored, layout, devices) -> Placement:  # fmt: skip
     """The model on a layout's mesh: pipeline stages when the layout splits the layers; with
-    `shared`, on one CPU device with the kernels at float32, depth-shared layers (`stored`:
+    `shared`, with the CPU kernels at float32, depth-shared layers (on one device, or the
+    stage layers of pipeline stages without a tensor split; `stored`:
     a parameter's type in the file, for a checkpoint whose layers may differ in types, GGUF's
     Q4_K_M; else None); the GGUF block weights
     multiply `activations` ("int8": quantized to 8 bits, or "float")."""
     plan = load_layout(layout)
     mesh = make_mesh(plan, select_devices(devices, plan))
     rules = effective_rules(plan, mesh, cfg)
-    one_cpu = mesh.devices.size == 1 and kernels.reads_stacked_layers()
+    # depth-shared layers where the CPU kernels read a stack's entry in place, at float32
+    stacks = shared and kernels.reads_stacked_layers() and np.dtype(dtype) == np.float32
+    how: Callable[..., Placement]
     if "layers" in rules:
-        how = place_pipeline
-    elif shared and one_cpu and np.dtype(dtype) == np.float32:
+        how = partial(place_pipeline, stored=stored, shared=stacks)
+    elif stacks and mesh.devices.size == 1:
         how = partial(place_depth, stored=stored)
     else:
         how = place_dense

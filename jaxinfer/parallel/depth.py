@@ -25,7 +25,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -57,7 +56,7 @@ from .placement import (
     put_quant,
     to_device,
 )
-from .runs import Run, Segment, layer_runs
+from .runs import Run, Segment, describe, layer_params, layer_runs, repeat
 from .sharding import named, spec
 
 Stored = Callable[[tuple], str]  # a parameter path -> the type its checkpoint stores it in
@@ -205,18 +204,6 @@ def _float_stack(path: tuple, array: jax.Array):
     return array
 
 
-def layer_params(tree, i: jax.Array):
-    """A stack's layer i as the layer's own parameters: QArrays marked (read in place),
-    other arrays sliced."""
-
-    def one(leaf):
-        if isinstance(leaf, QArray):
-            return QArray(leaf.parts, leaf.fmt, leaf.width, leaf.kernel, leaf.acts, i)
-        return lax.dynamic_index_in_dim(leaf, i, keepdims=False)
-
-    return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, QArray))
-
-
 def depth_runner(
     cfg: ModelConfig, runs: tuple[Run[Signature], ...], kv_dtypes, mesh: Mesh, rules
 ) -> Runner:
@@ -288,22 +275,3 @@ def depth_runner(
         mtp_kv_shardings=lambda: [cache_shardings(c, mesh, rules) for c in mtp],
         copies=tuple(run.count * seg.repeat for run, seg in entries),
     )
-
-
-def repeat(body, n: int, carry):
-    """body(i, carry) for i in range(n): a loop (one traced body), or one call when n = 1."""
-    if n == 1:
-        return body(jnp.int32(0), carry)
-    return lax.fori_loop(0, n, body, carry)
-
-
-def describe(runs: tuple[Run, ...]) -> str:
-    """Which layers share a traced body, for `jaxinfer info`."""
-    parts = []
-    for run in runs:
-        last = run.first + run.width * run.count - 1
-        span = f"layers {run.first}-{last}" if last > run.first else f"layer {run.first}"
-        unit = " + ".join(f"{s.repeat}" for s in run.segments)
-        parts.append(f"{span}: ({unit}) x {run.count}")
-    bodies = sum(len(r.segments) for r in runs)
-    return f"{bodies} traced layer bodies ({'; '.join(parts)})"

@@ -3,15 +3,20 @@
 Layers are assigned to stages as evenly as possible. Each stage runs the same sequence of
 stage layers, each of one layer kind (attention or linear attention, MLP or experts): stage
 layer j of every stage is stacked on a leading [pp] axis sharded over `pp`, so each device
-holds only its own layers (and their KV pages and linear states) and unrolls its stage layers
-in Python, as the dense model does. Mixed models (3 linear : 1 attention, dense and MoE
-layers) get a stage-layer sequence that every stage's layer kinds fit in order (built
-greedily: the kind most stages need next); a stage skips the stage layers it has no layer
-for. Inside `jax.shard_map` over
-`pp`, rows are split into microbatches that flow stage to stage with `lax.ppermute` (GPipe):
-with M microbatches all stages work at once after a bubble of pp - 1 steps; with one row the
-stages run in sequence, as llama.cpp's layer split does. Other mesh axes (tp) stay automatic
-inside the stages.
+holds only its own layers (and their KV pages and linear states). Mixed models (3 linear : 1
+attention, dense and MoE layers) get a stage-layer sequence that every stage's layer kinds
+fit in order (built greedily: the kind most stages need next); a stage skips the stage layers
+it has no layer for.
+
+The stage layers are cut into runs of a repeated unit (runs.py) as depth-shared layers are
+(depth.py), and each unit position's stage layers are stacked too, [pp, n, ...]: a stage runs
+a loop over the unit with one traced body per unit position, so a program's size follows the
+number of distinct units, not the depth. That holds where the CPU kernels read a stack's
+entry in place (float32, no tensor split); elsewhere every stage layer is a run of its own
+(unrolled). Inside `jax.shard_map` over `pp`, rows are split into microbatches that flow stage
+to stage with `lax.ppermute` (GPipe): with M microbatches all stages work at once after a
+bubble of pp - 1 steps; with one row the stages run in sequence, as llama.cpp's layer split
+does. Other mesh axes (tp) stay automatic inside the stages.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax import lax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .. import kernels
@@ -46,7 +51,7 @@ from ..model.transformer import (
     rope_inv_freq,
     rope_table,
 )
-from ..ops.quant import HostQuant
+from ..ops.quant import HostQuant, QArray
 from .placement import (
     Placement,
     Reader,
@@ -56,7 +61,10 @@ from .placement import (
     kernel_fits,
     mtp_caches,
     put_quant,
+    quant_shardings,
 )
+from .runs import Run, layer_params, layer_runs, repeat
+from .runs import describe as describe_runs
 from .sharding import named, spec
 
 AXIS = "pp"
@@ -119,24 +127,61 @@ def block_axes(cfg: ModelConfig, kind: Kind) -> dict[tuple, tuple]:
     return {path: v.get_metadata()["axes"] for path, v in nnx.to_flat_state(nnx.state(block))}
 
 
+# A stage layer's signature (runs.py): its kind, and (path, type) of each of its matrices: the
+# type every stage's layer there stores it in, or "mixed" (such a stage layer is read in float)
+Signature = tuple[Kind, tuple[tuple[tuple, str], ...]]
+
+
+def stage_signatures(cfg: ModelConfig, plan: StagePlan, stored) -> list[Signature]:
+    """Per stage layer: its kind and, with `stored` (parameter path -> the type a GGUF file
+    stores it in), the type of each of its matrices over the stages' layers there."""
+    sigs: list[Signature] = []
+    for j, kind in enumerate(plan.kinds):
+        formats: tuple[tuple[tuple, str], ...] = ()
+        if stored is not None:
+            layers = [row[j] for row in plan.layer_of if row[j] >= 0]
+            paths = [p for p, _ in nnx.to_flat_state(nnx.state(stage_block(cfg, kind)))
+                     if quantizable(p)]  # fmt: skip
+            types = [{stored(("layers", n, *p)) for n in layers} for p in paths]
+            formats = tuple((p, t.pop() if len(t) == 1 else "mixed")
+                            for p, t in zip(paths, types, strict=True))  # fmt: skip
+        sigs.append((kind, formats))
+    return sigs
+
+
+def stage_runs(signatures: list[Signature], shared: bool) -> tuple[Run[Signature], ...]:
+    """The stage layers cut into runs of a repeated unit where `shared`, else one run each."""
+    if shared:
+        return layer_runs(signatures)
+    return tuple(Run(j, (sig,), 1) for j, sig in enumerate(signatures))
+
+
 def place_pipeline(
-    read: Reader, cfg: ModelConfig, dtype, name: str, mesh: Mesh, rules, *, kv_dtypes
-) -> Placement:
-    """The model split into stages over the mesh's `pp` axis; K and V pools of `kv_dtypes`."""
-    params = place_params(read, cfg, mesh, rules, dtype)
-    runner = pipeline_runner(cfg, mesh, rules, kv_dtypes)
+    read: Reader, cfg: ModelConfig, dtype, name: str, mesh: Mesh, rules, *, kv_dtypes,
+    stored=None, shared: bool = False,
+) -> Placement:  # fmt: skip
+    """The model split into stages over the mesh's `pp` axis; K and V pools of `kv_dtypes`.
+    With `shared` (and where the kernels read stacks in place: kernel_fits), stage layers of a
+    repeated unit share traced bodies; `stored` as for stage_signatures."""
+    plan = stage_plan(cfg, mesh.shape[AXIS])
+    shared = shared and kernel_fits(mesh)
+    runs = stage_runs(stage_signatures(cfg, plan, stored), shared)
+    params = place_params(read, cfg, mesh, rules, dtype, plan, runs)
+    runner = pipeline_runner(cfg, mesh, rules, kv_dtypes, plan, runs)
     return Placement(name, mesh, rules, runner, params, cfg)
 
 
-def place_params(read: Reader, cfg: ModelConfig, mesh: Mesh, rules: dict, dtype) -> dict:
-    """Parameters in pipeline form: {embed, norm, [lm_head], stage_layers: [per stage layer,
-    leaves [pp, ...]]}.
+def place_params(
+    read: Reader, cfg: ModelConfig, mesh: Mesh, rules: dict, dtype, plan: StagePlan,
+    runs: tuple[Run, ...],
+) -> dict:  # fmt: skip
+    """Parameters in pipeline form: {embed, norm, [lm_head], [mtp], runs: [per run, per
+    segment of its unit, the segment's stage layers' parameters stacked [pp, n, ...]]}.
 
     `read(path, shape, blocks)` gives one parameter of the plain model as a host array, or a
     HostQuant (path as in the dense model, e.g. ("layers", 3, "attn", "wq")). Each layer is
     read once; each device receives only its own stage's layers.
     """
-    plan = stage_plan(cfg, mesh.shape[AXIS])
     kernel = kernel_fits(mesh)
     params: dict = {}
 
@@ -162,115 +207,171 @@ def place_params(read: Reader, cfg: ModelConfig, mesh: Mesh, rules: dict, dtype)
             shape, axes = v.get_value().shape, v.get_metadata()["axes"]
             leaves[path] = put(("mtp", *path), shape, axes)
         params["mtp"] = nnx.to_pure_dict(nnx.from_flat_state(leaves))
-    stacked = []
-    for j, kind in enumerate(plan.kinds):
-        entry: dict = {}
-        block = stage_block(cfg, kind)
-        shapes = {path: v.get_value().shape for path, v in nnx.to_flat_state(nnx.state(block))}
-        axes = block_axes(cfg, kind)
-        for path, shape in shapes.items():
-            sharding = named(mesh, P(AXIS, *spec(axes[path], rules)))
-            node = entry
-            for key in path[:-1]:
-                node = node.setdefault(key, {})
-            node[path[-1]] = stack_slot(read, plan, j, path, shape, sharding, dtype, kernel)
-        stacked.append(entry)
-    params["stage_layers"] = stacked
+    params["runs"] = []
+    for run in runs:
+        units = []
+        for seg in run.segments:
+            kind = seg.signature[0]
+            entry: dict = {}
+            flat = nnx.to_flat_state(nnx.state(stage_block(cfg, kind)))
+            axes = block_axes(cfg, kind)
+            for path, v in flat:
+                sharding = named(mesh, P(AXIS, None, *spec(axes[path], rules)))
+                node = entry
+                for key in path[:-1]:
+                    node = node.setdefault(key, {})
+                shape = v.get_value().shape
+                node[path[-1]] = stack_segment(
+                    read, plan, run.stacked(seg), path, shape, sharding, dtype, kernel
+                )
+            units.append(entry)
+        params["runs"].append(units)
     return params
 
 
-def stack_slot(read: Reader, plan: StagePlan, j: int, path, shape, sharding, dtype, kernel):
-    """Slot j's parameter `path` of every stage, stacked [pp, ...]; each device's callback
-    takes its own stage's layer. Quantized when every stage's layer holds it in the same
-    format (a Q4_K_M file mixes Q4_K and Q6_K layers), else in float."""
-    layers = [plan.layer_of[s][j] for s in range(plan.stages)]
-    dt = param_dtype(path, dtype)
-    hosts = [read(("layers", n, *path), shape, blocks=quantizable(path)) if n >= 0 else None
-             for n in layers]  # fmt: skip
-    real = [h for h in hosts if h is not None]
-    fmts = {h.fmt if isinstance(h, HostQuant) else None for h in real}
-    if len(fmts) == 1 and None not in fmts:
-        # every real layer's is a HostQuant (one format, not float)
-        taken = [h.take() if isinstance(h, HostQuant) else None for h in hosts]
-        ref = next(t for t in taken if t is not None)
-        stacked = {  # [pp, ...]: the stages' parts, zeros (dequantizing to 0) where no layer
-            k: np.stack([t[k] if t is not None else np.zeros_like(v) for t in taken])
-            for k, v in ref.items()
-        }
-        parts = {k: (v, v.shape) for k, v in stacked.items()}
+def stack_segment(read: Reader, plan: StagePlan, stage_layers: list[int], path, shape,
+                  sharding, dtype, kernel):  # fmt: skip
+    """Parameter `path` of the stage layers `stage_layers` (a segment's, in stack order) on
+    every stage, stacked [pp, n, ...]; each device receives (and the host builds, one device
+    at a time) its own stage's entries. Quantized when every stage's layer there holds it in
+    one format (a Q4_K_M file mixes Q4_K and Q6_K layers), else in float; a stage without a
+    layer at an entry holds zeros (dequantizing to 0)."""
+    pp, n = plan.stages, len(stage_layers)
+    hosts = [[read(("layers", layer, *path), shape, blocks=quantizable(path)) if layer >= 0
+              else None for layer in (plan.layer_of[s][j] for j in stage_layers)]
+             for s in range(pp)]  # fmt: skip
+    real = [h for row in hosts for h in row if h is not None]
+    fmts = {(h.fmt, h.width) if isinstance(h, HostQuant) else None for h in real}
+    if len(fmts) == 1 and None not in fmts:  # [pp][n] pieces: (array, shape) per part
+        pieces = [[h.pieces() if isinstance(h, HostQuant) else None for h in row]
+                  for row in hosts]  # fmt: skip
         first = real[0]
         assert isinstance(first, HostQuant)  # as every real layer's
-        return put_quant(("layers", *path), parts, first, sharding, kernel, lead=1)
-    if fmts != {None}:  # mixed formats: this stage layer is read in float
-        hosts = [read(("layers", n, *path), shape) if n >= 0 else None for n in layers]
+        ref = first.pieces()
+        shardings = quant_shardings(("layers", *path), first, sharding, lead=2)
+        parts = {}
+        for k, (part, piece_shape) in ref.items():
 
-    def stage_slice(index):
-        stage = index[0].start or 0  # one stage per device along pp
-        host = hosts[stage]
-        assert not isinstance(host, HostQuant)  # a stage layer read in float
-        host = np.zeros(shape, dt) if host is None else host.astype(dt, copy=False)
-        return host[None][(slice(0, 1), *index[1:])]
+            def entries(s, k=k, piece_shape=piece_shape, dtype=part.dtype):
+                return np.stack([np.reshape(p[k][0], piece_shape) if p is not None
+                                 else np.zeros(piece_shape, dtype)
+                                 for p in pieces[s]])  # fmt: skip
 
-    array = jax.make_array_from_callback((plan.stages, *shape), sharding, stage_slice)
-    return for_kernel(path, array, kernel, lead=1)
+            parts[k] = by_stage((pp, n, *piece_shape), shardings[k], entries)
+        return QArray(parts, first.fmt, first.width, kernel)
+    dt = param_dtype(path, dtype)
+    if fmts != {None}:  # mixed formats: this segment is read in float
+        hosts = [[read(("layers", plan.layer_of[s][j], *path), shape)
+                  if plan.layer_of[s][j] >= 0 else None for j in stage_layers]
+                 for s in range(pp)]  # fmt: skip
+
+    def floats(s):
+        return np.stack([np.zeros(shape, dt) if h is None else h.astype(dt, copy=False)
+                         for h in hosts[s]])  # fmt: skip
+
+    return for_kernel(path, by_stage((pp, n, *shape), sharding, floats), kernel, lead=2)
 
 
-def pipeline_runner(cfg: ModelConfig, mesh: Mesh, rules: dict, kv_dtypes) -> Runner:
-    plan = stage_plan(cfg, mesh.shape[AXIS])
+def by_stage(shape: tuple[int, ...], sharding: NamedSharding, stage) -> jax.Array:
+    """An array [pp, ...] of `sharding` whose stage s is stage(s) [...] on the host: built
+    for one stage at a time (each device's slice copied out, then the stage's host array
+    dropped), so the host holds one stage's array at most."""
+    by_device = sharding.addressable_devices_indices_map(shape)
+    out: list[jax.Array] = []
+    built: tuple[int, np.ndarray | None] = (-1, None)
+    for device, index in sorted(by_device.items(), key=lambda d: _stage(d[1])):
+        s = _stage(index)  # one stage per device along pp
+        if built[0] != s:
+            built = (s, None)  # the previous stage's array goes first
+            built = (s, stage(s))
+        assert index is not None and built[1] is not None
+        out.append(jax.device_put(built[1][None][(slice(0, 1), *index[1:])], device))
+    return jax.make_array_from_single_device_arrays(shape, sharding, out)
+
+
+def _stage(index) -> int:
+    """The stage of a device's index into an array [pp, ...]."""
+    return index[0].start or 0
+
+
+def pipeline_runner(
+    cfg: ModelConfig, mesh: Mesh, rules: dict, kv_dtypes, plan: StagePlan, runs: tuple[Run, ...]
+) -> Runner:
     pp = plan.stages
     split = ExpertSplit.of(mesh, rules)
-    block_defs = [nnx.graphdef(stage_block(cfg, kind, split)) for kind in plan.kinds]
-    caches = [layer_cache(cfg, kind, kv_dtypes) for kind in plan.kinds]
+    entries = [(run, seg) for run in runs for seg in run.segments]  # one per cache entry
+    kinds = [seg.signature[0] for _, seg in entries]
+    block_defs = [nnx.graphdef(stage_block(cfg, kind, split)) for kind in kinds]
+    caches = [layer_cache(cfg, kind, kv_dtypes) for kind in kinds]
+    copies = [run.count * seg.repeat for run, seg in entries]
     manual = frozenset({AXIS})
     valid = plan.valid
 
     def init_kv(kv: KVConfig):
-        """Per stage layer, its cache on every stage: [pp, ...] leaves."""
-        return [jax.tree.map(lambda a: jnp.broadcast_to(a, (pp, *a.shape)), cache.init(kv))
-                for cache in caches]  # fmt: skip
+        """Per segment, its stage layers' caches on every stage: [pp, n, ...] leaves."""
+        return [jax.tree.map(lambda a, n=n: jnp.broadcast_to(a, (pp, n, *a.shape)), cache.init(kv))
+                for cache, n in zip(caches, copies, strict=True)]  # fmt: skip
 
     def stage(layers, x, rope_tab, view, kv):
-        """One device's stage. layers/kv leaves [1, ...]; x [B, T, D]; view rows [B]."""
+        """One device's stage. layers/kv leaves [1, n, ...]; x [B, T, D]; view rows [B]."""
         s = lax.axis_index(AXIS)
         layers = jax.tree.map(lambda a: a[0], layers)
-        kv = jax.tree.map(lambda a: a[0], kv)  # per stage layer (K, V) [P, K, H, page]
+        kv = jax.tree.map(lambda a: a[0], kv)  # per segment, e.g. (K, V) [n, P, K, H, page]
         B = x.shape[0]
         M = microbatches(B, pp)
         mb = B // M
         xs = x.reshape(M, mb, *x.shape[1:])  # [M, mb, T, D]
         ok = jnp.asarray(valid)[s]  # [depth]
 
-        def rows(tree, m):  # microbatch m's rows of a [B, ...] tree (all of it when M = 1)
+        def rows(tree, m, axis=0):  # microbatch m's rows of a [.., B, ...] tree (M = 1: all)
             if M == 1:
                 return tree
             return jax.tree.map(
-                lambda a: lax.dynamic_slice_in_dim(a, m * mb, mb, 0) if a.ndim else a, tree
+                lambda a: lax.dynamic_slice_in_dim(a, m * mb, mb, axis) if a.ndim else a, tree
             )
 
         def run_stage(y, kv, m):
             # Microbatches write disjoint pages and state indices of the shared pools: no slicing of
             # the cache, but for a decode loop's per-row linear states (view.state_index None).
             tab, v = rows(rope_tab, m), rows(view, m)
-            new = []
-            for j in range(plan.depth):
-                per_row = (
-                    view.state_index is None and isinstance(caches[j], RecurrentState) and M > 1
-                )
-                cache = rows(kv[j], m) if per_row else kv[j]
-                with jax.named_scope(f"slot_{j}"):
-                    run = partial(block, block_defs[j], layers[j], rope_tab=tab, view=v)
-                    # A stage without a layer at this position passes y through, cache untouched.
-                    y, cache = lax.cond(
-                        ok[j], lambda y, c, run=run: run(x=y, kv=c), lambda y, c: (y, c), y, cache
-                    )
-                if per_row:
-                    cache = jax.tree.map(
-                        lambda a, part: lax.dynamic_update_slice_in_dim(a, part, m * mb, 0),
-                        kv[j],
-                        cache,
-                    )
-                new.append(cache)
-            return y, new
+            kv, at = list(kv), 0
+            for r, run in enumerate(runs):
+                segs = run.segments
+
+                def unit(i, carry, run=run, segs=segs, r=r, at=at):
+                    y, own = carry
+                    own = list(own)
+                    for j, seg in enumerate(segs):
+                        e = at + j  # the segment's cache entry and traced body
+
+                        def layer(k, carry, seg=seg, j=j, e=e):
+                            y, cache = carry
+                            n = i * seg.repeat + k  # the stage layer's entry in the stacks
+                            slot = run.first + i * run.width + seg.offset + k  # its stage layer
+                            body = partial(block, block_defs[e], layer_params(layers[r][j], n),
+                                           rope_tab=tab, view=v.replace(layer=n))  # fmt: skip
+                            with jax.named_scope(f"run_{r}/segment_{j}"):
+                                # a stage without a layer here passes y through, cache untouched
+                                return lax.cond(ok[slot], lambda y, c: body(x=y, kv=c),
+                                                lambda y, c: (y, c), y, cache)  # fmt: skip
+
+                        per_row = (view.state_index is None and M > 1
+                                   and isinstance(caches[e], RecurrentState))  # fmt: skip
+                        cache = rows(own[j], m, axis=1) if per_row else own[j]
+                        y, cache = repeat(layer, seg.repeat, (y, cache))
+                        if per_row:  # the microbatch's rows back into the stage's states
+                            cache = jax.tree.map(
+                                lambda a, part: lax.dynamic_update_slice_in_dim(a, part, m * mb, 1),
+                                own[j],
+                                cache,
+                            )
+                        own[j] = cache
+                    return y, tuple(own)
+
+                y, own = repeat(unit, run.count, (y, tuple(kv[at : at + len(segs)])))
+                kv[at : at + len(segs)] = own
+                at += len(segs)
+            return y, kv
 
         def step(t, carry):
             state, outs, kv = carry
@@ -305,7 +406,7 @@ def pipeline_runner(cfg: ModelConfig, mesh: Mesh, rules: dict, kv_dtypes) -> Run
         x = embed(params["embed"], tokens, params["norm"].dtype)  # [B, T, D]
         rope_tab = rope_table(view.positions(tokens.shape[1]), rope_inv_freq(cfg))
         with jax.named_scope("stages"):
-            x, kv = staged(params["stage_layers"], x, rope_tab, view, kv)
+            x, kv = staged(params["runs"], x, rope_tab, view, kv)
         return rms_norm(x, params["norm"], cfg.norm_eps), kv
 
     def head(params, h):
@@ -323,14 +424,15 @@ def pipeline_runner(cfg: ModelConfig, mesh: Mesh, rules: dict, kv_dtypes) -> Run
         forward=forward,
         head=head,
         init_kv=init_kv,
-        kv_shardings=lambda: [cache_shardings(c, mesh, rules, (AXIS,)) for c in caches],
+        kv_shardings=lambda: [cache_shardings(c, mesh, rules, (AXIS, None)) for c in caches],
         caches=tuple(caches),
-        state_axis=1,  # [pp, state ids, ...]
+        state_axis=2,  # [pp, n, state ids, ...]
         stages=pp,
-        description=describe(plan),
+        description=describe(plan, runs),
         mtp=draft if mtp else None,
         mtp_caches=mtp,
         mtp_kv_shardings=lambda: [cache_shardings(c, mesh, rules) for c in mtp],
+        copies=tuple(pp * n for n in copies),
     )
 
 
@@ -339,7 +441,8 @@ def mtp_module(cfg: ModelConfig, split: ExpertSplit | None = None) -> MTP:
     return nnx.eval_shape(lambda: MTP(cfg, nnx.Rngs(0), split))
 
 
-def describe(plan: StagePlan) -> str:
+def describe(plan: StagePlan, runs: tuple[Run, ...]) -> str:
+    """Which layers each stage holds, and which stage layers share a traced body."""
     parts = []
     for s, layers in enumerate(plan.layer_of):
         real = [n for n in layers if n >= 0]
@@ -350,4 +453,4 @@ def describe(plan: StagePlan) -> str:
             else f"stage {s}: layer {real[0]}"
         )
         parts.append(text + (f" ({skip} of {len(layers)} stage layers skipped)" if skip else ""))
-    return "; ".join(parts)
+    return "; ".join(parts) + "; " + describe_runs(runs, "stage layers")

@@ -160,9 +160,19 @@ def for_kernel(path: tuple, array: jax.Array, kernel: bool, lead: int = 0):
 def put_quant(path: tuple, parts: dict, host: HostQuant, sharding: NamedSharding, kernel: bool,
               lead: int = 0, arena: Arena | None = None) -> QArray:  # fmt: skip
     """A quantized weight's parts (HostQuant.pieces(): host arrays and their shapes
-    [*lead, ..., O, X]) placed with the weight's sharding: each part split like the weight's
-    rows and, for the columns, by whole blocks (a split that would cut a block is refused);
-    per-row parts keep their one column."""
+    [*lead, ..., O, X]) placed with the weight's sharding (quant_shardings)."""
+    shardings = quant_shardings(path, host, sharding, lead)
+    out = {k: to_device(part, shardings[k], arena, shape) for k, (part, shape) in parts.items()}
+    if arena is not None and hugepages.usable(sharding):  # copied: the file's pages can go
+        release_views([part for part, _ in parts.values()])
+    return QArray(out, host.fmt, host.width, kernel)
+
+
+def quant_shardings(path: tuple, host: HostQuant, sharding: NamedSharding, lead: int = 0
+                    ) -> dict[str, NamedSharding]:  # fmt: skip
+    """Per part of a quantized weight [*lead, ..., O, I] of `sharding`: each part split like
+    the weight's rows and, for the columns, by whole blocks (a split that would cut a block is
+    refused); per-row parts keep their one column."""
     fmt = FORMATS[host.fmt]
     mesh, pspec = sharding.mesh, tuple(sharding.spec)
     pspec = pspec + (None,) * (len(host.shape) + lead - len(pspec))
@@ -176,13 +186,10 @@ def put_quant(path: tuple, parts: dict, host: HostQuant, sharding: NamedSharding
             f"that divides {blocks}, or the 'layer' layout"
         )
     out = {}
-    for k, (part, shape) in parts.items():
+    for k, (_, shape) in host.pieces().items():
         whole = shape[-1] == 1 and host.width > 1  # a per-row scale
-        ps = P(*pspec[:-1], None if whole else axis)
-        out[k] = to_device(part, NamedSharding(mesh, ps), arena, shape)
-    if arena is not None and hugepages.usable(sharding):  # copied: the file's pages can go
-        release_views([part for part, _ in parts.values()])
-    return QArray(out, host.fmt, host.width, kernel)
+        out[k] = NamedSharding(mesh, P(*pspec[:-1], None if whole else axis))
+    return out
 
 
 def dense_runner(graphdef: nnx.GraphDef, cfg: ModelConfig, kv_dtypes, mesh, rules) -> Runner:

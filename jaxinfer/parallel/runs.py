@@ -8,6 +8,10 @@ must agree. A Q4_K_M file keeps some layers' ffn_down and attn_v in Q6_K (the fi
 eighth of the layers, and every third one between): its runs are [Q6_K layers] [a unit of
 three, repeated] [Q6_K layers]; a hybrid model's 3 linear : 1 attention pattern is a unit of
 four, whose segments are three linear layers (one body, looped) and the attention layer.
+Pipeline stages (pipeline.py) cut their stage layers into runs the same way.
+
+`repeat` is the loop, and `layer_params` one layer's parameters out of the stacks: QArrays
+marked with the layer's index, which the CPU kernels read in place.
 """
 
 from __future__ import annotations
@@ -15,6 +19,12 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ..ops.quant import QArray
 
 MAX_UNIT = 8  # the longest unit looked for (Qwen3.5's is 4, a Q4_K_M pattern over it 12)
 
@@ -90,3 +100,35 @@ def layer_runs(signatures: Sequence[Sig], max_unit: int = MAX_UNIT) -> tuple[Run
         runs.append(Run(at, tuple(signatures[at : at + width]), count))
         at += width * count
     return tuple(runs)
+
+
+def repeat(body, n: int, carry):
+    """body(i, carry) for i in range(n): a loop (one traced body), or one call when n = 1."""
+    if n == 1:
+        return body(jnp.int32(0), carry)
+    return lax.fori_loop(0, n, body, carry)
+
+
+def describe(runs: tuple[Run, ...], what: str = "layers") -> str:
+    """Which layers (or pipeline stage layers: `what`) share a traced body, for `jaxinfer info`."""
+    parts = []
+    for run in runs:
+        last = run.first + run.width * run.count - 1
+        one = what.removesuffix("s")
+        span = f"{what} {run.first}-{last}" if last > run.first else f"{one} {run.first}"
+        unit = " + ".join(f"{s.repeat}" for s in run.segments)
+        parts.append(f"{span}: ({unit}) x {run.count}")
+    bodies = sum(len(r.segments) for r in runs)
+    return f"{bodies} traced layer bodies ({'; '.join(parts)})"
+
+
+def layer_params(tree, i: jax.Array):
+    """A stack's layer i as the layer's own parameters: QArrays marked (read in place),
+    other arrays sliced."""
+
+    def one(leaf):
+        if isinstance(leaf, QArray):
+            return QArray(leaf.parts, leaf.fmt, leaf.width, leaf.kernel, leaf.acts, i)
+        return lax.dynamic_index_in_dim(leaf, i, keepdims=False)
+
+    return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, QArray))

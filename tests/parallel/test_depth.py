@@ -46,20 +46,24 @@ SHAPES = {  # narrow models of each kind, random weights
 }  # fmt: skip
 
 
-def decode_size(kind: str, layers: int) -> tuple[int, str]:
-    """Instructions of the compiled decode program of a `layers`-layer model of `kind`, and
-    how many layer bodies it traced."""
+LAYOUTS = {"single": {}, "layer-2": dict(layout="layer", devices=2),
+           "layer-3": dict(layout="layer", devices=3)}  # fmt: skip
+
+
+def decode_size(kind: str, layers: int, **layout) -> tuple[int, str]:
+    """Instructions of the compiled decode program of a `layers`-layer model of `kind` (under
+    `layout`: load()'s layout and devices), and how many layer bodies it traced."""
     linear = tuple(i for i in range(layers) if (i + 1) % 4)  # 3 Gated DeltaNet : 1 attention
     extra = {"linear_layers": linear} if kind == "hybrid" else {}
     cfg = jaxinfer.ModelConfig(n_layers=layers, vocab_size=300, max_position=256,
                                **SHAPES[kind], **extra)  # fmt: skip
     engine = jaxinfer.load(cfg, max_seq_len=64, batch_buckets=(1,), prefill_buckets=(16,),
-                           compile_cache_dir=None)  # fmt: skip
+                           compile_cache_dir=None, **layout)  # fmt: skip
     ex = engine.executor  # the decode program alone (warmup() would compile the whole plan)
     jobs = [ex.job(*shape) for shape in engine.shapes.jobs() if shape[0] == "decode"]
     engine.compile_cache.compile_planned(jobs)
     (decode,) = engine.compile_cache.executables("decode")
-    bodies = engine.runner.description.split(" traced")[0]
+    bodies = engine.runner.description.split(" traced")[0].split("; ")[-1]
     return sum(" = " in line for line in decode.as_text().splitlines()), bodies
 
 
@@ -73,17 +77,35 @@ def test_the_decode_program_does_not_grow_with_depth(kind):
     assert deep <= 1.2 * small, (small, deep)
 
 
+@pytest.mark.parametrize("kind", ["dense", pytest.param("moe", marks=pytest.mark.slow),
+                                  "hybrid"])  # fmt: skip
+def test_pipeline_stages_do_not_grow_with_depth(kind):
+    """Under the `layer` layout (2 stages), each stage loops over its stage layers: 4 and 48
+    layers trace as many bodies and compile to programs of about one size."""
+    layout = LAYOUTS["layer-2"]
+    small, bodies = decode_size(kind, 4, **layout)
+    deep, deep_bodies = decode_size(kind, 48, **layout)
+    assert bodies == deep_bodies == ("2" if kind == "hybrid" else "1")
+    assert deep <= 1.2 * small, (small, deep)
+
+
+HYBRID_MOE = "tiny-random/qwen3_5_moe_l3f1_e8k2_mtp"
+
+
 @pytest.mark.parametrize(
-    "path",
-    [Q4_K_M, pytest.param("tiny-random/qwen3_5_moe_l3f1_e8k2_mtp", marks=pytest.mark.slow)],
-    ids=["Q4_K_M", "hybrid MoE"],
-)
-def test_shared_layers_give_the_unshared_logits(path):
-    """A Q4_K_M file (its ffn_down and attn_v in Q6_K in some layers: several runs) and the
-    hybrid MoE fixture: the shared path's logits are the per-layer path's."""
-    path = path if isinstance(path, Path) else model_path(path)
-    shared = jaxinfer.load(path, max_seq_len=128, compile_cache_dir=None)
-    own = jaxinfer.load(path, max_seq_len=128, compile_cache_dir=None, shared_layers=False)
+    "path, layout",
+    [(Q4_K_M, "single"), (Q4_K_M, "layer-2"),
+     *(pytest.param(HYBRID_MOE, name, marks=pytest.mark.slow) for name in LAYOUTS)],
+)  # fmt: skip
+def test_shared_layers_give_the_unshared_logits(path, layout):
+    """A Q4_K_M file (its ffn_down and attn_v in Q6_K in some layers: several runs, and stage
+    layers whose stages hold different formats) and the hybrid MoE fixture: the shared path's
+    logits are the per-layer path's, on one device and in pipeline stages (against the same
+    stages unshared: a stage layer whose stages differ in format is read in float either way)."""
+    path, layout = path if isinstance(path, Path) else model_path(path), LAYOUTS[layout]
+    shared = jaxinfer.load(path, max_seq_len=128, compile_cache_dir=None, **layout)
+    own = jaxinfer.load(path, max_seq_len=128, compile_cache_dir=None, shared_layers=False,
+                        **layout)  # fmt: skip
     assert "traced layer bodies" in shared.runner.description
     ids = list(range(3, 40))
     np.testing.assert_allclose(shared.logits(ids), own.logits(ids), rtol=0, atol=2e-4)

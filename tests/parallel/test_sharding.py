@@ -111,18 +111,19 @@ def test_pipeline_is_one_program_and_devices_hold_their_stage(engines):
     (decode,) = engine.compile_cache.executables("decode")  # one serves every decode call
     assert "collective-permute" in decode.as_text()
     assert engine.runner.stages == 3
-    # 5 layers on 3 stages: [0, 1], [2, 3], [4, padding]
+    # 5 layers on 3 stages: [0, 1], [2, 3], [4, padding]; the two stage layers share one
+    # traced body, their weights stacked [pp, 2, ...]
     layer_of = [[0, 1], [2, 3], [4, None]]
-    for j, layer in enumerate(engine.params["stage_layers"]):
-        wq = weight(layer["attn"]["wq"])
-        assert len(wq.addressable_shards) == 3
-        for shard in wq.addressable_shards:
-            assert shard.data.shape == (1, *wq.shape[1:])  # one stage's layer per device
-            stage = shard.index[0].start or 0
-            assert shard.device == engine.mesh.devices.flat[stage]
-            layer = layer_of[stage][j]
+    [[unit]] = engine.params["runs"]
+    wq = weight(unit["attn"]["wq"])
+    assert wq.shape[:2] == (3, 2) and len(wq.addressable_shards) == 3
+    for shard in wq.addressable_shards:
+        assert shard.data.shape == (1, *wq.shape[1:])  # one stage's layers per device
+        stage = shard.index[0].start or 0
+        assert shard.device == engine.mesh.devices.flat[stage]
+        for j, layer in enumerate(layer_of[stage]):
             want = 0 if layer is None else weight(dense.params["layers"][layer]["attn"]["wq"])
-            np.testing.assert_array_equal(np.asarray(shard.data[0]), np.asarray(want))
+            np.testing.assert_array_equal(np.asarray(shard.data[0, j]), np.asarray(want))
 
 
 @pytest.mark.slow
@@ -182,7 +183,7 @@ def test_cli_prints_the_plan(capsys):
     assert main(["info", "-m", path, "--layout", "layer", "--devices", "2"]) == 0
     out = capsys.readouterr().out
     assert "mesh pp=2" in out and "stage 0: layers 0-2; stage 1: layers 3-4" in out
-    assert "stage_layers.0.attn.wq: [2, 64, 64] P('pp', None, None)" in out
+    assert "runs.0.0.attn.wq: [2, 3, 64, 64] P('pp', None, None, None)" in out
 
 
 def test_devices_list_and_count_select_devices():
