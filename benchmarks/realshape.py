@@ -250,8 +250,7 @@ def narrow(args, tests, env) -> str:
         "kind share one traced body (the default); own: every layer traced on its own.",
         "",
         "| model | " + " | ".join(f"warmup {n} layers s (shared / own)" for n in NARROW_DEPTHS)
-        + " | deep / shallow (shared) | " + " | ".join(f"{t} ours / llama.cpp" for t in tests)
-        + " |",
+        + " | deep / shallow (shared) |" + "".join(f" {t} ours / llama.cpp |" for t in tests),
         "|---|" + "---:|" * (len(NARROW_DEPTHS) + 1 + len(tests)),
     ]  # fmt: skip
     for name, shape in NARROW.items():
