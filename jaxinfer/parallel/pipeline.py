@@ -21,6 +21,7 @@ does. Other mesh axes (tp) stay automatic inside the stages.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from functools import partial
 
@@ -68,6 +69,8 @@ from .runs import describe as describe_runs
 from .sharding import named, spec
 
 AXIS = "pp"
+
+log = logging.getLogger(__name__)
 
 
 Kind = tuple[bool, bool]  # ModelConfig.kind: (linear attention, experts)
@@ -208,10 +211,12 @@ def place_params(
             leaves[path] = put(("mtp", *path), shape, axes)
         params["mtp"] = nnx.to_pure_dict(nnx.from_flat_state(leaves))
     params["runs"] = []
+    widened: dict[str, int] = {}  # weights whose stages mix formats, read in float: bytes
     for run in runs:
         units = []
         for seg in run.segments:
             kind = seg.signature[0]
+            mixed = {p for p, t in seg.signature[1] if t == "mixed"}
             entry: dict = {}
             flat = nnx.to_flat_state(nnx.state(stage_block(cfg, kind)))
             axes = block_axes(cfg, kind)
@@ -224,9 +229,24 @@ def place_params(
                 node[path[-1]] = stack_segment(
                     read, plan, run.stacked(seg), path, shape, sharding, dtype, kernel
                 )
+                if path in mixed:
+                    name = ".".join(map(str, path))
+                    widened[name] = widened.get(name, 0) + _nbytes(node[path[-1]])
             units.append(entry)
         params["runs"].append(units)
+    if widened:
+        log.warning(
+            "%s: the stages' layers at one stage layer hold them in different formats (the "
+            "mix of a Q*_K_M file), so they load in float (%.2f GiB in all); on one device "
+            "they stay in blocks",
+            ", ".join(sorted(widened)), sum(widened.values()) / 2**30,
+        )  # fmt: skip
     return params
+
+
+def _nbytes(weight) -> int:
+    """Bytes of a placed weight (a QArray's parts, or an array), over all its devices."""
+    return sum(a.nbytes for a in jax.tree.leaves(weight))
 
 
 def stack_segment(read: Reader, plan: StagePlan, stage_layers: list[int], path, shape,

@@ -111,3 +111,21 @@ def test_shared_layers_give_the_unshared_logits(path, layout):
     np.testing.assert_allclose(shared.logits(ids), own.logits(ids), rtol=0, atol=2e-4)
     greedy = dict(max_new_tokens=12, temperature=0, ignore_eos=True)
     assert shared.generate(ids, **greedy).token_ids == own.generate(ids, **greedy).token_ids
+
+
+def test_stage_layers_that_mix_formats_are_named(caplog):
+    """Under `layer`, a stage layer whose stages hold a weight in different formats (read
+    from the file's own tensor types) loads in float, and the load says which weights."""
+    import gguf
+
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(Q4_K_M)).tensors}
+    names = {"attn_q": "attn.wq", "attn_k": "attn.wk", "attn_v": "attn.wv",
+             "attn_output": "attn.wo", "ffn_gate": "mlp.w_gate", "ffn_up": "mlp.w_up",
+             "ffn_down": "mlp.w_down"}  # fmt: skip
+    want = {ours for gg, ours in names.items()
+            if types[f"blk.0.{gg}.weight"] != types[f"blk.1.{gg}.weight"]}  # fmt: skip
+    assert want  # the 2-layer file keeps layer 1's attn_v and ffn_down in Q6_K
+    with caplog.at_level("WARNING", logger="jaxinfer.parallel.pipeline"):
+        jaxinfer.load(Q4_K_M, max_seq_len=64, compile_cache_dir=None, **LAYOUTS["layer-2"])
+    (record,) = [r for r in caplog.records if "different formats" in r.getMessage()]
+    assert set(record.getMessage().split(": ")[0].split(", ")) == want
