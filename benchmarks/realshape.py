@@ -276,7 +276,7 @@ def narrow(args, tests, env) -> str:
 def report(args, tests, bandwidth, results, minutes) -> str:
     import jax
 
-    kv_ours = 4  # jaxinfer's K/V: the compute dtype (float32); llama-bench's: F16
+    kv_ours = 2  # both K/V caches F16 (jaxinfer's "auto" for a GGUF file in blocks)
     lines = [
         f"# Real shapes: jaxinfer vs llama.cpp ({time.strftime('%Y-%m-%d')}, {args.threads} "
         f"threads, medians of {args.rounds} interleaved rounds after a dropped warm-up round)",

@@ -108,7 +108,8 @@ class Engine:
             carries_state=self._carries_state, page_bytes=page_bytes, state_bytes=state_bytes,
         )  # fmt: skip
         # Chain hashes start from the model's identity (and each request's cache salt).
-        self.model_id = repr((name, source, cfg, o.dtype, o.kv_dtypes(), o.activations))
+        caches = placement.runner.caches  # their dtypes ("auto" resolved at load)
+        self.model_id = repr((name, source, cfg, o.dtype, caches, o.activations))
         # The host tier's copy programs, per page-count bucket (none without a tier).
         tiered = KVManager.tiered(
             self.kv_config, o.prefix_cache, o.cache_ram_mib * 2**20,

@@ -58,13 +58,23 @@ def builtin_config(vocab_size: int) -> ModelConfig:
     )  # fmt: skip
 
 
-def kv_dtype(options: EngineOptions) -> tuple[PoolDtype, PoolDtype]:
+def kv_dtype(options: EngineOptions, narrow_weights: bool) -> tuple[PoolDtype, PoolDtype]:
     """The K and V pools' formats (kvquant.py: a float dtype or "q8_0"; llama.cpp's -ctk and
-    -ctv): "auto" is the compute dtype; a 16-bit cache under float32 compute halves the KV
+    -ctv; "auto": EngineOptions.kv_dtypes): a 16-bit cache under float32 compute halves the KV
     memory and the bytes attention reads (llama.cpp's default is float16), q8_0 about quarters
     it."""
-    k, v = options.kv_dtypes()
+    k, v = options.kv_dtypes(narrow_weights)
     return pool_dtype(k), pool_dtype(v)
+
+
+def narrow(ckpt) -> bool:
+    """Whether a checkpoint stores its layers' matrices in fewer than 32 bits: GGUF blocks or
+    16-bit floats (GGUF types; None for other formats, whose float weights take the compute
+    dtype)."""
+    if ckpt.types is None:
+        return False
+    wide = {"F32", "F64", "missing"}
+    return any(ckpt.types(n) not in wide for n in ckpt.names if n.startswith("blk."))
 
 
 def quantizing(read: Reader, how: str, compute) -> Reader:
@@ -153,15 +163,16 @@ def load(
                 f"a random model needs vocab_size >= {tokenizer.vocab_size} (byte tokenizer)"
             )
         read, release, stored = random_reader(cfg, BUILTIN_SEED), None, None
-        source, name = "random init", cfg.name or BUILTIN_NAME
+        source, name, narrow_weights = "random init", cfg.name or BUILTIN_NAME, False
     else:
         ckpt = open_checkpoint(model)
         cfg, tokenizer, read, release = ckpt.config, ckpt.tokenizer, ckpt.tensor, ckpt.release
         stored = ckpt.stored_type if ckpt.types else None
         source = ckpt.format
         name = "stories260K (built in)" if model == BUILTIN_MODEL else str(model)
+        narrow_weights = o.quantize != "none" and narrow(ckpt)
     read = quantizing(read, o.quantize, compute)
-    dtypes = (compute, kv_dtype(o), o.activations, o.shared_layers)
+    dtypes = (compute, kv_dtype(o, narrow_weights), o.activations, o.shared_layers)
     spec, place_draft = _speculative(o.speculative, o.draft_tokens, cfg, tokenizer, dtypes, name)
     if cfg.mtp_layers and (spec is None or spec.method != "mtp"):
         cfg = dataclasses.replace(cfg, mtp_layers=0)  # the MTP head is built only to draft

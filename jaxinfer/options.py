@@ -251,7 +251,7 @@ class EngineOptions:
     # the KV page pool
     kv_cache_tokens: int | None = None  # pool size; None: max_seq_len x max(slots, 1)
     page_size: int = 128  # one of PAGE_SIZES
-    kv_cache_dtype: str = "auto"  # "auto" (the compute dtype) or one of KV_DTYPES
+    kv_cache_dtype: str = "auto"  # "auto" (kv_dtypes()) or one of KV_DTYPES
     # the K and the V pools apart (llama.cpp's -ctk / -ctv); None: kv_cache_dtype
     kv_cache_dtype_k: str | None = None
     kv_cache_dtype_v: str | None = None
@@ -389,11 +389,16 @@ class EngineOptions:
     def replace(self, **changes) -> EngineOptions:
         return dataclasses.replace(self, **changes)
 
-    def kv_dtypes(self) -> tuple[str, str]:
-        """The K and V pools' dtypes (KV_DTYPES); "auto" is the compute dtype."""
+    def kv_dtypes(self, narrow_weights: bool = False) -> tuple[str, str]:
+        """The K and V pools' dtypes (KV_DTYPES). "auto" is the compute dtype, but float16
+        under float32 compute when the checkpoint stores its weights in fewer bits
+        (`narrow_weights`: GGUF blocks or 16-bit floats), as llama.cpp's default cache is:
+        half the KV memory and the bytes attention reads, at the weights' own precision."""
 
         def pick(d: str) -> str:
-            return self.dtype if d == "auto" else d
+            if d != "auto":
+                return d
+            return "float16" if narrow_weights and self.dtype == "float32" else self.dtype
 
         both = pick(self.kv_cache_dtype)
         return (both if self.kv_cache_dtype_k is None else pick(self.kv_cache_dtype_k),

@@ -111,7 +111,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     kv_names = ["auto", *KV_DTYPES, *KV_DTYPE_ALIASES]
     p.add_argument(
         "--kv-cache-dtype", default=ENGINE.kv_cache_dtype, choices=kv_names, metavar="TYPE",
-        help="KV cache dtype of K and V: auto (the compute dtype), float32, float16, bfloat16 "
+        help="KV cache dtype of K and V: auto (the compute dtype; float16 for a GGUF file in "
+        "blocks or 16-bit floats, as llama.cpp), float32, float16, bfloat16 "
         "(or llama.cpp's f32, f16, bf16) or q8_0 (int8 with a float16 scale per 32 values)",
     )  # fmt: skip
     for short, side in (("-ctk", "k"), ("-ctv", "v")):

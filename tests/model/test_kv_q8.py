@@ -394,7 +394,7 @@ def test_mixed_kinds_and_kv_stats():
     e = check_greedy(None, "stories260K", PROMPT, 32, kv_cache_dtype_k="q8_0",
                      kv_cache_dtype_v="f16")  # fmt: skip
     assert e.kv_stats()["dtype"] == "K q8_0 / V float16"
-    assert "('q8_0', 'float16')" in e.model_id
+    assert "k_dtype='q8_0', v_dtype=dtype('float16')" in e.model_id
 
 
 def test_prefix_cache_hit_gives_the_same_tokens():

@@ -29,6 +29,7 @@ FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "llama_cpp_int8"
 REFERENCE = json.loads((FIXTURES / "reference.json").read_text())
 NEAR_TIE = 0.3  # what a flip in an early token's keys moved later logits by: up to 0.2
 NOISE = 1e-4  # float32 noise between the two stacks' logits: measured at most 6.2e-6
+F32_KV = dict(kv_cache_dtype="float32")  # the references' cache (make.py: type_k=type_v=F32)
 FILES = [
     "model-Q4_K_M.gguf",
     pytest.param("model-Q5_K_M.gguf", marks=pytest.mark.slow),
@@ -53,7 +54,7 @@ def assert_follows(engine, ids: list[int], want: list[int]):
 
 @pytest.mark.parametrize("name", FILES)
 def test_logits_follow_llama_cpp(engines, name):
-    engine = engines(FIXTURES / name, max_seq_len=256)
+    engine = engines(FIXTURES / name, max_seq_len=256, **F32_KV)
     assert engine.options.activations == "int8"  # the default
     want = np.load(FIXTURES / "logits.npz")[name].astype(np.float64)  # [tokens, vocab]
     got = np.stack([np.asarray(engine.logits([t]), np.float64)[0] for t in range(len(want))])
@@ -64,7 +65,7 @@ def test_logits_follow_llama_cpp(engines, name):
 @pytest.mark.slow  # 150-token prompts: programs of their own
 @pytest.mark.parametrize("name", FILES)
 def test_greedy_follows_llama_cpp(engines, name):
-    engine = engines(FIXTURES / name, max_seq_len=256)
+    engine = engines(FIXTURES / name, max_seq_len=256, **F32_KV)
     for ids, want in zip(REFERENCE["prompts"], REFERENCE["files"][name]["greedy_ids"],
                          strict=True):  # fmt: skip
         assert_follows(engine, ids, want)
@@ -83,6 +84,6 @@ def test_q8_0_fixtures_follow_llama_cpp(engines, kind):
     expert block's grouped products and the prompts' GEMM (297-token prompts) included."""
     root = model_path(f"tiny-random/{kind}")
     ref = json.loads((root / "reference.json").read_text())
-    engine = engines(root / "model-q8_0.gguf", max_seq_len=512)
+    engine = engines(root / "model-q8_0.gguf", max_seq_len=512, **F32_KV)
     for prompt, run in zip(ref["prompts"], ref["llama_cpp"]["q8_0_precise"], strict=True):
         assert_follows(engine, prompt["ids"], run["greedy_ids"])

@@ -102,7 +102,9 @@ def both(engines, path, **kw):
     At stories260K's own context (512), the dequantized model has the shapes of the float
     stories engines elsewhere: its programs come from the session's compilation cache."""
     opts = {"max_seq_len": 512, **kw}
-    return engines(path, activations="float", **opts), engines(path, quantize="none", **opts)
+    # the dequantized model's K/V cache is float32 (a file in blocks defaults to float16)
+    return (engines(path, activations="float", kv_cache_dtype="float32", **opts),
+            engines(path, quantize="none", **opts))  # fmt: skip
 
 
 def assert_same_model(q, f, prompts, n: int = 16):

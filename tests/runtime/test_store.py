@@ -230,9 +230,11 @@ def test_a_changed_engine_never_loads_another_ones_executable(stored, tmp_path, 
 
 def test_the_same_model_quantized_shares_only_the_pool_allocation(stored, tmp_path):
     """Q8_0 weights of the same shapes: prefill and decode take other arguments (blocks) and
-    compile; the program that allocates the same KV pools is the same and loads."""
+    compile; the program that allocates the same KV pools (float32, asked for: a file in blocks
+    defaults to float16 ones) is the same and loads."""
     cache_dir, _, _ = copy_store(stored, tmp_path)
-    engine = load(cache_dir, model="stories260K-gguf-quant-derived/stories260K-Q8_0.gguf")
+    engine = load(cache_dir, model="stories260K-gguf-quant-derived/stories260K-Q8_0.gguf",
+                  kv_cache_dtype="float32")  # fmt: skip
     generate(engine)
     plan = {p.program: p.source for p in engine.compile_plan() if p.source}
     assert plan == {"cache": "loaded", "prefill": "compiled", "decode": "compiled"}
