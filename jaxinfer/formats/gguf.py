@@ -306,8 +306,9 @@ def _parts(fmt: quant.Format, raw: np.ndarray) -> dict[str, np.ndarray]:
         return {"d": f16(raw[..., :2]), "m": f16(raw[..., 2:4]), "qh": raw[..., 4:8],
                 "qs": raw[..., 8:]}  # fmt: skip
     if name in ("q4_k", "q5_k"):
-        sc, mn = _k_scales(raw[..., 4:16])
-        out = {"d": f16(raw[..., :2]), "dmin": f16(raw[..., 2:4]), "sc": sc, "mn": mn}
+        head = np.ascontiguousarray(raw[..., :16])  # one pass over the blocks' first bytes
+        sc, mn = _k_scales(head[..., 4:16])
+        out = {"d": f16(head[..., :2]), "dmin": f16(head[..., 2:4]), "sc": sc, "mn": mn}
         if name == "q4_k":
             return {**out, "qs": raw[..., 16:]}
         return {**out, "qh": raw[..., 16:48], "qs": raw[..., 48:]}
@@ -318,11 +319,15 @@ def _parts(fmt: quant.Format, raw: np.ndarray) -> dict[str, np.ndarray]:
 
 
 def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K / Q5_K 12-byte packed 6-bit scales and mins [..., 12] -> sc, mn [..., 8] uint8."""
-    d, m, md = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
-    sc = np.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
-    mn = np.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)
-    return sc, mn
+    """Q4_K / Q5_K 12-byte packed 6-bit scales and mins [..., 12] -> sc, mn [..., 8] uint8.
+    Bytes j < 4: d_j & 63 and m_j & 63; bytes 4 + j: (md_j & 15) | (d_j >> 6) << 4 and
+    (md_j >> 4) | (m_j >> 6) << 4 (d, m, md: the three groups of 4 bytes), computed on the
+    groups as little-endian 32-bit words with per-byte masks: a load reads every block."""
+    d, m, md = np.moveaxis(np.ascontiguousarray(packed).view("<u4"), -1, 0)  # [...] each
+    low6, low4, top2 = 0x3F3F3F3F, 0x0F0F0F0F, 0x30303030
+    sc = np.stack([d & low6, (md & low4) | ((d >> 2) & top2)], axis=-1)
+    mn = np.stack([m & low6, ((md >> 4) & low4) | ((m >> 2) & top2)], axis=-1)
+    return sc.view(np.uint8), mn.view(np.uint8)
 
 
 # ---------------------------------------------------------------------------------------------
