@@ -267,7 +267,7 @@ def stack_segment(read: Reader, plan: StagePlan, stage_layers: list[int], path, 
                   for row in hosts]  # fmt: skip
         first = real[0]
         assert isinstance(first, HostQuant)  # as every real layer's
-        ref = first.pieces()
+        ref = next(p for row in pieces for p in row if p is not None)  # first's pieces
         shardings = quant_shardings(("layers", *path), first, sharding, lead=2)
         parts = {}
         for k, (part, piece_shape) in ref.items():

@@ -6,6 +6,7 @@ Weights travel one tensor at a time from the reader into their shardings.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from collections.abc import Callable
@@ -186,8 +187,8 @@ def quant_shardings(path: tuple, host: HostQuant, sharding: NamedSharding, lead:
             f"that divides {blocks}, or the 'layer' layout"
         )
     out = {}
-    for k, (_, shape) in host.pieces().items():
-        whole = shape[-1] == 1 and host.width > 1  # a per-row scale
+    for k, part in host.parts.items():  # [R, ...]: a part's columns are its entries per row
+        whole = math.prod(part.shape[1:]) == 1 and host.width > 1  # a per-row scale
         out[k] = NamedSharding(mesh, P(*pspec[:-1], None if whole else axis))
     return out
 
