@@ -237,9 +237,9 @@ def place_params(
     if widened:
         log.warning(
             "%s: the stages' layers at one stage layer hold them in different formats (the "
-            "mix of a Q*_K_M file), so they load in float (%.2f GiB in all); on one device "
+            "mix of a Q*_K_M file), so they load in float (%.1f MiB in all); on one device "
             "they stay in blocks",
-            ", ".join(sorted(widened)), sum(widened.values()) / 2**30,
+            ", ".join(sorted(widened)), sum(widened.values()) / 2**20,
         )  # fmt: skip
     return params
 
