@@ -45,7 +45,7 @@ from ..model.transformer import (
 )
 from ..ops.quant import HostQuant, QArray
 from .hugepages import Arena
-from .pipeline import Kind, block_axes, mtp_module, stage_block
+from .pipeline import Signature, block_axes, matrix_paths, mtp_module, stage_block
 from .placement import (
     Placement,
     Reader,
@@ -62,21 +62,17 @@ from .sharding import named, spec
 Stored = Callable[[tuple], str]  # a parameter path -> the type its checkpoint stores it in
 
 
-# A layer's signature (runs.py): its kind, and (path, stored type) of each of its matrices
-Signature = tuple[Kind, tuple[tuple[tuple, str], ...]]
-
-
 def layer_signatures(cfg: ModelConfig, stored: Stored | None) -> list[Signature]:
     """Per layer: its kind and, with `stored` (a checkpoint whose weights may differ in type
     from layer to layer: GGUF; parameter path -> the type the file stores it in), the type of
     each of its matrices."""
+    kinds = [cfg.kind(i) for i in range(cfg.n_layers)]
+    paths = matrix_paths(cfg, kinds) if stored is not None else {}
     sigs: list[Signature] = []
-    for i in range(cfg.n_layers):
-        kind = cfg.kind(i)
+    for i, kind in enumerate(kinds):
         formats: tuple[tuple[tuple, str], ...] = ()
         if stored is not None:
-            paths = [p for p, _ in _flat(stage_block(cfg, kind)) if quantizable(p)]
-            formats = tuple((p, stored(("layers", i, *p))) for p in paths)
+            formats = tuple((p, stored(("layers", i, *p))) for p in paths[kind])
         sigs.append((kind, formats))
     return sigs
 

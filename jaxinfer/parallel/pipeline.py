@@ -130,24 +130,31 @@ def block_axes(cfg: ModelConfig, kind: Kind) -> dict[tuple, tuple]:
     return {path: v.get_metadata()["axes"] for path, v in nnx.to_flat_state(nnx.state(block))}
 
 
-# A stage layer's signature (runs.py): its kind, and (path, type) of each of its matrices: the
-# type every stage's layer there stores it in, or "mixed" (such a stage layer is read in float)
+# A layer's or stage layer's signature (runs.py): its kind, and (path, type) of each of its
+# matrices: the type the file stores it in (for a stage layer, every stage's layer there, or
+# "mixed": such a stage layer is read in float)
 Signature = tuple[Kind, tuple[tuple[tuple, str], ...]]
+
+
+def matrix_paths(cfg: ModelConfig, kinds) -> dict[Kind, list[tuple]]:
+    """Per layer kind of `kinds`: the paths of its matrices (what a file may keep in blocks),
+    traced once per kind."""
+    return {kind: [p for p, _ in nnx.to_flat_state(nnx.state(stage_block(cfg, kind)))
+                   if quantizable(p)] for kind in set(kinds)}  # fmt: skip
 
 
 def stage_signatures(cfg: ModelConfig, plan: StagePlan, stored) -> list[Signature]:
     """Per stage layer: its kind and, with `stored` (parameter path -> the type a GGUF file
     stores it in), the type of each of its matrices over the stages' layers there."""
+    paths = matrix_paths(cfg, plan.kinds) if stored is not None else {}
     sigs: list[Signature] = []
     for j, kind in enumerate(plan.kinds):
         formats: tuple[tuple[tuple, str], ...] = ()
         if stored is not None:
             layers = [row[j] for row in plan.layer_of if row[j] >= 0]
-            paths = [p for p, _ in nnx.to_flat_state(nnx.state(stage_block(cfg, kind)))
-                     if quantizable(p)]  # fmt: skip
-            types = [{stored(("layers", n, *p)) for n in layers} for p in paths]
+            types = [{stored(("layers", n, *p)) for n in layers} for p in paths[kind]]
             formats = tuple((p, t.pop() if len(t) == 1 else "mixed")
-                            for p, t in zip(paths, types, strict=True))  # fmt: skip
+                            for p, t in zip(paths[kind], types, strict=True))  # fmt: skip
         sigs.append((kind, formats))
     return sigs
 
