@@ -61,7 +61,7 @@ class _Active:
     token: int = 0  # the next input token
     pos: int = 0  # its position
     left: int = 0  # tokens still allowed
-    admitted: float = 0.0  # clock at admission
+    prefilled: float = 0.0  # seconds of the prefill calls that computed its context
     since: float = 0.0  # clock at its first decoded token: its time slice starts
     drafting: Drafting = field(default_factory=Drafting)  # n-gram: verify or plain calls
 
@@ -146,8 +146,10 @@ class Scheduler:
 
     def _admit(self) -> None:
         while self.queue:
-            state = self._next()
-            if len(self.running) >= self.shapes.rows and not self._preempt(state):
+            order = self._order()
+            if len(self.running) < self.shapes.rows:
+                state = order[0]
+            elif (state := self._preempt(order)) is None:
                 return
             # A preempted request resumes by computing what it made too (its full pages are
             # prefix hits where the cache is on); its next token is then sampled at the
@@ -163,19 +165,19 @@ class Scheduler:
                 state.admitted_at = time.perf_counter()
                 state.cached_tokens = lease.cached_tokens
             active = _Active(state, self._free_states.pop(), lease, context, lease.cached_tokens)
-            active.admitted = self.clock()
             if self._chooses:
                 active.drafting = Drafting.start(context)
             self.running.append(active)
 
-    def _next(self) -> RequestState:
-        """The queued request a free slot goes to: one of the client (group) that runs the
-        fewest requests (a request without a group is a client of its own), so that a job of
-        128 choices delays another client's request by one choice, not by all of them; among
-        those, of the client served least so far (the tokens computed for its requests still
-        here: least attained service, so a new client's request goes before one preempted
-        after its slice); the oldest among equals. The first QUEUE_SCAN queued requests are
-        looked at (the rest wait in order): a generate() list of thousands stays cheap."""
+    def _order(self) -> list[RequestState]:
+        """The queued requests in the order free rows go to them: first those of the client
+        (group) that runs the fewest requests (a request without a group is a client of its
+        own), so that a job of 128 choices delays another client's request by one choice,
+        not by all of them; among those, of the client served least so far (the tokens
+        computed for its requests still here: least attained service, so a new client's
+        request goes before one preempted after its slice); the oldest among equals. The
+        first QUEUE_SCAN queued requests are looked at (the rest wait in order): a
+        generate() list of thousands stays cheap."""
         running: Counter[object] = Counter()
         served: Counter[object] = Counter()
         for a in self.running:
@@ -184,43 +186,48 @@ class Scheduler:
         head = list(itertools.islice(self.queue, QUEUE_SCAN))
         for state in head:
             served[_group(state)] += state.served
-        return min(head, key=lambda s: (running[_group(s)], served[_group(s)]))
+        return sorted(head, key=lambda s: (running[_group(s)], served[_group(s)]))
 
-    def _preempt(self, waiting: RequestState) -> bool:
-        """Free a row for `waiting` when every row is taken: the running request of the group
-        that runs the most, among those that have decoded for their time slice and whose
-        group runs at least two more than `waiting`'s, or one more and may still make more
-        tokens than `waiting` may (max_new_tokens left: the shorter job first, so that equal
-        requests of single clients are served in order rather than in turns), goes back to
-        the queue's end (vLLM's recompute preemption: its pages are given back, and its
-        resumption computes its prompt and tokens again, the cached full pages excepted). A
-        slice is `time_slice` or four times the request's last prefill,
-        whichever is longer, so that recomputing costs it at most a fifth of its time. A
-        request's wait for a row is thus bounded by about one slice however long the others
-        generate; a job's own choices never preempt each other."""
+    def _preempt(self, order: list[RequestState]) -> RequestState | None:
+        """When every row is taken: the first request of `order` for which a running one
+        gives its row back, or None. The running request of the group that runs the most,
+        among those that have decoded for their time slice and whose group runs at least
+        two more than the waiting request's, or one more and may still make more tokens
+        than it may (max_new_tokens left: the shorter job first, so that equal requests of
+        single clients are served in order rather than in turns), goes back to the queue's
+        end (vLLM's recompute preemption: its pages are given back, and its resumption
+        computes its prompt and tokens again, the cached full pages excepted). A request
+        that no running one may give way to (a longer job than all of them) does not hold
+        up those behind it that one may. A slice is `time_slice` or four times the prefill
+        calls that computed the request's context (their time, not the wall time since its
+        admission, which waiting behind other prompts' chunks would stretch), whichever is
+        longer, so that recomputing costs it at most a fifth of its time. A request's wait
+        for a row is thus bounded by about one slice however long the others generate; a
+        job's own choices never preempt each other."""
         if not self.time_slice:
-            return False
+            return None
         now = self.clock()
-        running = Counter(_group(a.state) for a in self.running)
-        mine = running[_group(waiting)]
 
-        def due(a: _Active) -> bool:
-            return now - a.since >= max(self.time_slice, 4 * (a.since - a.admitted))
+        def slice_over(a: _Active) -> bool:
+            return a.decoding and now - a.since >= max(self.time_slice, 4 * a.prefilled)
 
-        wants = waiting.budget - len(waiting.token_ids)  # the most tokens it may still make
-
-        def fair(a: _Active) -> bool:  # its client would still run as many as `waiting`'s
-            load = running[_group(a.state)]
-            return load > mine + 1 or (load > mine and a.left > wants)
-
-        ripe = [a for a in self.running if a.decoding and fair(a) and due(a)]
+        ripe = [a for a in self.running if slice_over(a)]
         if not ripe:
-            return False
-        victim = max(ripe, key=lambda a: (running[_group(a.state)], now - a.since))
-        self._retire(victim)
-        self.queue.append(victim.state)
-        self.perf.preempted += 1
-        return True
+            return None
+        running = Counter(_group(a.state) for a in self.running)
+        for waiting in order:
+            mine = running[_group(waiting)]
+            wants = waiting.budget - len(waiting.token_ids)  # the most tokens it may make
+            loads = [(a, running[_group(a.state)]) for a in ripe]
+            # its client still runs as many as waiting's once it gives its row back
+            victims = [a for a, n in loads if n > mine + 1 or (n > mine and a.left > wants)]
+            if victims:
+                victim = max(victims, key=lambda a: (running[_group(a.state)], now - a.since))
+                self._retire(victim)
+                self.queue.append(victim.state)
+                self.perf.preempted += 1
+                return waiting
+        return None
 
     def _run(self, name: str, *inputs):
         """A compiled call (Executor.run), after the pages it may overwrite are spilled."""
@@ -285,10 +292,12 @@ class Scheduler:
         chunk = Chunk(tokens, view)  # type: ignore[arg-type]  # host rows, put later
         first, lp = self._run("prefill", chunk, window, sampling)
         first, lp = np.asarray(first), self._logprobs(rows, lp)
-        self.perf.prompt_ms += (self.clock() - t0) * 1e3
+        seconds = self.clock() - t0
+        self.perf.prompt_ms += seconds * 1e3
         self.perf.prompt_tokens += int(length.sum())
         for b, active in enumerate(rows):
             active.offset += int(length[b])
+            active.prefilled += seconds
             active.state.served += int(length[b])
             self.kv.started(active.kv)
             self._register(active, active.offset)

@@ -22,7 +22,7 @@ OPTS = dict(
     max_seq_len=512, prefill_buckets=(16, 64), kv_cache_tokens=2048, page_size=16, slots=2,
 )  # fmt: skip
 # long enough that the late request overtakes them even when a loaded machine makes the
-# slice (4x the last prefill) long: 300 tokens failed twice in full default-tier runs
+# slice (4x its prefill's calls) long: 300 tokens failed twice in full default-tier runs
 LONG = dict(max_new_tokens=460, ignore_eos=True)
 
 
@@ -111,6 +111,30 @@ def test_a_grammar_request_resumes_in_its_grammar(stories):
     assert got[0].token_ids == want[0].token_ids
     if got[0].finish_reason == "stop":
         jsonschema.validate(json.loads(got[0].text), PERSON)
+
+
+def test_a_longer_job_that_preempts_nobody_does_not_hold_up_a_shorter_one(stories):
+    """Two long requests fill both slots; a third client's longer job (no running request
+    gives way to it: the shorter job first) queues, then a fourth client's short request: the
+    short one still takes a slot at once, not after the longer job; all end with the tokens
+    of the engine without preemption."""
+    prompts = _prompts(stories["on"])
+    params = [jaxinfer.SamplingParams(temperature=0, **LONG)] * 2
+    longer = jaxinfer.SamplingParams(temperature=0, max_new_tokens=480, ignore_eos=True)
+    want = stories["off"].generate(prompts[2], sampling=longer).token_ids
+    engine = stories["on"]
+    requests = [engine.submit(p, sampling=s) for p, s in zip(prompts[:2], params, strict=True)]
+    while not all(r.state.token_ids for r in requests):
+        engine.step()
+    waiting = engine.submit(prompts[2], sampling=longer)
+    short = engine.submit(prompts[3], max_new_tokens=4, temperature=0)
+    short.result()
+    assert not any(r.done for r in requests), "the short request queued behind the longer job"
+    assert not waiting.state.token_ids  # it still waits: nobody gave way to it
+    assert waiting.result().token_ids == want
+    assert short.result().token_ids == stories["off"].generate(
+        prompts[3], max_new_tokens=4, temperature=0).token_ids  # fmt: skip
+    assert engine.kv_stats()["pages_in_use"] == 0
 
 
 def test_a_clients_own_requests_never_preempt_each_other(stories):
