@@ -273,6 +273,8 @@ class Worker:
             # chunk costs many single-token steps (grammars), so it cannot go every loop.
             if self._tasks and (not self._live or spent["tasks"] <= spent["steps"]):
                 spent["tasks"] += _timed(self._advance)
+                if not self._drain(block=False):  # what came in meanwhile joins this step
+                    break
             if self._live:
                 spent["steps"] += _timed(self._step)
             if not self._tasks:
