@@ -21,7 +21,8 @@ can send within the server's default limits (the refused ones are refused within
 Targets (issue 47): steady p99 with everything at once <= 3x its quiet p99 + 0.5 s; server
 peak RSS growth < 500 MB. A last phase runs all but the two bodies of 15 and 17 MiB, whose
 JSON parsing (the GIL's) weighs most. Writes benchmarks/results/noisy.md.
-Usage: python benchmarks/noisy.py [--requests 20]
+Usage: python benchmarks/noisy.py [--requests 20] [--phases "all at once,..."]
+    [--serve-args "--time-slice-ms 50"]
 """
 
 import http.client
@@ -155,6 +156,10 @@ def phase(port: int, count: int, loads: list) -> tuple[list[float], list]:
 def main() -> None:
     ap = harness.parser(__doc__)
     ap.add_argument("--requests", type=int, default=20, help="steady requests per phase")
+    ap.add_argument(
+        "--phases", help="only these phases (comma-separated names; the quiet one always runs)"
+    )
+    ap.add_argument("--serve-args", default="", help="more `jaxinfer serve` flags (one string)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = harness.write_random_gguf(
@@ -164,7 +169,7 @@ def main() -> None:
         port = 18000 + os.getpid() % 1000
         server = subprocess.Popen(
             [sys.executable, "-m", "jaxinfer.cli", "serve", "-m", str(model), "--port", str(port),
-             "-np", str(SLOTS), "-c", "4096"],
+             "-np", str(SLOTS), "-c", "4096", *args.serve_args.split()],
             env=harness.worker_env(), stderr=subprocess.DEVNULL,
         )  # fmt: skip
         try:
@@ -180,6 +185,8 @@ def main() -> None:
             phases = [*((name, [fn]) for name, fn in loads.items()),
                       ("all at once", list(loads.values())),
                       ("all at once but the MiB bodies", small)]  # fmt: skip
+            if args.phases:
+                phases = [p for p in phases if p[0] in args.phases.split(",")]
             for name, chosen in phases:
                 lat, statuses = phase(port, args.requests, chosen)
                 all_lat[name] = lat
