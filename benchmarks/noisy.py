@@ -21,7 +21,7 @@ can send within the server's default limits (the refused ones are refused within
 Targets (issue 47): steady p99 with everything at once <= 3x its quiet p99 + 0.5 s; server
 peak RSS growth < 500 MB. A last phase runs all but the two bodies of 15 and 17 MiB, whose
 JSON parsing (the GIL's) weighs most. Writes benchmarks/results/noisy.md.
-Usage: python benchmarks/noisy.py [--requests 20] [--phases "all at once,..."]
+Usage: python benchmarks/noisy.py [--requests 20] [--phases "all at once;echo"]
     [--serve-args "--time-slice-ms 50"]
 """
 
@@ -157,7 +157,9 @@ def main() -> None:
     ap = harness.parser(__doc__)
     ap.add_argument("--requests", type=int, default=20, help="steady requests per phase")
     ap.add_argument(
-        "--phases", help="only these phases (comma-separated names; the quiet one always runs)"
+        "--phases",
+        help="only the phases whose names hold one of these (separated by ';'); "
+        "the quiet one always runs",
     )
     ap.add_argument("--serve-args", default="", help="more `jaxinfer serve` flags (one string)")
     args = ap.parse_args()
@@ -186,7 +188,8 @@ def main() -> None:
                       ("all at once", list(loads.values())),
                       ("all at once but the MiB bodies", small)]  # fmt: skip
             if args.phases:
-                phases = [p for p in phases if p[0] in args.phases.split(",")]
+                wanted = [w.strip() for w in args.phases.split(";") if w.strip()]
+                phases = [p for p in phases if any(w in p[0] for w in wanted)]
             for name, chosen in phases:
                 lat, statuses = phase(port, args.requests, chosen)
                 all_lat[name] = lat
