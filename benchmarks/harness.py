@@ -108,10 +108,17 @@ def cpu() -> str:
 
 
 def write_result(name: str, text: str, out: Path | None = None) -> Path:
-    """Write `text` to benchmarks/results/<name>.md (or `out`), with the CPU line last."""
+    """Write `text` to benchmarks/results/<name>.md (or `out`), with the CPU line last (and
+    before it, where PEER_REPACK=0 took llama.cpp's repacked weights away, a line that says
+    so: workers/peer.py)."""
     path = out or RESULTS / f"{name}.md"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(f"{text.rstrip()}\n\nCPU: {cpu()}\n")
+    peer = ""
+    if os.environ.get("PEER_REPACK") == "0":
+        peer = (
+            "llama.cpp ran without its extra buffer types (PEER_REPACK=0: no repacked weights)\n\n"
+        )
+    path.write_text(f"{text.rstrip()}\n\n{peer}CPU: {cpu()}\n")
     print(f"wrote {path}")
     return path
 

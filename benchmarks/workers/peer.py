@@ -8,10 +8,18 @@ Usage: peer.py GGUF THREADS N_CTX [KV_TYPE] (f16, llama-bench's default, or q8_0
 {"test": "pp" | "tg", "n": N, "depth": D} with {"ts": tokens/s by llama.cpp's own counters}.
 {"test": "rss"} answers the process's peak resident bytes so far (VmHWM) as "ts".
 greedy.py opens its model the same way (context()).
+
+PEER_REPACK=0 in the environment loads without llama.cpp's extra buffer types (weights
+repacked for AMX or for its interleaved CPU kernels: `use_extra_bufts`, llama-bench's
+`--no-repack`) for a CPU where they crash: llama-cpp-python 0.3.36's native build on a
+Sapphire Rapids VM segfaults at its first AMX product (llama.cpp#20824) and, weights forced
+into CPU_REPACK instead, at load on Q5_K / Q6_K / Q8_0 tensors. A peer without them is slower
+than llama-bench on prompts: say so beside its figures (results files name it).
 """
 
 import ctypes
 import json
+import os
 import sys
 
 import llama_cpp as L
@@ -29,6 +37,7 @@ def context(path: str, threads: int, n_ctx: int, kv_type: str = "f16"):
     L.llama_backend_init()
     mp = L.llama_model_default_params()
     mp.n_gpu_layers = 0
+    mp.use_extra_bufts = os.environ.get("PEER_REPACK", "1") != "0"
     model = L.llama_model_load_from_file(path.encode(), mp)
     cp = L.llama_context_default_params()
     cp.n_ctx, cp.n_batch, cp.n_ubatch = n_ctx, 512, 512
