@@ -146,10 +146,9 @@ class Scheduler:
 
     def _admit(self) -> None:
         while self.queue:
-            order = self._order()
-            if len(self.running) < self.shapes.rows:
-                state = order[0]
-            elif (state := self._preempt(order)) is None:
+            full = len(self.running) >= self.shapes.rows
+            state = self._preempt() if full else self._order()[0]
+            if state is None:
                 return
             # A preempted request resumes by computing what it made too (its full pages are
             # prefix hits where the cache is on); its next token is then sampled at the
@@ -188,11 +187,11 @@ class Scheduler:
             served[_group(state)] += state.served
         return sorted(head, key=lambda s: (running[_group(s)], served[_group(s)]))
 
-    def _preempt(self, order: list[RequestState]) -> RequestState | None:
-        """When every row is taken: the first request of `order` for which a running one
-        gives its row back, or None. The running request of the group that runs the most,
-        among those that have decoded for their time slice and whose group runs at least
-        two more than the waiting request's, or one more and may still make more tokens
+    def _preempt(self) -> RequestState | None:
+        """When every row is taken: the first queued request (in `_order`) for which a
+        running one gives its row back, or None. The running request of the group that runs
+        the most, among those that have decoded for their time slice and whose group runs at
+        least two more than the waiting request's, or one more and may still make more tokens
         than it may (max_new_tokens left: the shorter job first, so that equal requests of
         single clients are served in order rather than in turns), goes back to the queue's
         end (vLLM's recompute preemption: its pages are given back, and its resumption
@@ -215,14 +214,15 @@ class Scheduler:
         if not ripe:
             return None
         running = Counter(_group(a.state) for a in self.running)
-        for waiting in order:
+        loads = [(a, running[_group(a.state)]) for a in ripe]
+        for waiting in self._order():
             mine = running[_group(waiting)]
             wants = waiting.budget - len(waiting.token_ids)  # the most tokens it may make
-            loads = [(a, running[_group(a.state)]) for a in ripe]
             # its client still runs as many as waiting's once it gives its row back
-            victims = [a for a, n in loads if n > mine + 1 or (n > mine and a.left > wants)]
+            victims = [(n, now - a.since, a) for a, n in loads
+                       if n > mine + 1 or (n > mine and a.left > wants)]  # fmt: skip
             if victims:
-                victim = max(victims, key=lambda a: (running[_group(a.state)], now - a.since))
+                victim = max(victims, key=lambda v: v[:2])[2]
                 self._retire(victim)
                 self.queue.append(victim.state)
                 self.perf.preempted += 1
