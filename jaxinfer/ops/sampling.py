@@ -170,17 +170,29 @@ def logprobs(logits, tokens, rows: SamplingRows) -> Logprobs:
     return token_logprobs(logits, tokens, jnp.any(rows.ints[:, _C["logprobs"]] >= 0))
 
 
+LOGPROB_ROWS = 64  # positions whose log-softmax is taken at once (token_logprobs)
+
+
 def token_logprobs(logits, tokens, want) -> Logprobs:
     """logits [..., V] float32, tokens [...] (negative: none) -> their Logprobs [...] where
     `want` (a traced bool), else zeros. Always the MAX_LOGPROBS best: one static width, so
-    that the k a caller shows (a host slice) compiles nothing."""
+    that the k a caller shows (a host slice) compiles nothing. More than LOGPROB_ROWS
+    positions (a scoring chunk's) go LOGPROB_ROWS at a time: the log-softmax and top-k
+    temporaries are [LOGPROB_ROWS, V], not [T, V] (125 MiB at 512 x 32k)."""
     V = logits.shape[-1]
 
-    def compute(_):
-        lp = jax.nn.log_softmax(logits, axis=-1)
-        at = jnp.maximum(tokens, 0)[..., None]
+    def row(lt):  # (logits [V], token []) -> Logprobs []
+        lp = jax.nn.log_softmax(lt[0])
         values, ids = jax.lax.top_k(lp, min(MAX_LOGPROBS, V))
-        return Logprobs(jnp.take_along_axis(lp, at, axis=-1)[..., 0], ids.astype(jnp.int32), values)
+        return Logprobs(lp[jnp.maximum(lt[1], 0)], ids.astype(jnp.int32), values)
+
+    def compute(_):
+        flat = (logits.reshape(-1, V), tokens.reshape(-1))
+        if flat[1].shape[0] <= LOGPROB_ROWS:
+            out = jax.vmap(row)(flat)
+        else:  # a loop over blocks of LOGPROB_ROWS rows (the last one ragged)
+            out = jax.lax.map(row, flat, batch_size=LOGPROB_ROWS)
+        return jax.tree.map(lambda a: a.reshape(*tokens.shape, *a.shape[1:]), out)
 
     empty = Logprobs.empty(tokens.shape, V)
     return jax.lax.cond(want, compute, lambda _: empty, None)

@@ -8,7 +8,15 @@ import pytest
 from support.models import GOLDEN
 
 from jaxinfer import SamplingParams
-from jaxinfer.ops.sampling import PENALTY_WINDOW, SamplingRows, accept, argmax, sample
+from jaxinfer.ops.sampling import (
+    PENALTY_WINDOW,
+    SamplingRows,
+    accept,
+    argmax,
+    sample,
+    token_logprobs,
+)
+from jaxinfer.options import MAX_LOGPROBS
 
 FREE = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
 
@@ -202,3 +210,23 @@ def test_greedy_with_penalties_matches_definition(stories_hf, repeat, presence, 
         z[ids] = np.where(z[ids] > 0, z[ids] / repeat, z[ids] * repeat)
         z[ids] -= presence + frequency * counts
         assert tok == int(np.argmax(z)), f"step {i}"
+
+
+@pytest.mark.parametrize("lead", [(5,), (2, 70), (1, 512)])
+def test_token_logprobs_match_a_float64_log_softmax(lead):
+    """Each position's token log-probability and MAX_LOGPROBS best against NumPy's float64
+    log-softmax, few positions at once and many (taken LOGPROB_ROWS at a time, the last block
+    ragged), a negative token giving none."""
+    V = 3001
+    rng = np.random.default_rng(len(lead))
+    logits = rng.standard_normal((*lead, V)).astype(np.float32) * 4
+    tokens = rng.integers(-1, V, lead).astype(np.int32)
+    got = jax.jit(lambda lg, tk: token_logprobs(lg, tk, True))(logits, tokens)
+    x = logits.astype(np.float64)
+    lp = x - x.max(-1, keepdims=True)
+    lp -= np.log(np.exp(lp).sum(-1, keepdims=True))
+    want = np.take_along_axis(lp, np.maximum(tokens, 0)[..., None], -1)[..., 0]
+    np.testing.assert_allclose(np.asarray(got.token), want, rtol=0, atol=2e-5)
+    best = np.argsort(-lp, axis=-1)[..., :MAX_LOGPROBS]
+    np.testing.assert_array_equal(np.asarray(got.ids), best)
+    np.testing.assert_allclose(np.asarray(got.values), np.take_along_axis(lp, best, -1), atol=2e-5)
