@@ -43,7 +43,7 @@ from .perf import PerfStats
 from .request import RequestState, StreamPiece
 
 Delivery = tuple[RequestState, StreamPiece]
-QUEUE_SCAN = 512  # queued requests `_next` compares (a server queues at most max_queue)
+QUEUE_SCAN = 512  # queued requests `_ranked` compares (a server queues at most max_queue)
 SHARED_SCORE_CHUNK = 128  # most tokens of a scoring chunk while requests run beside it
 
 
@@ -146,8 +146,11 @@ class Scheduler:
 
     def _admit(self) -> None:
         while self.queue:
-            full = len(self.running) >= self.shapes.rows
-            state = self._preempt() if full else self._order()[0]
+            if len(self.running) >= self.shapes.rows:
+                state = self._preempt()
+            else:
+                head, key = self._ranked()
+                state = min(head, key=key)
             if state is None:
                 return
             # A preempted request resumes by computing what it made too (its full pages are
@@ -168,8 +171,9 @@ class Scheduler:
                 active.drafting = Drafting.start(context)
             self.running.append(active)
 
-    def _order(self) -> list[RequestState]:
-        """The queued requests in the order free rows go to them: first those of the client
+    def _ranked(self) -> tuple[list[RequestState], Callable[[RequestState], tuple]]:
+        """The queued requests looked at, and the key that orders them as free rows go to
+        them (the least first): first those of the client
         (group) that runs the fewest requests (a request without a group is a client of its
         own), so that a job of 128 choices delays another client's request by one choice,
         not by all of them; among those, of the client served least so far (the tokens
@@ -185,10 +189,10 @@ class Scheduler:
         head = list(itertools.islice(self.queue, QUEUE_SCAN))
         for state in head:
             served[_group(state)] += state.served
-        return sorted(head, key=lambda s: (running[_group(s)], served[_group(s)]))
+        return head, lambda s: (running[_group(s)], served[_group(s)])
 
     def _preempt(self) -> RequestState | None:
-        """When every row is taken: the first queued request (in `_order`) for which a
+        """When every row is taken: the first queued request (in `_ranked` order) for which a
         running one gives its row back, or None. The running request of the group that runs
         the most, among those that have decoded for their time slice and whose group runs at
         least two more than the waiting request's, or one more and may still make more tokens
@@ -215,7 +219,8 @@ class Scheduler:
             return None
         running = Counter(_group(a.state) for a in self.running)
         loads = [(a, running[_group(a.state)]) for a in ripe]
-        for waiting in self._order():
+        head, key = self._ranked()
+        for waiting in sorted(head, key=key):
             mine = running[_group(waiting)]
             wants = waiting.budget - len(waiting.token_ids)  # the most tokens it may make
             # its client still runs as many as waiting's once it gives its row back
