@@ -13,7 +13,9 @@ The stage layers are cut into runs of a repeated unit (runs.py) as depth-shared 
 a loop over the unit with one traced body per unit position, so a program's size follows the
 number of distinct units, not the depth. That holds where the CPU kernels read a stack's
 entry in place (float32, no tensor split); elsewhere every stage layer is a run of its own
-(unrolled). Inside `jax.shard_map` over `pp`, rows are split into microbatches that flow stage
+(unrolled). A weight whose stages' layers hold it in different block formats (a Q4_K_M
+file's Q6_K layers) is one stack per format, and a layer picks its own (Mix). Inside
+`jax.shard_map` over `pp`, rows are split into microbatches that flow stage
 to stage with `lax.ppermute` (GPipe): with M microbatches all stages work at once after a
 bubble of pp - 1 steps; with one row the stages run in sequence, as llama.cpp's layer split
 does. Other mesh axes (tp) stay automatic inside the stages.
@@ -52,7 +54,7 @@ from ..model.transformer import (
     rope_inv_freq,
     rope_table,
 )
-from ..ops.quant import HostQuant, QArray
+from ..ops.quant import FORMATS, GGML_FORMATS, HostQuant, QArray
 from .placement import (
     Placement,
     Reader,
@@ -131,9 +133,13 @@ def block_axes(cfg: ModelConfig, kind: Kind) -> dict[tuple, tuple]:
 
 
 # A layer's or stage layer's signature (runs.py): its kind, and (path, type) of each of its
-# matrices: the type the file stores it in (for a stage layer, every stage's layer there, or
-# "mixed": such a stage layer is read in float)
+# matrices: the type the file stores it in (for a stage layer, every stage's layer there;
+# "Q4_K|Q6_K" where the layers of its kind hold it in several block formats: one stack per
+# format, see Mix; "mixed" where the types include a float one: read in float)
 Signature = tuple[Kind, tuple[tuple[tuple, str], ...]]
+
+# GGUF types kept in blocks whatever the compute dtype (16-bit floats are not: see loader)
+BLOCK_TYPES = frozenset(f.ggml for f in FORMATS.values() if f.ggml and f.block > 1)
 
 
 def matrix_paths(cfg: ModelConfig, kinds) -> dict[Kind, list[tuple]]:
@@ -145,18 +151,89 @@ def matrix_paths(cfg: ModelConfig, kinds) -> dict[Kind, list[tuple]]:
 
 def stage_signatures(cfg: ModelConfig, plan: StagePlan, stored) -> list[Signature]:
     """Per stage layer: its kind and, with `stored` (parameter path -> the type a GGUF file
-    stores it in), the type of each of its matrices over the stages' layers there."""
+    stores it in), the type of each of its matrices over the stages' layers there. A matrix
+    that the layers of one kind hold in several block formats (a Q4_K_M file's ffn_down and
+    attn_v: Q6_K in some layers) gets their union on every stage layer of the kind, so that
+    those stage layers still form one run (Mix keeps each format in its own stack)."""
     paths = matrix_paths(cfg, plan.kinds) if stored is not None else {}
+    union: dict[tuple[Kind, tuple], str] = {}
+    for kind, kind_paths in paths.items():
+        layers = [n for row in plan.layer_of for j, n in enumerate(row)
+                  if n >= 0 and plan.kinds[j] == kind]  # fmt: skip
+        for p in kind_paths:
+            types = {stored(("layers", n, *p)) for n in layers}
+            if len(types) > 1 and types <= BLOCK_TYPES:
+                union[kind, p] = "|".join(sorted(types))
     sigs: list[Signature] = []
     for j, kind in enumerate(plan.kinds):
         formats: tuple[tuple[tuple, str], ...] = ()
         if stored is not None:
             layers = [row[j] for row in plan.layer_of if row[j] >= 0]
-            types = [{stored(("layers", n, *p)) for n in layers} for p in paths[kind]]
-            formats = tuple((p, t.pop() if len(t) == 1 else "mixed")
-                            for p, t in zip(paths[kind], types, strict=True))  # fmt: skip
+            formats = tuple((p, union.get((kind, p)) or _one({stored(("layers", n, *p))
+                                                               for n in layers}))
+                            for p in paths[kind])  # fmt: skip
         sigs.append((kind, formats))
     return sigs
+
+
+def _one(types: set[str]) -> str:
+    return types.pop() if len(types) == 1 else "mixed"
+
+
+@dataclass(frozen=True, eq=False)
+class Mix:
+    """A segment's matrices whose stages' layers hold them in different block formats (a
+    Q4_K_M file keeps ffn_down and attn_v in Q6_K in the first and last eighth of the layers
+    and every third between, so stage layer j of two stages often differs). Each such matrix
+    is one stack per format, [pp, depth, ...], holding each stage's entries of that format in
+    order (depth: the most any stage has; the others pad with zeros), so the layers stay in
+    blocks. An entry of the segment reads its formats (`combo`: which of `combos`) and its
+    index in each format's stack from per-stage tables; the layer body is traced once per
+    combination and a switch picks the entry's."""
+
+    paths: tuple[tuple, ...]  # the mixed matrices
+    combos: tuple[tuple[str, ...], ...]  # the formats (one per path) that entries take
+    combo: np.ndarray  # [pp, n] int32: an entry's index in combos, -1 where a stage has no layer
+    index: np.ndarray  # [pp, n, paths] int32: an entry's index in its format's stack
+
+    def stack(self, p: int, fmt: str, pp: int) -> tuple[list[list[int | None]], int]:
+        """The entries (segment positions, None = padding) of path p's stack of `fmt`, per
+        stage, and its depth."""
+        rows = [[n for n, c in enumerate(self.combo[s]) if c >= 0 and self.combos[c][p] == fmt]
+                for s in range(pp)]  # fmt: skip
+        depth = max(map(len, rows))
+        return [[*row, *[None] * (depth - len(row))] for row in rows], depth
+
+
+def segment_mix(plan: StagePlan, stage_layers: list[int], paths: list[tuple], stored
+                ) -> Mix | None:  # fmt: skip
+    """The Mix of the segment whose stage layers are `stage_layers` (in stack order), or None
+    where every matrix has one block format (or a float type is among them: read in float)."""
+    if stored is None:
+        return None
+    entries = [[plan.layer_of[s][j] for j in stage_layers] for s in range(plan.stages)]
+    real = [n for row in entries for n in row if n >= 0]
+    mixed = []
+    for p in paths:
+        types = {stored(("layers", n, *p)) for n in real}
+        if len(types) > 1 and types <= BLOCK_TYPES:
+            mixed.append(p)
+    if not mixed:
+        return None
+    fmts = [[tuple(stored(("layers", n, *p)) for p in mixed) if n >= 0 else None for n in row]
+            for row in entries]  # fmt: skip
+    combos = tuple(sorted({f for row in fmts for f in row if f is not None}))
+    combo = np.array([[-1 if f is None else combos.index(f) for f in row] for row in fmts],
+                     np.int32)  # fmt: skip
+    index = np.zeros((*combo.shape, len(mixed)), np.int32)
+    for s, row in enumerate(fmts):
+        for m in range(len(mixed)):
+            seen: dict[str, int] = {}
+            for n, f in enumerate(row):
+                if f is not None:
+                    index[s, n, m] = seen.setdefault(f[m], 0)
+                    seen[f[m]] += 1
+    return Mix(tuple(mixed), combos, combo, index)
 
 
 def stage_runs(signatures: list[Signature], shared: bool) -> tuple[Run[Signature], ...]:
@@ -176,17 +253,21 @@ def place_pipeline(
     plan = stage_plan(cfg, mesh.shape[AXIS])
     shared = shared and kernel_fits(mesh)
     runs = stage_runs(stage_signatures(cfg, plan, stored), shared)
-    params = place_params(read, cfg, mesh, rules, dtype, plan, runs)
-    runner = pipeline_runner(cfg, mesh, rules, kv_dtypes, plan, runs)
+    paths = matrix_paths(cfg, plan.kinds) if stored is not None else {}
+    mixes = [segment_mix(plan, run.stacked(seg), paths.get(seg.signature[0], []), stored)
+             for run in runs for seg in run.segments]  # fmt: skip
+    params = place_params(read, cfg, mesh, rules, dtype, plan, runs, mixes)
+    runner = pipeline_runner(cfg, mesh, rules, kv_dtypes, plan, runs, mixes)
     return Placement(name, mesh, rules, runner, params, cfg)
 
 
 def place_params(
     read: Reader, cfg: ModelConfig, mesh: Mesh, rules: dict, dtype, plan: StagePlan,
-    runs: tuple[Run, ...],
+    runs: tuple[Run, ...], mixes: list[Mix | None],
 ) -> dict:  # fmt: skip
     """Parameters in pipeline form: {embed, norm, [lm_head], [mtp], runs: [per run, per
-    segment of its unit, the segment's stage layers' parameters stacked [pp, n, ...]]}.
+    segment of its unit, the segment's stage layers' parameters stacked [pp, n, ...]]}; a
+    matrix of a segment's Mix is {format: its stack [pp, depth, ...]}.
 
     `read(path, shape, blocks)` gives one parameter of the plain model as a host array, or a
     HostQuant (path as in the dense model, e.g. ("layers", 3, "attn", "wq")). Each layer is
@@ -219,10 +300,12 @@ def place_params(
         params["mtp"] = nnx.to_pure_dict(nnx.from_flat_state(leaves))
     params["runs"] = []
     widened: dict[str, int] = {}  # weights whose stages mix formats, read in float: bytes
+    padding = 0  # bytes of the zero entries of per-format stacks (Mix)
+    mix_of = iter(mixes)
     for run in runs:
         units = []
         for seg in run.segments:
-            kind = seg.signature[0]
+            kind, mix = seg.signature[0], next(mix_of)
             mixed = {p for p, t in seg.signature[1] if t == "mixed"}
             entry: dict = {}
             flat = nnx.to_flat_state(nnx.state(stage_block(cfg, kind)))
@@ -233,14 +316,25 @@ def place_params(
                 for key in path[:-1]:
                     node = node.setdefault(key, {})
                 shape = v.get_value().shape
+                layers = run.stacked(seg)
+                if mix is not None and path in mix.paths:
+                    stacks = stack_formats(read, plan, layers, mix, path, shape, sharding, kernel)
+                    node[path[-1]] = stacks
+                    for fmt, w in stacks.items():
+                        rows, depth = mix.stack(mix.paths.index(path), fmt, plan.stages)
+                        pads = sum(n is None for row in rows for n in row)
+                        padding += _nbytes(w) * pads // (plan.stages * depth)
+                    continue
                 node[path[-1]] = stack_segment(
-                    read, plan, run.stacked(seg), path, shape, sharding, dtype, kernel
+                    read, plan, layers, path, shape, sharding, dtype, kernel
                 )
                 if path in mixed:
                     name = ".".join(map(str, path))
                     widened[name] = widened.get(name, 0) + _nbytes(node[path[-1]])
             units.append(entry)
         params["runs"].append(units)
+    if padding:
+        log.info("stacks per format: %.1f MiB of zero entries", padding / 2**20)
     if widened:
         log.warning(
             "%s: the stages' layers at one stage layer hold them in different formats (the "
@@ -269,23 +363,8 @@ def stack_segment(read: Reader, plan: StagePlan, stage_layers: list[int], path, 
              for s in range(pp)]  # fmt: skip
     real = [h for row in hosts for h in row if h is not None]
     fmts = {(h.fmt, h.width) if isinstance(h, HostQuant) else None for h in real}
-    if len(fmts) == 1 and None not in fmts:  # [pp][n] pieces: (array, shape) per part
-        pieces = [[h.pieces() if isinstance(h, HostQuant) else None for h in row]
-                  for row in hosts]  # fmt: skip
-        first = real[0]
-        assert isinstance(first, HostQuant)  # as every real layer's
-        ref = next(p for row in pieces for p in row if p is not None)  # first's pieces
-        shardings = quant_shardings(("layers", *path), first, sharding, lead=2)
-        parts = {}
-        for k, (part, piece_shape) in ref.items():
-
-            def entries(s, k=k, piece_shape=piece_shape, dtype=part.dtype):
-                return np.stack([np.reshape(p[k][0], piece_shape) if p is not None
-                                 else np.zeros(piece_shape, dtype)
-                                 for p in pieces[s]])  # fmt: skip
-
-            parts[k] = by_stage((pp, n, *piece_shape), shardings[k], entries)
-        return QArray(parts, first.fmt, first.width, kernel)
+    if len(fmts) == 1 and None not in fmts:
+        return stack_blocks(hosts, path, sharding, kernel)
     dt = param_dtype(path, dtype)
     if fmts != {None}:  # mixed formats: this segment is read in float
         hosts = [[read(("layers", plan.layer_of[s][j], *path), shape)
@@ -297,6 +376,43 @@ def stack_segment(read: Reader, plan: StagePlan, stage_layers: list[int], path, 
                          for h in hosts[s]])  # fmt: skip
 
     return for_kernel(path, by_stage((pp, n, *shape), sharding, floats), kernel, lead=2)
+
+
+def stack_blocks(hosts: list[list], path, sharding, kernel) -> QArray:
+    """Quantized weights of one format, hosts[stage][entry] (None: zeros, dequantizing to 0),
+    as one QArray [pp, n, ...] of `sharding`."""
+    pp, n = len(hosts), len(hosts[0])
+    pieces = [[None if h is None else h.pieces() for h in row] for row in hosts]  # (part, shape)
+    first = next(h for row in hosts for h in row if h is not None)
+    ref = next(p for row in pieces for p in row if p is not None)  # first's pieces
+    shardings = quant_shardings(("layers", *path), first, sharding, lead=2)
+    parts = {}
+    for k, (part, piece_shape) in ref.items():
+
+        def entries(s, k=k, piece_shape=piece_shape, dtype=part.dtype):
+            return np.stack([np.reshape(p[k][0], piece_shape) if p is not None
+                             else np.zeros(piece_shape, dtype)
+                             for p in pieces[s]])  # fmt: skip
+
+        parts[k] = by_stage((pp, n, *piece_shape), shardings[k], entries)
+    return QArray(parts, first.fmt, first.width, kernel)
+
+
+def stack_formats(read: Reader, plan: StagePlan, stage_layers: list[int], mix: Mix, path,
+                  shape, sharding, kernel) -> dict[str, QArray]:  # fmt: skip
+    """A Mix's matrix `path` as {format: the stack of the stages' entries in it}."""
+    p = mix.paths.index(path)
+    out = {}
+    for fmt in sorted({c[p] for c in mix.combos}):
+        rows, _ = mix.stack(p, fmt, plan.stages)
+        hosts = [[None if n is None else
+                  read(("layers", plan.layer_of[s][stage_layers[n]], *path), shape, blocks=True)
+                  for n in row] for s, row in enumerate(rows)]  # fmt: skip
+        got = {h.fmt if isinstance(h, HostQuant) else None for row in hosts for h in row
+               if h is not None}  # fmt: skip
+        assert got == {GGML_FORMATS[fmt].name}, (path, fmt, got)  # as `stored` says
+        out[fmt] = stack_blocks(hosts, path, sharding, kernel)
+    return out
 
 
 def by_stage(shape: tuple[int, ...], sharding: NamedSharding, stage) -> jax.Array:
@@ -322,8 +438,9 @@ def _stage(index) -> int:
 
 
 def pipeline_runner(
-    cfg: ModelConfig, mesh: Mesh, rules: dict, kv_dtypes, plan: StagePlan, runs: tuple[Run, ...]
-) -> Runner:
+    cfg: ModelConfig, mesh: Mesh, rules: dict, kv_dtypes, plan: StagePlan, runs: tuple[Run, ...],
+    mixes: list[Mix | None],
+) -> Runner:  # fmt: skip
     pp = plan.stages
     split = ExpertSplit.of(mesh, rules)
     entries = [(run, seg) for run in runs for seg in run.segments]  # one per cache entry
@@ -375,12 +492,24 @@ def pipeline_runner(
                             y, cache = carry
                             n = i * seg.repeat + k  # the stage layer's entry in the stacks
                             slot = run.first + i * run.width + seg.offset + k  # its stage layer
-                            body = partial(block, block_defs[e], layer_params(layers[r][j], n),
-                                           rope_tab=tab, view=v.replace(layer=n))  # fmt: skip
+                            view = v.replace(layer=n)
+
+                            def body(params):
+                                return lambda y, c: block(block_defs[e], params, y, tab, c, view)
+
+                            def skip(y, c):  # a stage without a layer here: y, cache untouched
+                                return y, c
+
                             with jax.named_scope(f"run_{r}/segment_{j}"):
-                                # a stage without a layer here passes y through, cache untouched
-                                return lax.cond(ok[slot], lambda y, c: body(x=y, kv=c),
-                                                lambda y, c: (y, c), y, cache)  # fmt: skip
+                                mix = mixes[e]
+                                if mix is None:
+                                    return lax.cond(ok[slot], body(layer_params(layers[r][j], n)),
+                                                    skip, y, cache)  # fmt: skip
+                                combo = jnp.asarray(mix.combo)[s, n]  # -1: no layer
+                                index = jnp.asarray(mix.index)[s, n]  # [paths]
+                                bodies = [body(mixed_params(layers[r][j], n, mix, c, index))
+                                          for c in range(len(mix.combos))]  # fmt: skip
+                                return lax.switch(combo + 1, [skip, *bodies], y, cache)
 
                         per_row = (view.state_index is None and M > 1
                                    and isinstance(caches[e], RecurrentState))  # fmt: skip
@@ -455,7 +584,7 @@ def pipeline_runner(
         caches=tuple(caches),
         state_axis=2,  # [pp, n, state ids, ...]
         stages=pp,
-        description=describe(plan, runs),
+        description=describe(plan, runs, mixes),
         mtp=draft if mtp else None,
         mtp_caches=mtp,
         mtp_kv_shardings=lambda: [cache_shardings(c, mesh, rules) for c in mtp],
@@ -463,13 +592,29 @@ def pipeline_runner(
     )
 
 
+def mixed_params(tree: dict, n, mix: Mix, c: int, index: jax.Array) -> dict:
+    """Entry n of a segment's stacks with a Mix: its matrices of mix.paths taken, in the
+    formats of combination c, from those formats' stacks at `index` [paths]."""
+
+    def walk(node, at: tuple):
+        if at in mix.paths:
+            p = mix.paths.index(at)
+            return layer_params(node[mix.combos[c][p]], index[p])
+        if isinstance(node, dict):
+            return {key: walk(value, (*at, key)) for key, value in node.items()}
+        return layer_params(node, n)
+
+    return walk(tree, ())
+
+
 def mtp_module(cfg: ModelConfig, split: ExpertSplit | None = None) -> MTP:
     """The abstract MTP head (shapes only)."""
     return nnx.eval_shape(lambda: MTP(cfg, nnx.Rngs(0), split))
 
 
-def describe(plan: StagePlan, runs: tuple[Run, ...]) -> str:
-    """Which layers each stage holds, and which stage layers share a traced body."""
+def describe(plan: StagePlan, runs: tuple[Run, ...], mixes: list[Mix | None]) -> str:
+    """Which layers each stage holds, which stage layers share a traced body, and the
+    matrices held in one stack per format (Mix)."""
     parts = []
     for s, layers in enumerate(plan.layer_of):
         real = [n for n in layers if n >= 0]
@@ -480,4 +625,12 @@ def describe(plan: StagePlan, runs: tuple[Run, ...]) -> str:
             else f"stage {s}: layer {real[0]}"
         )
         parts.append(text + (f" ({skip} of {len(layers)} stage layers skipped)" if skip else ""))
-    return "; ".join(parts) + "; " + describe_runs(runs, "stage layers")
+    text = "; ".join(parts) + "; " + describe_runs(runs, "stage layers")
+    formats: dict[str, set[str]] = {}
+    for mix in filter(None, mixes):
+        for p, path in enumerate(mix.paths):
+            formats.setdefault(".".join(map(str, path)), set()).update(c[p] for c in mix.combos)
+    if formats:
+        held = ", ".join(f"{name} ({'/'.join(sorted(f))})" for name, f in sorted(formats.items()))
+        text += f"; one stack per format: {held}"
+    return text

@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -677,6 +678,7 @@ def write_gguf(
     qtype: str = "F32",
     tokenizer: bool = True,
     chat_template: str | None = None,
+    qtypes: dict[str, str] | None = None,
 ) -> Path:
     """Write a llama.cpp-style GGUF; returns its path.
 
@@ -689,6 +691,8 @@ def write_gguf(
       else (norms, biases, rope_freqs, non-divisible matrices) stays F32. K-quants ("Q4_K",
       "Q5_K", "Q6_K"), which gguf-py cannot quantize, get random valid blocks of about the
       weights' scale instead: the file's weights are then unrelated to ``weights``.
+    * ``qtypes``: GGUF tensor name -> its type where it is not ``qtype`` (a Q4_K_M file's
+      Q6_K ffn_down and attn_v layers).
     * Mistral's sliding window is recorded as ``{arch}.attention.sliding_window``.
     """
     import gguf
@@ -700,7 +704,6 @@ def write_gguf(
     arch = arch or gguf_arch(config)
     hidden, heads, kv, hd = _dims(config)
     qt = GGMLQuantizationType[qtype.upper()]
-    block_size = GGML_QUANT_SIZES[qt][0]
 
     w = GGUFWriter(str(path), arch)
     w.add_name(f"tiny-{config['model_type']}")
@@ -759,6 +762,8 @@ def write_gguf(
 
     def add(name: str, arr: np.ndarray, quantizable: bool) -> None:
         arr = np.ascontiguousarray(np.asarray(arr, dtype=np.float32))
+        qt = GGMLQuantizationType[(qtypes or {}).get(name, qtype).upper()]
+        block_size = GGML_QUANT_SIZES[qt][0]
         if (
             quantizable
             and arr.ndim == 2
@@ -766,7 +771,8 @@ def write_gguf(
             and arr.shape[-1] % block_size == 0
         ):
             if qt.name.endswith("_K"):
-                data = random_k_blocks(arr.shape, qt.name, float(np.abs(arr).mean()))
+                seed = zlib.crc32(name.encode())  # each tensor its own blocks
+                data = random_k_blocks(arr.shape, qt.name, float(np.abs(arr).mean()), seed)
             else:
                 data = gguf.quants.quantize(arr, qt)
             if qt == GGMLQuantizationType.F16:
