@@ -14,7 +14,7 @@ import numpy as np
 
 from .. import kernels
 from ..ops.norm import rms_norm
-from ..ops.quant import QArray, dequantize, product_int8
+from ..ops.quant import QArray, QSwitch, dequantize, product_int8
 
 
 def linear(x: jax.Array, w, out_dtype=None) -> jax.Array:
@@ -33,7 +33,9 @@ def linears(x: jax.Array, ws, out_dtype=None, norm=None) -> list[jax.Array]:
     outs: list = [None] * len(ws)
     groups: dict[tuple[str, str, int], list[int]] = {}
     for i, w in enumerate(ws):
-        if isinstance(w, QArray) and w.kernel:  # a stack's entries share a call by layer
+        if isinstance(w, QSwitch):  # a weight in one of several formats: a branch each
+            outs[i] = w.apply(lambda q: linears(x, [q], out_dtype, norm)[0])
+        elif isinstance(w, QArray) and w.kernel:  # a stack's entries share a call by layer
             groups.setdefault((w.fmt, w.acts, id(w.layer)), []).append(i)
     if groups:
         flat = x.reshape(rows, x.shape[-1]).astype(jnp.float32)  # [M, I]

@@ -32,7 +32,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from .. import kernels
-from ..ops.quant import QArray
+from ..ops.quant import QArray, QSwitch
 from ..ops.vma import varying_like
 from .linear import linear
 
@@ -191,6 +191,15 @@ def experts(x, ids, weights, valid, w_gate, w_up, w_down, split: ExpertSplit | N
     place for weights `whole` on one device (kernels.expert_products for quantized ones,
     kernels.grouped_product for plain ones) or where the accelerators want them
     (kernels.uses_grouped_experts: XLA's ragged dot), else the tile loop (`expert_ffn`)."""
+    ws = (w_gate, w_up, w_down)
+    for i, w in enumerate(ws):
+        if isinstance(w, QSwitch):  # a weight in one of several formats: a branch each
+
+            def picked(q, i=i):
+                one = [q if j == i else other for j, other in enumerate(ws)]
+                return experts(x, ids, weights, valid, one[0], one[1], one[2], split, whole)
+
+            return w.apply(picked)
     if isinstance(w_gate, QArray):
         products = kernels.expert_products((w_gate, w_up, w_down), whole)
     else:

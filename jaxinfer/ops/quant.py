@@ -142,6 +142,32 @@ class QArray:
         return dataclasses.replace(w, parts={k: fn(v) for k, v in w.parts.items()})
 
 
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class QSwitch:
+    """A layer's weight that its stack holds in one of several formats (pipeline stages
+    whose layers mix Q4_K and Q6_K: parallel/pipeline.py's Mix): options[pick] is the weight.
+    Its users run `apply`, one branch per format, each on a plain QArray; a branch computes
+    a product and updates no cache, so XLA copies nothing (a conditional whose branches
+    update a buffer in place copies it, measured)."""
+
+    options: tuple[QArray, ...]
+    pick: jax.Array  # int32 []
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.options[0].shape
+
+    def __getitem__(self, key):  # nnx reads a parameter as `param[...]`
+        if key is not Ellipsis:
+            raise TypeError("a QSwitch is read whole (w[...])")
+        return self
+
+    def apply(self, fn):
+        """fn(the picked QArray), one traced branch per format."""
+        return jax.lax.switch(self.pick, [lambda q=q: fn(q) for q in self.options])
+
+
 # ---------------------------------------------------------------------------------------------
 # Dequantization inside the program (jax.numpy); the reference is gguf-py's numpy dequantize.
 

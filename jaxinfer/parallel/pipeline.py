@@ -14,7 +14,7 @@ a loop over the unit with one traced body per unit position, so a program's size
 number of distinct units, not the depth. That holds where the CPU kernels read a stack's
 entry in place (float32, no tensor split); elsewhere every stage layer is a run of its own
 (unrolled). A weight whose stages' layers hold it in different block formats (a Q4_K_M
-file's Q6_K layers) is one stack per format, and a layer picks its own (Mix). Inside
+file's Q6_K layers) is one stack per format, and a layer's products pick its own (Mix). Inside
 `jax.shard_map` over `pp`, rows are split into microbatches that flow stage
 to stage with `lax.ppermute` (GPipe): with M microbatches all stages work at once after a
 bubble of pp - 1 steps; with one row the stages run in sequence, as llama.cpp's layer split
@@ -54,7 +54,7 @@ from ..model.transformer import (
     rope_inv_freq,
     rope_table,
 )
-from ..ops.quant import FORMATS, GGML_FORMATS, HostQuant, QArray
+from ..ops.quant import FORMATS, GGML_FORMATS, HostQuant, QArray, QSwitch
 from .placement import (
     Placement,
     Reader,
@@ -187,20 +187,18 @@ class Mix:
     and every third between, so stage layer j of two stages often differs). Each such matrix
     is one stack per format, [pp, depth, ...], holding each stage's entries of that format in
     order (depth: the most any stage has; the others pad with zeros), so the layers stay in
-    blocks. An entry of the segment reads its formats (`combo`: which of `combos`) and its
-    index in each format's stack from per-stage tables; the layer body is traced once per
-    combination and a switch picks the entry's."""
+    blocks. An entry reads its format and its index in that format's stack from per-stage
+    tables, and its products pick the format's branch (ops/quant.py's QSwitch)."""
 
     paths: tuple[tuple, ...]  # the mixed matrices
-    combos: tuple[tuple[str, ...], ...]  # the formats (one per path) that entries take
-    combo: np.ndarray  # [pp, n] int32: an entry's index in combos, -1 where a stage has no layer
+    formats: tuple[tuple[str, ...], ...]  # per path, its formats (GGUF type names, sorted)
+    which: np.ndarray  # [pp, n, paths] int32: an entry's format in formats[p], -1: no layer
     index: np.ndarray  # [pp, n, paths] int32: an entry's index in its format's stack
 
-    def stack(self, p: int, fmt: str, pp: int) -> tuple[list[list[int | None]], int]:
-        """The entries (segment positions, None = padding) of path p's stack of `fmt`, per
+    def stack(self, p: int, f: int) -> tuple[list[list[int | None]], int]:
+        """The entries (segment positions, None = padding) of path p's stack of format f, per
         stage, and its depth."""
-        rows = [[n for n, c in enumerate(self.combo[s]) if c >= 0 and self.combos[c][p] == fmt]
-                for s in range(pp)]  # fmt: skip
+        rows = [[n for n, w in enumerate(stage[:, p]) if w == f] for stage in self.which]
         depth = max(map(len, rows))
         return [[*row, *[None] * (depth - len(row))] for row in rows], depth
 
@@ -211,29 +209,27 @@ def segment_mix(plan: StagePlan, stage_layers: list[int], paths: list[tuple], st
     where every matrix has one block format (or a float type is among them: read in float)."""
     if stored is None:
         return None
-    entries = [[plan.layer_of[s][j] for j in stage_layers] for s in range(plan.stages)]
-    real = [n for row in entries for n in row if n >= 0]
-    mixed = []
-    for p in paths:
-        types = {stored(("layers", n, *p)) for n in real}
-        if len(types) > 1 and types <= BLOCK_TYPES:
-            mixed.append(p)
+    entries = np.array([[plan.layer_of[s][j] for j in stage_layers] for s in range(plan.stages)])
+    mixed: list[tuple] = []
+    formats: list[tuple[str, ...]] = []
+    for path in paths:
+        found = sorted({stored(("layers", int(n), *path)) for n in entries[entries >= 0]})
+        if len(found) > 1 and set(found) <= BLOCK_TYPES:
+            mixed.append(path)
+            formats.append(tuple(found))
     if not mixed:
         return None
-    fmts = [[tuple(stored(("layers", n, *p)) for p in mixed) if n >= 0 else None for n in row]
-            for row in entries]  # fmt: skip
-    combos = tuple(sorted({f for row in fmts for f in row if f is not None}))
-    combo = np.array([[-1 if f is None else combos.index(f) for f in row] for row in fmts],
-                     np.int32)  # fmt: skip
-    index = np.zeros((*combo.shape, len(mixed)), np.int32)
-    for s, row in enumerate(fmts):
-        for m in range(len(mixed)):
-            seen: dict[str, int] = {}
-            for n, f in enumerate(row):
-                if f is not None:
-                    index[s, n, m] = seen.setdefault(f[m], 0)
-                    seen[f[m]] += 1
-    return Mix(tuple(mixed), combos, combo, index)
+    which = np.full((*entries.shape, len(mixed)), -1, np.int32)
+    index = np.zeros_like(which)
+    for p, (path, types) in enumerate(zip(mixed, formats, strict=True)):
+        for s, row in enumerate(entries):
+            seen = [0] * len(types)
+            for n, layer in enumerate(row):
+                if layer >= 0:
+                    f = which[s, n, p] = types.index(stored(("layers", int(layer), *path)))
+                    index[s, n, p] = seen[f]
+                    seen[f] += 1
+    return Mix(tuple(mixed), tuple(formats), which, index)
 
 
 def stage_runs(signatures: list[Signature], shared: bool) -> tuple[Run[Signature], ...]:
@@ -320,8 +316,9 @@ def place_params(
                 if mix is not None and path in mix.paths:
                     stacks = stack_formats(read, plan, layers, mix, path, shape, sharding, kernel)
                     node[path[-1]] = stacks
-                    for fmt, w in stacks.items():
-                        rows, depth = mix.stack(mix.paths.index(path), fmt, plan.stages)
+                    p = mix.paths.index(path)
+                    for f, w in enumerate(stacks.values()):
+                        rows, depth = mix.stack(p, f)
                         pads = sum(n is None for row in rows for n in row)
                         padding += _nbytes(w) * pads // (plan.stages * depth)
                     continue
@@ -403,8 +400,8 @@ def stack_formats(read: Reader, plan: StagePlan, stage_layers: list[int], mix: M
     """A Mix's matrix `path` as {format: the stack of the stages' entries in it}."""
     p = mix.paths.index(path)
     out = {}
-    for fmt in sorted({c[p] for c in mix.combos}):
-        rows, _ = mix.stack(p, fmt, plan.stages)
+    for f, fmt in enumerate(mix.formats[p]):
+        rows, _ = mix.stack(p, f)
         hosts = [[None if n is None else
                   read(("layers", plan.layer_of[s][stage_layers[n]], *path), shape, blocks=True)
                   for n in row] for s, row in enumerate(rows)]  # fmt: skip
@@ -500,16 +497,11 @@ def pipeline_runner(
                             def skip(y, c):  # a stage without a layer here: y, cache untouched
                                 return y, c
 
+                            mix = mixes[e]
+                            params = (layer_params(layers[r][j], n) if mix is None
+                                      else mixed_params(layers[r][j], n, mix, s))  # fmt: skip
                             with jax.named_scope(f"run_{r}/segment_{j}"):
-                                mix = mixes[e]
-                                if mix is None:
-                                    return lax.cond(ok[slot], body(layer_params(layers[r][j], n)),
-                                                    skip, y, cache)  # fmt: skip
-                                combo = jnp.asarray(mix.combo)[s, n]  # -1: no layer
-                                index = jnp.asarray(mix.index)[s, n]  # [paths]
-                                bodies = [body(mixed_params(layers[r][j], n, mix, c, index))
-                                          for c in range(len(mix.combos))]  # fmt: skip
-                                return lax.switch(combo + 1, [skip, *bodies], y, cache)
+                                return lax.cond(ok[slot], body(params), skip, y, cache)
 
                         per_row = (view.state_index is None and M > 1
                                    and isinstance(caches[e], RecurrentState))  # fmt: skip
@@ -592,14 +584,18 @@ def pipeline_runner(
     )
 
 
-def mixed_params(tree: dict, n, mix: Mix, c: int, index: jax.Array) -> dict:
-    """Entry n of a segment's stacks with a Mix: its matrices of mix.paths taken, in the
-    formats of combination c, from those formats' stacks at `index` [paths]."""
+def mixed_params(tree: dict, n, mix: Mix, s) -> dict:
+    """Entry n of a segment's stacks with a Mix, on stage s: its matrices of mix.paths as
+    QSwitches over their formats' stacks, each at the entry's index in it."""
+    which = jnp.asarray(mix.which)[s, n]  # [paths]
+    index = jnp.asarray(mix.index)[s, n]
 
     def walk(node, at: tuple):
         if at in mix.paths:
             p = mix.paths.index(at)
-            return layer_params(node[mix.combos[c][p]], index[p])
+            options = tuple(layer_params(node[fmt], jnp.where(which[p] == f, index[p], 0))
+                            for f, fmt in enumerate(mix.formats[p]))  # fmt: skip
+            return QSwitch(options, jnp.maximum(which[p], 0))
         if isinstance(node, dict):
             return {key: walk(value, (*at, key)) for key, value in node.items()}
         return layer_params(node, n)
@@ -628,8 +624,8 @@ def describe(plan: StagePlan, runs: tuple[Run, ...], mixes: list[Mix | None]) ->
     text = "; ".join(parts) + "; " + describe_runs(runs, "stage layers")
     formats: dict[str, set[str]] = {}
     for mix in filter(None, mixes):
-        for p, path in enumerate(mix.paths):
-            formats.setdefault(".".join(map(str, path)), set()).update(c[p] for c in mix.combos)
+        for path, types in zip(mix.paths, mix.formats, strict=True):
+            formats.setdefault(".".join(map(str, path)), set()).update(types)
     if formats:
         held = ", ".join(f"{name} ({'/'.join(sorted(f))})" for name, f in sorted(formats.items()))
         text += f"; one stack per format: {held}"
