@@ -193,7 +193,7 @@ def test_quantized_layouts_keep_the_tokens(engines, stories_q8):
     q, _ = stories_q8
     want = q.generate([PROMPT, [1, 300]], max_new_tokens=12, temperature=0, ignore_eos=True)
     # layer: 5 layers over 2 stages (uneven, slots stacking Q8_0 and F16 layers alike);
-    # the mixed file's slots stack different formats (read in float)
+    # the mixed file's stage layers mix five block formats (one stack per format)
     for path, layout, devices in ((Q8, "layer", 2), (Q8, "tensor", 2), (MIXED, "layer", 4)):
         engine = jaxinfer.load(model_path(path), layout=layout, devices=devices, max_seq_len=128,
                                activations="float")  # fmt: skip

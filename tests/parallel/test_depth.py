@@ -103,7 +103,7 @@ def test_shared_layers_give_the_unshared_logits(path, layout):
     """A Q4_K_M file (its ffn_down and attn_v in Q6_K in some layers: several runs, and stage
     layers whose stages hold different formats) and the hybrid MoE fixture: the shared path's
     logits are the per-layer path's, on one device and in pipeline stages (against the same
-    stages unshared: a stage layer whose stages differ in format is read in float either way)."""
+    stages unshared)."""
     path, layout = path if isinstance(path, Path) else model_path(path), LAYOUTS[layout]
     shared = jaxinfer.load(path, max_seq_len=128, compile_cache_dir=None, **layout)
     own = jaxinfer.load(path, max_seq_len=128, compile_cache_dir=None, shared_layers=False,
@@ -199,6 +199,27 @@ def test_stages_mixing_formats_give_one_devices_logits(tmp_path, stages):
     ids = list(range(3, 40))
     # measured: equal with the CPU kernels, at most 1.5e-5 apart on the graph path (XLA's
     # float32 sums in another order in the two programs)
+    np.testing.assert_allclose(split.logits(ids), one.logits(ids), rtol=0, atol=NOISE)
+    greedy = dict(max_new_tokens=12, temperature=0, ignore_eos=True)
+    assert split.generate(ids, **greedy).token_ids == one.generate(ids, **greedy).token_ids
+
+
+MOE_MIX = dict(TINY["qwen3_moe"], hidden_size=256, intermediate_size=256, num_hidden_layers=4,
+               moe_intermediate_size=256, num_experts=8, num_experts_per_tok=2)  # fmt: skip
+
+
+def test_stage_experts_mixing_formats_give_one_devices_logits(tmp_path):
+    """A 4-layer MoE whose stacked ffn_down experts are Q6_K in layers 0 and 3, Q4_K in 1 and
+    2 (gate and up Q4_K): over 2 stages each stage layer holds both, and the expert block
+    picks the layer's format (moe.experts' branch per format); one device's logits and ids."""
+    qtypes = {f"blk.{i}.ffn_{w}_exps.weight": "Q6_K" if w == "down" and i in (0, 3) else "Q4_K"
+              for i in range(4) for w in ("gate", "up", "down")}  # fmt: skip
+    path = write_gguf(tmp_path / "moe.gguf", MOE_MIX, random_weights(MOE_MIX), qtype="Q4_K",
+                      qtypes=qtypes)  # fmt: skip
+    one = jaxinfer.load(path, max_seq_len=64, compile_cache_dir=None)
+    split = jaxinfer.load(path, max_seq_len=64, compile_cache_dir=None, **LAYOUTS["layer-2"])
+    assert "moe.w_down (Q4_K/Q6_K)" in split.runner.description
+    ids = list(range(3, 40))
     np.testing.assert_allclose(split.logits(ids), one.logits(ids), rtol=0, atol=NOISE)
     greedy = dict(max_new_tokens=12, temperature=0, ignore_eos=True)
     assert split.generate(ids, **greedy).token_ids == one.generate(ids, **greedy).token_ids

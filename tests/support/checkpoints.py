@@ -692,7 +692,7 @@ def write_gguf(
       "Q5_K", "Q6_K"), which gguf-py cannot quantize, get random valid blocks of about the
       weights' scale instead: the file's weights are then unrelated to ``weights``.
     * ``qtypes``: GGUF tensor name -> its type where it is not ``qtype`` (a Q4_K_M file's
-      Q6_K ffn_down and attn_v layers).
+      Q6_K ffn_down and attn_v layers); stacked experts are quantized only when named here.
     * Mistral's sliding window is recorded as ``{arch}.attention.sliding_window``.
     """
     import gguf
@@ -764,15 +764,17 @@ def write_gguf(
         arr = np.ascontiguousarray(np.asarray(arr, dtype=np.float32))
         qt = GGMLQuantizationType[(qtypes or {}).get(name, qtype).upper()]
         block_size = GGML_QUANT_SIZES[qt][0]
+        named = name in (qtypes or {})  # stacked experts too
         if (
-            quantizable
-            and arr.ndim == 2
+            (quantizable and arr.ndim == 2 or named)
             and qt != GGMLQuantizationType.F32
             and arr.shape[-1] % block_size == 0
         ):
             if qt.name.endswith("_K"):
                 seed = zlib.crc32(name.encode())  # each tensor its own blocks
-                data = random_k_blocks(arr.shape, qt.name, float(np.abs(arr).mean()), seed)
+                rows = (int(np.prod(arr.shape[:-1])), arr.shape[-1])
+                data = random_k_blocks(rows, qt.name, float(np.abs(arr).mean()), seed)
+                data = data.reshape(*arr.shape[:-1], -1)
             else:
                 data = gguf.quants.quantize(arr, qt)
             if qt == GGMLQuantizationType.F16:
