@@ -37,6 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 from .. import kernels
 from ..config import ModelConfig
+from ..formats.gguf_file import release_views
 from ..model.gdn import RecurrentState
 from ..model.kvcache import KVConfig, KVView
 from ..model.linear import embed
@@ -276,7 +277,10 @@ def place_params(
         host = read(path, shape, blocks=quantizable(path))
         sharding = named(mesh, spec(axes, rules))
         if isinstance(host, HostQuant):
-            return put_quant(path, host.pieces(), host, sharding, kernel)
+            parts = host.pieces()
+            placed = put_quant(path, parts, host, sharding, kernel)
+            release_views([part for part, _ in parts.values()])  # as stack_blocks
+            return placed
         array = jax.device_put(host.astype(param_dtype(path, dtype), copy=False), sharding)
         return for_kernel(path, array, kernel)
 
@@ -372,7 +376,9 @@ def stack_segment(read: Reader, plan: StagePlan, stage_layers: list[int], path, 
         return np.stack([np.zeros(shape, dt) if h is None else h.astype(dt, copy=False)
                          for h in hosts[s]])  # fmt: skip
 
-    return for_kernel(path, by_stage((pp, n, *shape), sharding, floats), kernel, lead=2)
+    stacked = by_stage((pp, n, *shape), sharding, floats)
+    release_views([h for row in hosts for h in row if h is not None])  # as stack_blocks
+    return for_kernel(path, stacked, kernel, lead=2)
 
 
 def stack_blocks(hosts: list[list], path, sharding, kernel) -> QArray:
@@ -392,6 +398,8 @@ def stack_blocks(hosts: list[list], path, sharding, kernel) -> QArray:
                              for p in pieces[s]])  # fmt: skip
 
         parts[k] = by_stage((pp, n, *piece_shape), shardings[k], entries)
+    # copied out: the mapped file's pages can go (or they stay resident beside the copies)
+    release_views([a for row in pieces for p in row if p is not None for a, _ in p.values()])
     return QArray(parts, first.fmt, first.width, kernel)
 
 
