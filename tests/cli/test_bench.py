@@ -20,6 +20,7 @@ def bench(capsys, *extra):
     return capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_bench_markdown_table(capsys):
     """The table, with llama-bench's depth (-d): the tests again after 128 tokens in the
     context (pp's depth from the prefix cache: the bench refuses a run that computed it)."""

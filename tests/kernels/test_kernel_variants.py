@@ -74,7 +74,10 @@ OTHERS = (
 # tile loop of quantized products). The slow cases share a process per group: each process
 # starts jax and compiles afresh, which is most of a case's time.
 FIXTURES = tuple(f"tiny-random/{name}" for name in OTHERS)
-CASES = [("xla", (STORIES_Q8,)), pytest.param("interpret", (HYBRID,), marks=pytest.mark.slow)] + [
+CASES = [
+    pytest.param(mode, models, marks=pytest.mark.slow)
+    for mode, models in [("xla", (STORIES_Q8,)), ("interpret", (HYBRID,))]
+] + [
     pytest.param(mode, models, marks=pytest.mark.slow)
     for mode, models in [
         ("xla", (STORIES, HYBRID)),

@@ -364,6 +364,7 @@ def check_greedy(model, name, prompt, n=32, **kv):
     return q8_kv
 
 
+@pytest.mark.slow
 def test_stories_greedy_under_q8_0():
     q8_kv = check_greedy(None, "stories260K", PROMPT, 48)
     assert q8_kv.kv_stats()["dtype"] == "q8_0"

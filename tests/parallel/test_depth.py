@@ -67,8 +67,8 @@ def decode_size(kind: str, layers: int, **layout) -> tuple[int, str]:
     return sum(" = " in line for line in decode.as_text().splitlines()), bodies
 
 
-@pytest.mark.parametrize("kind", ["dense", pytest.param("moe", marks=pytest.mark.slow),
-                                  "hybrid"])  # fmt: skip
+@pytest.mark.parametrize("kind", ["dense", *(pytest.param(k, marks=pytest.mark.slow)
+                                             for k in ("moe", "hybrid"))])  # fmt: skip
 def test_the_decode_program_does_not_grow_with_depth(kind):
     """4 and 48 layers trace as many layer bodies (the hybrid's: the linear layers, looped,
     and the attention layer) and compile to programs of about one size."""

@@ -177,6 +177,7 @@ def strict():
     return engine
 
 
+@pytest.mark.slow
 def test_strict_mode_raises_after_warmup_and_non_strict_goes_on(strict):
     strict.compile_cache.clear()
     with pytest.raises(RecompileError) as e:

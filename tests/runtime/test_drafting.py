@@ -73,6 +73,7 @@ def test_a_verify_call_pays_when_its_kept_drafts_cover_what_its_verify_steps_cos
     assert row.wants
 
 
+@pytest.mark.slow
 def test_plain_prompts_decode_plainly_and_copies_draft(engines):
     ngram = jaxinfer.load(model_path(STORIES), speculative="ngram", **SMALL)
     plain = engines(model_path(STORIES), **SMALL)

@@ -126,6 +126,7 @@ MEASURE = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_echo_logprobs_of_a_long_prompt_take_little_host_memory(tmp_path):
     """A 3,000-token prompt on a 32,000-token vocabulary (2 layers, width 64) grows the peak
     RSS by less than 500 MiB. The code before (the whole [T, V] logits gathered on the host,

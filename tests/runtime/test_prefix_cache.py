@@ -109,7 +109,9 @@ def _mixed(base: list[int]) -> list[tuple[list[int], int]]:
     return [(a, 10), (b, 14), (c, 6), (a, 10), (b[:60], 8), (base[:33], 12), (a, 10)]
 
 
-@pytest.mark.parametrize("snapshots", [0, None, pytest.param(64, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "snapshots", [0, *(pytest.param(n, marks=pytest.mark.slow) for n in (None, 64))]
+)
 def test_hybrid_gives_the_cache_off_tokens_at_every_snapshot_count(hybrid, snapshots):
     """A request that could hit a prefix after another prompt has used its state index: with
     no snapshot to start its linear layers from (prefix_snapshots=0), it takes no hit and

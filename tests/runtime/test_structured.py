@@ -65,6 +65,7 @@ def test_json_object_means_any_object_and_whitespace_is_bounded(engines):
             assert isinstance(json.loads(r.text), dict)
 
 
+@pytest.mark.slow
 def test_constrained_and_free_requests_share_slots_without_compiles(compiles):
     """4 slots, 2 constrained and 2 free, after warmup: no compile, every schema holds, and
     the free requests' greedy tokens equal a run alone (masks are per row)."""
