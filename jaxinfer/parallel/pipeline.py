@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax import lax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from .. import kernels
@@ -56,6 +56,7 @@ from ..model.transformer import (
     rope_table,
 )
 from ..ops.quant import FORMATS, GGML_FORMATS, HostQuant, QArray, QSwitch
+from .hugepages import Arena
 from .placement import (
     Placement,
     Reader,
@@ -66,6 +67,7 @@ from .placement import (
     mtp_caches,
     put_quant,
     quant_shardings,
+    to_device,
 )
 from .runs import Run, layer_params, layer_runs, repeat
 from .runs import describe as describe_runs
@@ -272,16 +274,18 @@ def place_params(
     """
     kernel = kernel_fits(mesh)
     params: dict = {}
+    cpu = mesh.devices.flat[0].platform == "cpu"
+    arena = Arena() if cpu and Arena.usable() else None  # weights in huge pages
 
     def put(path, shape, axes):  # one parameter replicated over the stages
         host = read(path, shape, blocks=quantizable(path))
         sharding = named(mesh, spec(axes, rules))
         if isinstance(host, HostQuant):
             parts = host.pieces()
-            placed = put_quant(path, parts, host, sharding, kernel)
+            placed = put_quant(path, parts, host, sharding, kernel, arena=arena)
             release_views([part for part, _ in parts.values()])  # as stack_blocks
             return placed
-        array = jax.device_put(host.astype(param_dtype(path, dtype), copy=False), sharding)
+        array = to_device(host.astype(param_dtype(path, dtype), copy=False), sharding, arena)
         return for_kernel(path, array, kernel)
 
     table = ("vocab", "embed")
@@ -318,7 +322,8 @@ def place_params(
                 shape = v.get_value().shape
                 layers = run.stacked(seg)
                 if mix is not None and path in mix.paths:
-                    stacks = stack_formats(read, plan, layers, mix, path, shape, sharding, kernel)
+                    stacks = stack_formats(read, plan, layers, mix, path, shape, sharding, kernel,
+                                           arena)  # fmt: skip
                     node[path[-1]] = stacks
                     p = mix.paths.index(path)
                     for f, w in enumerate(stacks.values()):
@@ -327,7 +332,7 @@ def place_params(
                         padding += _nbytes(w) * pads // (plan.stages * depth)
                     continue
                 node[path[-1]] = stack_segment(
-                    read, plan, layers, path, shape, sharding, dtype, kernel
+                    read, plan, layers, path, shape, sharding, dtype, kernel, arena
                 )
                 if path in mixed:
                     name = ".".join(map(str, path))
@@ -352,7 +357,7 @@ def _nbytes(weight) -> int:
 
 
 def stack_segment(read: Reader, plan: StagePlan, stage_layers: list[int], path, shape,
-                  sharding, dtype, kernel):  # fmt: skip
+                  sharding, dtype, kernel, arena: Arena | None = None):  # fmt: skip
     """Parameter `path` of the stage layers `stage_layers` (a segment's, in stack order) on
     every stage, stacked [pp, n, ...]; each device receives (and the host builds, one device
     at a time) its own stage's entries. Quantized when every stage's layer there holds it in
@@ -365,7 +370,7 @@ def stack_segment(read: Reader, plan: StagePlan, stage_layers: list[int], path, 
     real = [h for row in hosts for h in row if h is not None]
     fmts = {(h.fmt, h.width) if isinstance(h, HostQuant) else None for h in real}
     if len(fmts) == 1 and None not in fmts:
-        return stack_blocks(hosts, path, sharding, kernel)
+        return stack_blocks(hosts, path, sharding, kernel, arena)
     dt = param_dtype(path, dtype)
     if fmts != {None}:  # mixed formats: this segment is read in float
         hosts = [[read(("layers", plan.layer_of[s][j], *path), shape)
@@ -376,12 +381,13 @@ def stack_segment(read: Reader, plan: StagePlan, stage_layers: list[int], path, 
         return np.stack([np.zeros(shape, dt) if h is None else h.astype(dt, copy=False)
                          for h in hosts[s]])  # fmt: skip
 
-    stacked = by_stage((pp, n, *shape), sharding, floats)
+    stacked = by_stage((pp, n, *shape), sharding, floats, arena)
     release_views([h for row in hosts for h in row if h is not None])  # as stack_blocks
     return for_kernel(path, stacked, kernel, lead=2)
 
 
-def stack_blocks(hosts: list[list], path, sharding, kernel) -> QArray:
+def stack_blocks(hosts: list[list], path, sharding, kernel, arena: Arena | None = None
+                 ) -> QArray:  # fmt: skip
     """Quantized weights of one format, hosts[stage][entry] (None: zeros, dequantizing to 0),
     as one QArray [pp, n, ...] of `sharding`."""
     pp, n = len(hosts), len(hosts[0])
@@ -397,14 +403,15 @@ def stack_blocks(hosts: list[list], path, sharding, kernel) -> QArray:
                              else np.zeros(piece_shape, dtype)
                              for p in pieces[s]])  # fmt: skip
 
-        parts[k] = by_stage((pp, n, *piece_shape), shardings[k], entries)
+        parts[k] = by_stage((pp, n, *piece_shape), shardings[k], entries, arena)
     # copied out: the mapped file's pages can go (or they stay resident beside the copies)
     release_views([a for row in pieces for p in row if p is not None for a, _ in p.values()])
     return QArray(parts, first.fmt, first.width, kernel)
 
 
 def stack_formats(read: Reader, plan: StagePlan, stage_layers: list[int], mix: Mix, path,
-                  shape, sharding, kernel) -> dict[str, QArray]:  # fmt: skip
+                  shape, sharding, kernel, arena: Arena | None = None
+                  ) -> dict[str, QArray]:  # fmt: skip
     """A Mix's matrix `path` as {format: the stack of the stages' entries in it}."""
     p = mix.paths.index(path)
     out = {}
@@ -416,14 +423,17 @@ def stack_formats(read: Reader, plan: StagePlan, stage_layers: list[int], mix: M
         got = {h.fmt if isinstance(h, HostQuant) else None for row in hosts for h in row
                if h is not None}  # fmt: skip
         assert got == {GGML_FORMATS[fmt].name}, (path, fmt, got)  # as `stored` says
-        out[fmt] = stack_blocks(hosts, path, sharding, kernel)
+        out[fmt] = stack_blocks(hosts, path, sharding, kernel, arena)
     return out
 
 
-def by_stage(shape: tuple[int, ...], sharding: NamedSharding, stage) -> jax.Array:
+def by_stage(shape: tuple[int, ...], sharding: NamedSharding, stage,
+             arena: Arena | None = None) -> jax.Array:  # fmt: skip
     """An array [pp, ...] of `sharding` whose stage s is stage(s) [...] on the host: built
     for one stage at a time (each device's slice copied out, then the stage's host array
-    dropped), so the host holds one stage's array at most."""
+    dropped), so the host holds one stage's array at most. With an `arena` (CPU devices), each
+    device's slice is copied into its huge pages (hugepages.py: decode reads every weight per
+    token)."""
     by_device = sharding.addressable_devices_indices_map(shape)
     out: list[jax.Array] = []
     built: tuple[int, np.ndarray | None] = (-1, None)
@@ -433,7 +443,11 @@ def by_stage(shape: tuple[int, ...], sharding: NamedSharding, stage) -> jax.Arra
             built = (s, None)  # the previous stage's array goes first
             built = (s, stage(s))
         assert index is not None and built[1] is not None
-        out.append(jax.device_put(built[1][None][(slice(0, 1), *index[1:])], device))
+        piece = built[1][None][(slice(0, 1), *index[1:])]
+        if arena is not None:
+            out.append(arena.put(piece, SingleDeviceSharding(device)))
+        else:
+            out.append(jax.device_put(piece, device))
     return jax.make_array_from_single_device_arrays(shape, sharding, out)
 
 
