@@ -7,7 +7,9 @@ XLA CPU allocates its buffers with malloc, which this kernel's default THP mode 
 leaves on 4 KiB pages. So a one-CPU-device placement copies each weight into an `Arena`:
 anonymous mappings advised MADV_HUGEPAGE before they are written, handed to jax without a copy
 (`device_put(..., may_alias=True)`; the array keeps its host view, and so the mapping, alive).
-Elsewhere (other platforms, several devices, no THP) weights take the plain device_put.
+Pipeline stages (pipeline.py) copy each CPU device's slice of a stage stack into an arena the
+same way. Elsewhere (other platforms, a replicated or split weight over several devices, no
+THP) weights take the plain device_put.
 """
 
 from __future__ import annotations
