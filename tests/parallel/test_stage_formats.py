@@ -128,3 +128,26 @@ def test_stage_experts_mixing_formats_give_one_devices_logits(tmp_path):
     np.testing.assert_allclose(split.logits(ids), one.logits(ids), rtol=0, atol=NOISE)
     greedy = dict(max_new_tokens=12, temperature=0, ignore_eos=True)
     assert split.generate(ids, **greedy).token_ids == one.generate(ids, **greedy).token_ids
+
+
+@pytest.mark.slow
+def test_hybrid_stages_mixing_formats_give_one_devices_logits(tmp_path):
+    """A Qwen3.5 hybrid (3 Gated DeltaNet : 1 attention, 8 layers) in Q8_0 whose layers 0 and
+    6 keep the linear attention's input and output projections, and layer 3 its attention
+    output, in Q4_0: over 2 stages both kinds of stage layer hold both formats, and the
+    layers' products pick theirs (linear.linears' branch); one device's logits and ids."""
+    from support import hybrid_checkpoints as H
+
+    cfg = H.hybrid_config("qwen3_5", num_hidden_layers=8)
+    qtypes = {f"blk.{i}.{t}.weight": "Q4_0" for i in (0, 6) for t in ("attn_qkv", "ssm_out")}
+    qtypes["blk.3.attn_output.weight"] = "Q4_0"
+    path = H.write_hybrid_gguf(tmp_path / "hybrid.gguf", cfg, H.hybrid_random_weights(cfg, 3),
+                               qtype="Q8_0", qtypes=qtypes)  # fmt: skip
+    one = jaxinfer.load(path, max_seq_len=64, compile_cache_dir=None)
+    split = jaxinfer.load(path, max_seq_len=64, compile_cache_dir=None, **LAYOUTS["layer-2"])
+    for name in ("attn.wo (Q4_0/Q8_0)", "linear_attn.wo (Q4_0/Q8_0)"):
+        assert name in split.runner.description, split.runner.description
+    ids = list(range(3, 40))
+    np.testing.assert_allclose(split.logits(ids), one.logits(ids), rtol=0, atol=NOISE)
+    greedy = dict(max_new_tokens=12, temperature=0, ignore_eos=True)
+    assert split.generate(ids, **greedy).token_ids == one.generate(ids, **greedy).token_ids

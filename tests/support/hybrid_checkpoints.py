@@ -783,6 +783,7 @@ def write_hybrid_gguf(
     qtype: str = "F32",
     name: str | None = None,
     tokenizer_dir=None,
+    qtypes: dict[str, str] | None = None,
 ) -> Path:
     """Write a qwen3next / qwen35 / qwen35moe GGUF as llama.cpp's converter would; returns path.
 
@@ -792,6 +793,8 @@ def write_hybrid_gguf(
     * ``qtype``: "F32" (default), "F16", "BF16" or "Q8_0" for weight matrices, with the converter's
       rules: 1-D tensors, ``*_norm.weight``, ``ssm_conv1d``, ``ffn_gate_inp``(``_shexp``) and
       non-``.weight`` tensors stay F32; a matrix whose rows don't fit the block falls back to F16.
+    * ``qtypes``: GGUF tensor name -> a type gguf-py quantizes, where a matrix is not ``qtype``
+      (layers that mix formats, as llama.cpp's K-quant mixes do).
     * ``name``: ``general.name`` (default ``tiny-<arch>``); ``general.size_label`` is computed.
     * ``tokenizer_dir``: take the tokenizer from an HF folder's tokenizer.json (pre ``qwen2``),
       else the ``checkpoints`` byte-level BPE (pre ``default``).
@@ -818,7 +821,7 @@ def write_hybrid_gguf(
 
     w = gguf.GGUFWriter(str(path), arch)
     for tname, arr in hybrid_gguf_tensors(cfg, weights):
-        t_qt = qt
+        t_qt = gguf.GGMLQuantizationType[qtypes[tname]] if tname in (qtypes or {}) else qt
         if arr.ndim <= 1 or tname.endswith("_norm.weight") or tname.endswith(_FORCE_F32):
             t_qt = gguf.GGMLQuantizationType.F32
         elif not tname.endswith(".weight"):
