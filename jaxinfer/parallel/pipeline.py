@@ -145,6 +145,11 @@ Signature = tuple[Kind, tuple[tuple[tuple, str], ...]]
 BLOCK_TYPES = frozenset(f.ggml for f in FORMATS.values() if f.ggml and f.block > 1)
 
 
+def _block_mix(types: set[str]) -> bool:
+    """Whether layers of these stored types take one stack per format (Mix)."""
+    return len(types) > 1 and types <= BLOCK_TYPES
+
+
 def matrix_paths(cfg: ModelConfig, kinds) -> dict[Kind, list[tuple]]:
     """Per layer kind of `kinds`: the paths of its matrices (what a file may keep in blocks),
     traced once per kind."""
@@ -165,7 +170,7 @@ def stage_signatures(cfg: ModelConfig, plan: StagePlan, stored) -> list[Signatur
                   if n >= 0 and plan.kinds[j] == kind]  # fmt: skip
         for p in kind_paths:
             types = {stored(("layers", n, *p)) for n in layers}
-            if len(types) > 1 and types <= BLOCK_TYPES:
+            if _block_mix(types):
                 union[kind, p] = "|".join(sorted(types))
     sigs: list[Signature] = []
     for j, kind in enumerate(plan.kinds):
@@ -216,10 +221,10 @@ def segment_mix(plan: StagePlan, stage_layers: list[int], paths: list[tuple], st
     mixed: list[tuple] = []
     formats: list[tuple[str, ...]] = []
     for path in paths:
-        found = sorted({stored(("layers", int(n), *path)) for n in entries[entries >= 0]})
-        if len(found) > 1 and set(found) <= BLOCK_TYPES:
+        found = {stored(("layers", int(n), *path)) for n in entries[entries >= 0]}
+        if _block_mix(found):
             mixed.append(path)
-            formats.append(tuple(found))
+            formats.append(tuple(sorted(found)))
     if not mixed:
         return None
     which = np.full((*entries.shape, len(mixed)), -1, np.int32)
@@ -511,19 +516,15 @@ def pipeline_runner(
                             y, cache = carry
                             n = i * seg.repeat + k  # the stage layer's entry in the stacks
                             slot = run.first + i * run.width + seg.offset + k  # its stage layer
-                            view = v.replace(layer=n)
-
-                            def body(params):
-                                return lambda y, c: block(block_defs[e], params, y, tab, c, view)
-
-                            def skip(y, c):  # a stage without a layer here: y, cache untouched
-                                return y, c
-
                             mix = mixes[e]
                             params = (layer_params(layers[r][j], n) if mix is None
                                       else mixed_params(layers[r][j], n, mix, s))  # fmt: skip
+                            body = partial(block, block_defs[e], params, rope_tab=tab,
+                                           view=v.replace(layer=n))  # fmt: skip
                             with jax.named_scope(f"run_{r}/segment_{j}"):
-                                return lax.cond(ok[slot], body(params), skip, y, cache)
+                                # a stage without a layer here passes y through, cache untouched
+                                return lax.cond(ok[slot], lambda y, c: body(x=y, kv=c),
+                                                lambda y, c: (y, c), y, cache)  # fmt: skip
 
                         per_row = (view.state_index is None and M > 1
                                    and isinstance(caches[e], RecurrentState))  # fmt: skip
