@@ -24,6 +24,7 @@ does. Other mesh axes (tp) stay automatic inside the stages.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from functools import partial
 
@@ -32,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax import lax
-from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .. import kernels
@@ -364,16 +365,17 @@ def _nbytes(weight) -> int:
 def stack_segment(read: Reader, plan: StagePlan, stage_layers: list[int], path, shape,
                   sharding, dtype, kernel, arena: Arena | None = None):  # fmt: skip
     """Parameter `path` of the stage layers `stage_layers` (a segment's, in stack order) on
-    every stage, stacked [pp, n, ...]; each device receives (and the host builds, one device
-    at a time) its own stage's entries. Quantized when every stage's layer there holds it in
-    one format (a Q4_K_M file mixes Q4_K and Q6_K layers), else in float; a stage without a
-    layer at an entry holds zeros (dequantizing to 0)."""
+    every stage, stacked [pp, n, ...]; each device receives its own stage's entries (built in
+    place: by_stage). Quantized when every stage's layer there holds it in one format (a
+    Q4_K_M file mixes Q4_K and Q6_K layers), else in float; a stage without a layer at an
+    entry holds zeros (dequantizing to 0)."""
     pp, n = plan.stages, len(stage_layers)
     hosts = [[read(("layers", layer, *path), shape, blocks=quantizable(path)) if layer >= 0
               else None for layer in (plan.layer_of[s][j] for j in stage_layers)]
              for s in range(pp)]  # fmt: skip
     real = [h for row in hosts for h in row if h is not None]
     fmts = {(h.fmt, h.width) if isinstance(h, HostQuant) else None for h in real}
+    del real  # entry() drops each host array once placed
     if len(fmts) == 1 and None not in fmts:
         return stack_blocks(hosts, path, sharding, kernel, arena)
     dt = param_dtype(path, dtype)
@@ -382,12 +384,11 @@ def stack_segment(read: Reader, plan: StagePlan, stage_layers: list[int], path, 
                   if plan.layer_of[s][j] >= 0 else None for j in stage_layers]
                  for s in range(pp)]  # fmt: skip
 
-    def floats(s):
-        return np.stack([np.zeros(shape, dt) if h is None else h.astype(dt, copy=False)
-                         for h in hosts[s]])  # fmt: skip
+    def entry(s, j):
+        h, hosts[s][j] = hosts[s][j], None  # dropped once the stage's devices have it
+        return None if h is None else {"w": (h.astype(dt, copy=False), shape)}
 
-    stacked = by_stage((pp, n, *shape), sharding, floats, arena)
-    release_views([h for row in hosts for h in row if h is not None])  # as stack_blocks
+    stacked = by_stage({"w": ((pp, n, *shape), dt)}, {"w": sharding}, entry, arena)["w"]
     return for_kernel(path, stacked, kernel, lead=2)
 
 
@@ -396,21 +397,17 @@ def stack_blocks(hosts: list[list], path, sharding, kernel, arena: Arena | None 
     """Quantized weights of one format, hosts[stage][entry] (None: zeros, dequantizing to 0),
     as one QArray [pp, n, ...] of `sharding`."""
     pp, n = len(hosts), len(hosts[0])
-    pieces = [[None if h is None else h.pieces() for h in row] for row in hosts]  # (part, shape)
     first = next(h for row in hosts for h in row if h is not None)
-    ref = next(p for row in pieces for p in row if p is not None)  # first's pieces
+    ref = first.pieces()  # {part: (array, its placed shape)}
     shardings = quant_shardings(("layers", *path), first, sharding, lead=2)
-    parts = {}
-    for k, (part, piece_shape) in ref.items():
+    shapes = {k: ((pp, n, *shape), part.dtype) for k, (part, shape) in ref.items()}
+    del ref
 
-        def entries(s, k=k, piece_shape=piece_shape, dtype=part.dtype):
-            return np.stack([np.reshape(p[k][0], piece_shape) if p is not None
-                             else np.zeros(piece_shape, dtype)
-                             for p in pieces[s]])  # fmt: skip
+    def entry(s, j):
+        h, hosts[s][j] = hosts[s][j], None
+        return None if h is None else h.pieces()
 
-        parts[k] = by_stage((pp, n, *piece_shape), shardings[k], entries, arena)
-    # copied out: the mapped file's pages can go (or they stay resident beside the copies)
-    release_views([a for row in pieces for p in row if p is not None for a, _ in p.values()])
+    parts = by_stage(shapes, shardings, entry, arena)
     return QArray(parts, first.fmt, first.width, kernel)
 
 
@@ -432,28 +429,68 @@ def stack_formats(read: Reader, plan: StagePlan, stage_layers: list[int], mix: M
     return out
 
 
-def by_stage(shape: tuple[int, ...], sharding: NamedSharding, stage,
-             arena: Arena | None = None) -> jax.Array:  # fmt: skip
-    """An array [pp, ...] of `sharding` whose stage s is stage(s) [...] on the host: built
-    for one stage at a time (each device's slice copied out, then the stage's host array
-    dropped), so the host holds one stage's array at most. With an `arena` (CPU devices), each
-    device's slice is copied into its huge pages (hugepages.py: decode reads every weight per
-    token)."""
-    by_device = sharding.addressable_devices_indices_map(shape)
-    out: list[jax.Array] = []
-    built: tuple[int, np.ndarray | None] = (-1, None)
-    for device, index in sorted(by_device.items(), key=lambda d: _stage(d[1])):
-        s = _stage(index)  # one stage per device along pp
-        if built[0] != s:
-            built = (s, None)  # the previous stage's array goes first
-            built = (s, stage(s))
-        assert index is not None and built[1] is not None
-        piece = built[1][None][(slice(0, 1), *index[1:])]
-        if arena is not None:
-            out.append(arena.put(piece, SingleDeviceSharding(device)))
-        else:
-            out.append(jax.device_put(piece, device))
-    return jax.make_array_from_single_device_arrays(shape, sharding, out)
+def by_stage(shapes: dict, shardings: dict[str, NamedSharding], entry,
+             arena: Arena | None = None) -> dict[str, jax.Array]:  # fmt: skip
+    """Arrays {key: [pp, n, ...]} (shapes: {key: (shape, dtype)}) of their shardings, whose
+    stage s, entry j is entry(s, j)[key] = (host array, its shape there) (entry None: zeros).
+    Each device's slice is allocated once (in its huge pages with an `arena`, CPU devices:
+    decode reads every weight per token) and filled in place entry by entry, and an entry's
+    file pages are released once its stage's devices have it, so the host holds one entry
+    beyond the slices (no stage stack on the host, no file pages of the whole matrix). Stages
+    without a device of this process are never read."""
+    local = {k: [(device, index) for device, index in
+                 sharding.addressable_devices_indices_map(shapes[k][0]).items()
+                 if index is not None]  # every device holds a slice of a stage stack
+             for k, sharding in shardings.items()}  # fmt: skip
+    pp, n = next(iter(shapes.values()))[0][:2]
+    out: dict[str, list] = {k: [] for k in shapes}
+    for s in range(pp):
+        slices = {k: [(device, index, _empty(_sliced(shapes[k][0], index), shapes[k][1], arena))
+                      for device, index in on_devices if _stage(index) == s]
+                  for k, on_devices in local.items()}  # fmt: skip
+        if not any(slices.values()):
+            continue
+        for j in range(n):
+            got = entry(s, j)
+            for k, devices in slices.items():
+                for _, index, dst in devices:
+                    _fill(dst[0, j], None if got is None else got[k], index[2:])
+            if got is not None:  # copied out: the mapped file's pages can go
+                release_views([array for array, _ in got.values()])
+        for k, devices in slices.items():
+            for device, _, dst in devices:
+                placed = (jax.device_put(dst, device, may_alias=True) if arena is not None
+                          else jax.device_put(dst, device))  # fmt: skip
+                out[k].append(placed)
+    return {k: jax.make_array_from_single_device_arrays(shapes[k][0], shardings[k], out[k])
+            for k in shapes}  # fmt: skip
+
+
+def _sliced(shape: tuple[int, ...], index) -> tuple[int, ...]:
+    """The shape of a device's slice `index` of an array of `shape`."""
+    return tuple(len(range(*i.indices(d))) for d, i in zip(shape, index, strict=True))
+
+
+def _empty(shape, dtype, arena: Arena | None) -> np.ndarray:
+    """An uninitialized host array for a device's slice: in the arena's huge pages (placed
+    without a copy) or plain memory (copied by device_put)."""
+    if arena is None:
+        return np.empty(shape, dtype)
+    return arena.empty(math.prod(shape) * np.dtype(dtype).itemsize, dtype, shape)
+
+
+def _fill(dst: np.ndarray, got: tuple[np.ndarray, tuple] | None, index) -> None:
+    """dst (one entry of a device's slice) = the entry's host array, as the entry's shape,
+    sliced by `index`: a whole entry in one strided copy (the array may be a view of the file's
+    blocks in another shape), a part of one through a copy in its shape."""
+    if got is None:
+        dst[...] = 0
+        return
+    array, shape = got
+    if dst.shape == tuple(shape):
+        dst.reshape(array.shape)[...] = array  # dst is contiguous: a view
+    else:
+        dst[...] = np.reshape(array, shape)[tuple(index)]
 
 
 def _stage(index) -> int:

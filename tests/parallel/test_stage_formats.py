@@ -108,6 +108,23 @@ def test_stages_mixing_formats_give_one_devices_logits(k_mix, stages):
     assert split.generate(ids, **greedy).token_ids == one.generate(ids, **greedy).token_ids
 
 
+@pytest.mark.slow
+def test_stage_stacks_in_plain_memory_give_one_devices_logits(k_mix, monkeypatch):
+    """Without huge pages (THP off here; other platforms always) each device's slice of a
+    stage stack is built in plain host memory and copied by device_put, not placed in an
+    arena: the same logits and greedy ids as one device."""
+    from jaxinfer.parallel.hugepages import Arena
+
+    monkeypatch.setattr(Arena, "usable", staticmethod(lambda: False))
+    path, _, one = k_mix
+    split = jaxinfer.load(path, max_seq_len=64, compile_cache_dir=None, layout="layer",
+                          devices=2)  # fmt: skip
+    ids = list(range(5, 30))
+    np.testing.assert_allclose(split.logits(ids), one.logits(ids), rtol=0, atol=NOISE)
+    greedy = dict(max_new_tokens=8, temperature=0, ignore_eos=True)
+    assert split.generate(ids, **greedy).token_ids == one.generate(ids, **greedy).token_ids
+
+
 MOE_MIX = dict(TINY["qwen3_moe"], hidden_size=256, intermediate_size=256, num_hidden_layers=4,
                moe_intermediate_size=256, num_experts=8, num_experts_per_tok=2)  # fmt: skip
 
