@@ -181,9 +181,8 @@ class _Stack:
 
     def __init__(self, arena: Arena, count: int, dtype, shape):
         self.shape, self.arena = (count, *shape), arena
-        nbytes = int(np.prod(self.shape)) * np.dtype(dtype).itemsize
-        self.array = arena.empty(nbytes, dtype, self.shape) if arena.usable() else np.empty(
-            self.shape, dtype)  # fmt: skip
+        empty = arena.empty if arena.usable() else np.empty
+        self.array = empty(self.shape, dtype)
 
     def fill(self, i: int, host: np.ndarray) -> None:
         self.array[i].reshape(host.shape)[...] = host  # a view of the file: one strided copy

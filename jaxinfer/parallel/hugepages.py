@@ -53,9 +53,10 @@ class Arena:
         """Whether arrays placed on one CPU device can live in an arena (THP available)."""
         return hasattr(mmap, "MADV_HUGEPAGE") and _thp_enabled()
 
-    def empty(self, nbytes: int, dtype, shape) -> np.ndarray:
+    def empty(self, shape: tuple[int, ...], dtype) -> np.ndarray:
         """An uninitialized array in the arena, to fill in place and place with
         `jax.device_put(..., may_alias=True)`."""
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
         return self._take(nbytes).view(dtype).reshape(shape)
 
     def _take(self, nbytes: int) -> np.ndarray:

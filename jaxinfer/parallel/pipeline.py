@@ -24,7 +24,6 @@ does. Other mesh axes (tp) stay automatic inside the stages.
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 from functools import partial
 
@@ -373,9 +372,8 @@ def stack_segment(read: Reader, plan: StagePlan, stage_layers: list[int], path, 
     hosts = [[read(("layers", layer, *path), shape, blocks=quantizable(path)) if layer >= 0
               else None for layer in (plan.layer_of[s][j] for j in stage_layers)]
              for s in range(pp)]  # fmt: skip
-    real = [h for row in hosts for h in row if h is not None]
-    fmts = {(h.fmt, h.width) if isinstance(h, HostQuant) else None for h in real}
-    del real  # entry() drops each host array once placed
+    fmts = {(h.fmt, h.width) if isinstance(h, HostQuant) else None
+            for row in hosts for h in row if h is not None}  # fmt: skip
     if len(fmts) == 1 and None not in fmts:
         return stack_blocks(hosts, path, sharding, kernel, arena)
     dt = param_dtype(path, dtype)
@@ -444,8 +442,9 @@ def by_stage(shapes: dict, shardings: dict[str, NamedSharding], entry,
              for k, sharding in shardings.items()}  # fmt: skip
     pp, n = next(iter(shapes.values()))[0][:2]
     out: dict[str, list] = {k: [] for k in shapes}
+    empty = np.empty if arena is None else arena.empty  # huge pages on CPU devices
     for s in range(pp):
-        slices = {k: [(device, index, _empty(_sliced(shapes[k][0], index), shapes[k][1], arena))
+        slices = {k: [(device, index, empty(_sliced(shapes[k][0], index), shapes[k][1]))
                       for device, index in on_devices if _stage(index) == s]
                   for k, on_devices in local.items()}  # fmt: skip
         if not any(slices.values()):
@@ -458,10 +457,8 @@ def by_stage(shapes: dict, shardings: dict[str, NamedSharding], entry,
             if got is not None:  # copied out: the mapped file's pages can go
                 release_views([array for array, _ in got.values()])
         for k, devices in slices.items():
-            for device, _, dst in devices:
-                placed = (jax.device_put(dst, device, may_alias=True) if arena is not None
-                          else jax.device_put(dst, device))  # fmt: skip
-                out[k].append(placed)
+            for device, _, dst in devices:  # an arena's slice stays where it is
+                out[k].append(jax.device_put(dst, device, may_alias=True))
     return {k: jax.make_array_from_single_device_arrays(shapes[k][0], shardings[k], out[k])
             for k in shapes}  # fmt: skip
 
@@ -469,14 +466,6 @@ def by_stage(shapes: dict, shardings: dict[str, NamedSharding], entry,
 def _sliced(shape: tuple[int, ...], index) -> tuple[int, ...]:
     """The shape of a device's slice `index` of an array of `shape`."""
     return tuple(len(range(*i.indices(d))) for d, i in zip(shape, index, strict=True))
-
-
-def _empty(shape, dtype, arena: Arena | None) -> np.ndarray:
-    """An uninitialized host array for a device's slice: in the arena's huge pages (placed
-    without a copy) or plain memory (copied by device_put)."""
-    if arena is None:
-        return np.empty(shape, dtype)
-    return arena.empty(math.prod(shape) * np.dtype(dtype).itemsize, dtype, shape)
 
 
 def _fill(dst: np.ndarray, got: tuple[np.ndarray, tuple] | None, index) -> None:
