@@ -111,7 +111,7 @@ def test_stages_mixing_formats_give_one_devices_logits(k_mix, stages):
 @pytest.mark.slow
 def test_stage_stacks_in_plain_memory_give_one_devices_logits(k_mix, monkeypatch):
     """Without huge pages (THP off here; other platforms always) each device's slice of a
-    stage stack is built in plain host memory and copied by device_put, not placed in an
+    stage stack is built in plain host memory and handed to device_put, not placed in an
     arena: the same logits and greedy ids as one device."""
     from jaxinfer.parallel.hugepages import Arena
 
