@@ -77,11 +77,12 @@ def test_the_decode_program_does_not_grow_with_depth(kind):
     assert deep <= 1.2 * small, (small, deep)
 
 
-@pytest.mark.parametrize("kind", ["dense", pytest.param("moe", marks=pytest.mark.slow),
-                                  "hybrid"])  # fmt: skip
+@pytest.mark.parametrize("kind", [*(pytest.param(k, marks=pytest.mark.slow)
+                                    for k in ("dense", "moe")), "hybrid"])  # fmt: skip
 def test_pipeline_stages_do_not_grow_with_depth(kind):
     """Under the `layer` layout (2 stages), each stage loops over its stage layers: 4 and 48
-    layers trace as many bodies and compile to programs of about one size."""
+    layers trace as many bodies and compile to programs of about one size. (By default the
+    hybrid: its stages hold both kinds of body.)"""
     layout = LAYOUTS["layer-2"]
     small, bodies = decode_size(kind, 4, **layout)
     deep, deep_bodies = decode_size(kind, 48, **layout)
@@ -94,14 +95,15 @@ HYBRID_MOE = "tiny-random/qwen3_5_moe_l3f1_e8k2_mtp"
 
 @pytest.mark.parametrize(
     "path, layout",
-    [(Q4_K_M, "single"), pytest.param(Q4_K_M, "layer-2", marks=pytest.mark.slow),
-     *(pytest.param(HYBRID_MOE, name, marks=pytest.mark.slow) for name in ("single", "layer-2"))],
-)  # fmt: skip  # the hybrid's shared stages over 3 and 4: test_hybrid's every-layout tokens
+    [pytest.param(path, name, marks=pytest.mark.slow)
+     for path in (Q4_K_M, HYBRID_MOE) for name in ("single", "layer-2")],
+)  # fmt: skip  # in the default run the shared layers meet the references in every model test
 def test_shared_layers_give_the_unshared_logits(path, layout):
     """A Q4_K_M file (its ffn_down and attn_v in Q6_K in some layers: several runs, and stage
     layers whose stages hold different formats) and the hybrid MoE fixture: the shared path's
     logits are the per-layer path's, on one device and in pipeline stages (against the same
-    stages unshared)."""
+    stages unshared). The hybrid's shared stages over 3 and 4: test_hybrid's every-layout
+    tokens."""
     path, layout = path if isinstance(path, Path) else model_path(path), LAYOUTS[layout]
     shared = jaxinfer.load(path, max_seq_len=128, compile_cache_dir=None, **layout)
     own = jaxinfer.load(path, max_seq_len=128, compile_cache_dir=None, shared_layers=False,
