@@ -364,6 +364,33 @@ def test_delta_rule_matches_the_float64_recurrence(shape, variant):
     np.testing.assert_allclose(s1, want_s, rtol=0, atol=2e-6 * np.abs(want_s).max())
 
 
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_1", "q5_k"])  # Q8_0, Q8_1, Q8_K activations
+def test_large_m_products_fold_the_norm(fmt, variant):
+    """The 8-bit GEMM (9 rows on) with the RMS norm folded in, each row normed as it is
+    quantized into its panel: llama.cpp's norm, quantize and multiply, within check_int8's
+    bound plus two quantization steps of the row (its float32 norm may differ from NumPy's
+    in the last bit, which can move a value across a rounding edge)."""
+    rng = np.random.default_rng(BLOCK_FORMATS.index(fmt) + 130)
+    rows, cols = 37, 3 * quant.FORMATS[fmt].block
+    parts, ref = random_quantized(fmt, rows, cols, rng)
+    w = quant.QArray({k: jnp.asarray(v) for k, v in parts.items()}, fmt, cols, True, "int8")
+    gain, eps = rng.uniform(0.5, 1.5, cols).astype(np.float32), 1e-5
+    run = jax.jit(lambda x, w, g: linear.linears(x, [w], norm=(g, eps))[0])
+    mins = np.abs(np.asarray(parts["m"], np.float64)).max(1) if "m" in parts else 0.0
+    for m in (9, 16, 129, 513):
+        x = rng.standard_normal((m, cols)).astype(np.float32) * 3.0
+        text = run.lower(x, w, gain).as_text()
+        assert f"jaxinfer_qmatmul_{fmt}" in text and "rsqrt" not in text, m
+        x64 = x.astype(np.float64)
+        normed = x64 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + eps) * gain
+        want, xq = int8_reference(normed.astype(np.float32), fmt, parts, ref)
+        step = np.abs(normed).max(axis=1, keepdims=True) / 127  # [m, 1]: a block's at most
+        slack = 2 * step * (np.abs(ref).max(axis=1) + 2 * mins)  # [m, O]
+        bound = 1e-5 * (np.abs(xq) @ np.abs(ref).T) + slack
+        err = np.abs(np.asarray(run(x, w, gain), np.float64) - want)
+        assert np.all(err <= bound), (m, float(np.max(err / bound)))
+
+
 def check_int8(y, want, xq, ref):
     """check's bound on the quantized activations' terms (|s m| terms are within it too)."""
     bound = 1e-5 * (np.abs(xq) @ np.abs(ref).T) + 1e-30

@@ -149,34 +149,33 @@ inline PanelBuffers panel_buffers(int64_t M, int64_t I, int64_t sub) {
   return {xa, da, da + P * (I / sub) * 16};
 }
 
-// Row m of the activations (quantized: a) into its panel lane; rows past M (the last panel's
-// padding) take zeros (x + 128 where the panels hold it biased), so their sums are empty.
+// Activation row m (quantized: r) into its panel lane; r null (the last panel's padding past
+// M) packs zeros (x + 128 where the panels hold it biased), so their sums are empty.
 template <class Fmt>
-void pack_row(const Acts* a, int64_t M, int64_t I, int64_t m, const PanelBuffers& out) {
+void pack_row(const Acts* r, int64_t I, int64_t m, const PanelBuffers& out) {
   using U = Unpack<Fmt>;
   constexpr int S = U::kSub;
   const int64_t p = m / 16, l = m % 16, J = I / S;
   uint8_t* x = out.x + p * I * 16 + 4 * l;
   float* d = out.d + p * J * 16 + l;
   float* low = out.low + p * J * 16 + l;
-  if (m >= M) {
+  if (!r) {
     const uint32_t zero = kBiasedX ? 0x80808080u : 0u;
     for (int64_t g = 0; g < I / 4; ++g) std::memcpy(x + 64 * g, &zero, 4);
     for (int64_t j = 0; j < J; ++j) d[16 * j] = 0.0f, low[16 * j] = 0.0f;
     return;
   }
-  const Acts& r = a[m];
   for (int64_t g = 0; g < I / 4; ++g) {
     uint32_t v;
-    std::memcpy(&v, r.q + 4 * g, 4);
+    std::memcpy(&v, r->q + 4 * g, 4);
     if constexpr (kBiasedX) v ^= 0x80808080u;  // x + 128 as unsigned bytes
     std::memcpy(x + 64 * g, &v, 4);
   }
   constexpr bool kK = Fmt::kActs == Q8::kK;  // one d per 256 values, else per 32
   for (int64_t j = 0; j < J; ++j) {
     const int64_t at = j * S;  // the sub-block's first value
-    d[16 * j] = r.d[kK ? at / 256 : at / 32];
-    if constexpr (U::kLow) low[16 * j] = kK ? r.d[at / 256] * float(r.sums[at / 32]) : r.s[at / 32];
+    d[16 * j] = r->d[kK ? at / 256 : at / 32];
+    if constexpr (U::kLow) low[16 * j] = kK ? r->d[at / 256] * float(r->sums[at / 32]) : r->s[at / 32];
   }
 }
 

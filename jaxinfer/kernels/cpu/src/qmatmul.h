@@ -231,8 +231,8 @@ void int_rows(const Fmt& f, const Acts* a, int64_t M, int64_t O, int64_t lo, int
 // unpacked once, multiplied with 16 rows per register; below, idot() per row.
 constexpr int64_t kGemmRows = 9;
 
-// x's M rows quantized for Fmt's idot() and the GEMM, rows split over the threads, in the
-// calling thread's buffers (valid until its next call).
+// x's M rows quantized for Fmt's idot() and the experts' panels, rows split over the threads,
+// in the calling thread's buffers (valid until its next call).
 template <class Fmt>
 const Acts* quantize_all(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t I) {
   thread_local std::unique_ptr<int8_t[]> q;
@@ -259,14 +259,54 @@ const Acts* quantize_all(ffi::ThreadPool& pool, const float* x, int64_t M, int64
   return a;
 }
 
-// The M quantized rows laid out in the GEMM's panels (gemm.h), in the calling thread's
-// buffers (valid until its next call).
+// y[m] = x[m] / sqrt(mean(x[m]^2) + eps) * w for the M rows of [M, I] x, the RMSNorm of
+// norm.rms_norm folded into a product's input (the four or five small XLA kernels of a norm
+// cost more than the products of a small model's decode step). Its sum runs in 16 lanes, not
+// in XLA's order: the result may differ from XLA's norm in the last bit.
+inline void rms_norm(const float* x, const float* w, int64_t M, int64_t I, float eps, float* y) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xm = x + m * I;
+    F acc = zero();
+    for (int64_t i = 0; i < I; i += 16) {
+      const Mask valid = lanes(I - i);
+      const F v = load_n(xm + i, valid);
+      acc = fma(v, v, acc);
+    }
+    const float r = 1.0f / std::sqrt(hsum(acc) / float(I) + eps);
+    for (int64_t i = 0; i < I; ++i) y[m * I + i] = xm[i] * r * w[i];
+  }
+}
+
+// x's M rows (RMS-normed by `norm` first where it is given) quantized for Fmt and laid out in
+// the GEMM's panels (gemm.h), a row at a time through the task thread's one-row buffers: the
+// panels are the only [M, I] copy (at a 512-token prompt of Llama-3-8B's shapes, the whole
+// rows quantized and normed first held 19 MB more in each thread that calls). The panels are
+// the calling thread's buffers, valid until its next call.
 template <class Fmt>
-gemm::Panels pack_panels(ffi::ThreadPool& pool, const Acts* a, int64_t M, int64_t I) {
-  const int64_t P = (M + 15) / 16;
+gemm::Panels quantize_panels(ffi::ThreadPool& pool, const float* x, const float* norm, float eps,
+                             int64_t M, int64_t I) {
+  const int64_t P = (M + 15) / 16, blocks = I / 32;
   const gemm::PanelBuffers out = gemm::panel_buffers(M, I, gemm::Unpack<Fmt>::kSub);
   parallel_for(pool, P * 16, 16, [&](int64_t lo, int64_t hi) {
-    for (int64_t m = lo; m < hi; ++m) gemm::pack_row<Fmt>(a, M, I, m, out);
+    thread_local std::unique_ptr<float[]> row, scales;  // the normed row; d, s per 32 values
+    thread_local std::unique_ptr<int8_t[]> q;
+    thread_local std::unique_ptr<int32_t[]> sums;
+    thread_local int64_t capacity = 0;
+    if (capacity < I) {
+      row.reset(new float[I]), scales.reset(new float[2 * blocks]), q.reset(new int8_t[I]);
+      sums.reset(new int32_t[blocks]), capacity = I;
+    }
+    for (int64_t m = lo; m < hi; ++m) {
+      if (m >= M) {
+        gemm::pack_row<Fmt>(nullptr, I, m, out);
+        continue;
+      }
+      const float* xm = x + m * I;
+      if (norm) rms_norm(xm, norm, 1, I, eps, row.get()), xm = row.get();
+      const Acts a = quantize(Fmt::kActs, xm, I, q.get(), scales.get(), scales.get() + blocks,
+                              sums.get());
+      gemm::pack_row<Fmt>(&a, I, m, out);
+    }
   });
   return {out.x, out.d, out.low, P};
 }
@@ -380,24 +420,6 @@ struct Spec;
 #define LIST(...) __VA_ARGS__
 using ffi::DataType;
 
-// y[m] = x[m] / sqrt(mean(x[m]^2) + eps) * w for the M rows of [M, I] x, the RMSNorm of
-// norm.rms_norm folded into a product's input (the four or five small XLA kernels of a norm
-// cost more than the products of a small model's decode step). Its sum runs in 16 lanes, not
-// in XLA's order: the result may differ from XLA's norm in the last bit.
-void rms_norm(const float* x, const float* w, int64_t M, int64_t I, float eps, float* y) {
-  for (int64_t m = 0; m < M; ++m) {
-    const float* xm = x + m * I;
-    F acc = zero();
-    for (int64_t i = 0; i < I; i += 16) {
-      const Mask valid = lanes(I - i);
-      const F v = load_n(xm + i, valid);
-      acc = fma(v, v, acc);
-    }
-    const float r = 1.0f / std::sqrt(hsum(acc) / float(I) + eps);
-    for (int64_t i = 0; i < I; ++i) y[m * I + i] = xm[i] * r * w[i];
-  }
-}
-
 // The format over the parts' rows from row0 on (parts at `base`, each [rows, I / per]).
 template <class Fmt>
 Fmt from_row(const void* const* base, int64_t I, int64_t row0) {
@@ -474,18 +496,35 @@ ffi::Error run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S
   }
   if (M == 0 || total == 0) return ffi::Error::Success();
   const float* xp = x.typed_data();
+  const float* norm = nullptr;  // the fused RMS norm's weight [I]
   if (eps > 0) {
     auto w = parts.get<ffi::AnyBuffer>(W * P);
     if (!w.has_value()) return w.error();
     if (w.value().element_type() != DataType::F32 || int64_t(w.value().element_count()) != I)
       return ffi::Error::InvalidArgument("qmatmul: the norm weight must be float32 [I]");
+    norm = static_cast<const float*>(w.value().untyped_data());
+  }
+  if constexpr (HasIdot<Fmt>::value)
+    if (int8 && M >= kGemmRows && I > 0) {  // the rows normed as they are quantized
+      const int64_t chunk = std::max(kMinChunkRows, kMinChunkValues / I);
+      const gemm::Panels panels = quantize_panels<Fmt>(pool, xp, norm, eps, M, I);
+      parallel_for(pool, total, chunk, [&](int64_t lo, int64_t hi) {
+        for (size_t w = 0; w < W; ++w) {
+          const Out& o = outs[w];
+          const int64_t a = std::max(lo, o.at), b = std::min(hi, o.at + o.O);
+          if (a < b) gemm::rows(o.f, panels, M, I, o.O, a - o.at, b - o.at, o.y);
+        }
+      });
+      return ffi::Error::Success();
+    }
+  if (norm) {
     thread_local std::unique_ptr<float[]> normed;
     thread_local int64_t capacity = 0;
     if (capacity < M * I + 16) normed.reset(new float[capacity = M * I + 16]);
     // 64-byte aligned, as XLA's buffers are: x rows split across cache lines made the 4-row
     // tiles 7% slower at the 86M's shapes
     float* y = normed.get() + (16 - reinterpret_cast<uintptr_t>(normed.get()) / 4 % 16) % 16;
-    rms_norm(xp, static_cast<const float*>(w.value().untyped_data()), M, I, eps, y);
+    rms_norm(xp, norm, M, I, eps, y);
     xp = y;  // read by the tasks below, which end before this call returns
   }
   if (I == 0) {
@@ -495,17 +534,6 @@ ffi::Error run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S
   const int64_t chunk = std::max(kMinChunkRows, kMinChunkValues / I);
   if (int8) {
     if constexpr (HasIdot<Fmt>::value) {
-      if (M >= kGemmRows) {
-        const gemm::Panels panels = pack_panels<Fmt>(pool, quantize_all<Fmt>(pool, xp, M, I), M, I);
-        parallel_for(pool, total, chunk, [&](int64_t lo, int64_t hi) {
-          for (size_t w = 0; w < W; ++w) {
-            const Out& o = outs[w];
-            const int64_t a = std::max(lo, o.at), b = std::min(hi, o.at + o.O);
-            if (a < b) gemm::rows(o.f, panels, M, I, o.O, a - o.at, b - o.at, o.y);
-          }
-        });
-        return ffi::Error::Success();
-      }
       const Acts* acts = quantize_all<Fmt>(pool, xp, M, I);
       parallel_for(pool, total, chunk, [&](int64_t lo, int64_t hi) {
         for (size_t w = 0; w < W; ++w) {
@@ -631,7 +659,7 @@ ffi::Error run_grouped(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
         parallel_for(pool, E, 1, [&](int64_t lo, int64_t hi) {
           for (int64_t e = lo; e < hi; ++e)
             for (int64_t m = 0; m < 16 * (panel[e + 1] - panel[e]); ++m)
-              gemm::pack_row<Fmt>(acts + first[e], n[e], I, m, gemm::PanelBuffers{
+              gemm::pack_row<Fmt>(m < n[e] ? acts + first[e] + m : nullptr, I, m, gemm::PanelBuffers{
                   packed.x + panel[e] * 16 * I, packed.d + panel[e] * 16 * (I / gemm::Unpack<Fmt>::kSub),
                   packed.low + panel[e] * 16 * (I / gemm::Unpack<Fmt>::kSub)});
         });
