@@ -26,6 +26,7 @@ from . import cpu, tpu
 from .backend import family, mode
 from .cpu import (
     ATTEND_POOLS,
+    GEMM_ROWS,
     MAX_ROWS,
     attend,
     available,
@@ -41,6 +42,7 @@ from .pallas.grouped import tile_map
 
 __all__ = [
     "ATTEND_POOLS",
+    "GEMM_ROWS",
     "MAX_ROWS",
     "AttentionKernel",
     "attend",

@@ -29,7 +29,7 @@ from . import gdn, kvcache, moe
 from .gdn import RecurrentState
 from .kvcache import AttentionKV, KVView
 from .linear import embed as embed_rows
-from .linear import linear, linears
+from .linear import linear, linears, swiglu
 from .moe import ExpertSplit
 
 
@@ -278,8 +278,8 @@ class MLP(nnx.Module):
 
     def __call__(self, x, norm=None):
         """x [B, T, D] (RMS-normalized first with `norm`, (weight, eps)) -> [B, T, D]."""
-        gate, up = linears(x, [self.w_gate[...], self.w_up[...]], norm=norm)  # [B, T, F] each
-        return linear(jax.nn.silu(gate) * up, self.w_down[...])  # [B, T, D]
+        h = swiglu(x, self.w_gate[...], self.w_up[...], norm=norm)  # [B, T, F]
+        return linear(h, self.w_down[...])  # [B, T, D]
 
 
 class MoE(nnx.Module):

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from scipy.special import expit
 from support.kernels import q8_reference, random_quantized
 
 from jaxinfer.kernels import cpu as qkernel
@@ -388,6 +389,31 @@ def test_large_m_products_fold_the_norm(fmt, variant):
         slack = 2 * step * (np.abs(ref).max(axis=1) + 2 * mins)  # [m, O]
         bound = 1e-5 * (np.abs(xq) @ np.abs(ref).T) + slack
         err = np.abs(np.asarray(run(x, w, gain), np.float64) - want)
+        assert np.all(err <= bound), (m, float(np.max(err / bound)))
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_k"])
+def test_swiglu_makes_the_product_alone(fmt, variant):
+    """linear.swiglu on two int8 weights, 9 rows or more: one kernel call makes silu(gate) *
+    up (no [M, F] gate or up in the program, no XLA sigmoid), equal to llama.cpp's quantized
+    products then silu and multiply in float64 within each product's check_int8 bound carried
+    through (|silu'| <= 1.1). 150 output rows: steps of 64 rows (gemm.chunk_rows) and a
+    ragged last one."""
+    rng = np.random.default_rng(BLOCK_FORMATS.index(fmt) + 170)
+    rows, cols = 150, 3 * quant.FORMATS[fmt].block
+    made = [random_quantized(fmt, rows, cols, rng) for _ in range(2)]
+    gate, up = (quant.QArray({k: jnp.asarray(v) for k, v in parts.items()}, fmt, cols, True,
+                             "int8") for parts, _ in made)  # fmt: skip
+    run = jax.jit(linear.swiglu)
+    for m in (9, 129, 513):
+        x = rng.standard_normal((m, cols)).astype(np.float32)
+        text = run.lower(x, gate, up).as_text()
+        assert text.count(f"jaxinfer_qmatmul_{fmt}") == 1 and "logistic" not in text, m
+        (g, xq), (u, _) = (int8_reference(x, fmt, parts, ref) for parts, ref in made)
+        silu = g * expit(g)
+        bg, bu = (1e-5 * (np.abs(xq) @ np.abs(ref).T) for _, ref in made)
+        bound = 1.1 * bg * np.abs(u) + np.abs(silu) * bu + 1e-6 * np.abs(silu * u) + 1e-30
+        err = np.abs(np.asarray(run(x, gate, up), np.float64) - silu * u)
         assert np.all(err <= bound), (m, float(np.max(err / bound)))
 
 

@@ -41,6 +41,7 @@ ENV = "JAXINFER_CPU_KERNELS"
 CHOICES = (*build.NAMES, "off")
 
 MAX_WEIGHTS = 8  # weights in one call (kMaxWeights in qmatmul.h)
+GEMM_ROWS = 9  # 8-bit products of this many rows or more run as a GEMM (kGemmRows, qmatmul.h)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,26 +270,32 @@ def _layer(layer) -> jax.Array:
 
 
 def matmuls(x: jax.Array, fmt: str, weights, out_features, norm=None, int8: bool = False,
-            layer=None) -> list[jax.Array]:  # fmt: skip
+            layer=None, glu: bool = False) -> list[jax.Array]:  # fmt: skip
     """x f32 [M, I] times each of up to MAX_WEIGHTS `fmt` weights [O_w, I] (their parts) in one
     call -> [f32 [M, O_w]]: the weights share one split over the threads. With `norm` (weight
     f32 [I], eps > 0), x's rows are first RMS-normalized and scaled (`norm.rms_norm`) in the
     kernel, once per call. `int8`: x's rows quantized to 8 bits as llama.cpp does for `fmt`
     (quant.INT8_ACTIVATIONS) and multiplied as integers (GGUF block formats only). With
-    `layer` (int32 []), the parts are stacks [L, O_w, ...] read in place at that layer."""
+    `layer` (int32 []), the parts are stacks [L, O_w, ...] read in place at that layer.
+    `glu` (two weights, gate and up, of one width F; int8, GEMM_ROWS rows or more): one
+    result, [silu(x gate^T) * (x up^T)] f32 [M, F], without the two products held whole."""
+    if glu and not (len(weights) == 2 and int8 and x.shape[0] >= GEMM_ROWS):
+        raise ValueError("matmuls: glu takes two weights, int8 and GEMM_ROWS rows or more")
     variant = _in_use()
     extra = () if norm is None else (norm[0].astype(jnp.float32),)
     eps = np.float32(0.0 if norm is None else norm[1])
     outs: list[jax.Array] = []
     for at in range(0, len(weights), MAX_WEIGHTS):
         group, sizes = weights[at : at + MAX_WEIGHTS], out_features[at : at + MAX_WEIGHTS]
+        results = sizes[:1] if glu else sizes  # glu: one result of the two weights
         call = jax.ffi.ffi_call(
             _target(fmt, variant),
-            [jax.ShapeDtypeStruct((x.shape[0], o), jnp.float32) for o in sizes],
+            [jax.ShapeDtypeStruct((x.shape[0], o), jnp.float32) for o in results],
             vmap_method="sequential",  # the kernel takes one [M, I] x
         )
         parts = (parts[p.name] for parts in group for p in FORMATS[fmt].parts)
-        outs += call(x, _layer(layer), *parts, *extra, eps=eps, int8=np.int32(int8))
+        outs += call(x, _layer(layer), *parts, *extra, eps=eps, int8=np.int32(int8),
+                     glu=np.int32(glu))  # fmt: skip
     return outs
 
 

@@ -450,9 +450,14 @@ constexpr size_t kMaxWeights = 8;
 // Their output rows are split over the threads as one range, so that the weights sharing an
 // input cost one call and one join: 86M decode's product chain ran 1.08x faster with QKV and
 // gate/up each one call.
+// With glu (two weights, gate and up, of one width F; 8-bit activations, kGemmRows rows or
+// more): one result silu(x gate^T) * (x up^T) [M, F], made a few output rows at a time, so
+// that the [M, F] products of gate and up are never held (at a 512-token prompt of
+// Llama-3-8B's shapes, 59 MB of the program's temporaries).
 template <class Fmt>
 ffi::Error run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
-               ffi::RemainingArgs parts, ffi::RemainingRets ys, float eps, int32_t int8) {
+               ffi::RemainingArgs parts, ffi::RemainingRets ys, float eps, int32_t int8,
+               int32_t glu) {
   using S = Spec<Fmt>;
   constexpr size_t P = std::size(S::kTypes);
   auto xd = x.dimensions();
@@ -461,10 +466,11 @@ ffi::Error run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S
   if (I % Fmt::kBlock && !Fmt::kTail)
     return ffi::Error::InvalidArgument("qmatmul: I = " + std::to_string(I) +
                                        " is not a multiple of the block");
-  const size_t W = ys.size();
-  if (W == 0 || W > kMaxWeights || parts.size() != W * P + (eps > 0))
+  const size_t W = glu ? 2 : ys.size();
+  if (W == 0 || W > kMaxWeights || parts.size() != W * P + (eps > 0) || (glu && ys.size() != 1))
     return ffi::Error::InvalidArgument(
-        "qmatmul: expected 1 to 8 results, each with its parts, then the norm weight if eps > 0");
+        "qmatmul: expected 1 to 8 results (glu: one, of two weights), each weight with its "
+        "parts, then the norm weight if eps > 0");
   struct Out {
     Fmt f;
     float* y;
@@ -473,7 +479,7 @@ ffi::Error run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S
   Out outs[kMaxWeights];
   int64_t total = 0;
   for (size_t w = 0; w < W; ++w) {
-    auto y = ys.get<ffi::AnyBuffer>(w);
+    auto y = ys.get<ffi::AnyBuffer>(glu ? 0 : w);
     if (!y.has_value()) return y.error();
     auto yd = y.value()->dimensions();
     if (y.value()->element_type() != DataType::F32 || yd.size() != 2 || yd[0] != M)
@@ -494,6 +500,9 @@ ffi::Error run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S
     outs[w] = Out{from_row<Fmt>(p, I, row0), y.value()->typed_data<float>(), O, total};
     total += O;
   }
+  if (glu && (!int8 || M < kGemmRows || I == 0 || !HasIdot<Fmt>::value))
+    return ffi::Error::InvalidArgument("qmatmul: glu needs 8-bit activations, a block format, "
+                                       "at least " + std::to_string(kGemmRows) + " rows and I > 0");
   if (M == 0 || total == 0) return ffi::Error::Success();
   const float* xp = x.typed_data();
   const float* norm = nullptr;  // the fused RMS norm's weight [I]
@@ -508,6 +517,29 @@ ffi::Error run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S
     if (int8 && M >= kGemmRows && I > 0) {  // the rows normed as they are quantized
       const int64_t chunk = std::max(kMinChunkRows, kMinChunkValues / I);
       const gemm::Panels panels = quantize_panels<Fmt>(pool, xp, norm, eps, M, I);
+      if (glu) {
+        const Out &gate = outs[0], &up = outs[1];
+        const int64_t width = gate.O, R = gemm::chunk_rows(I);  // R output rows at a time
+        parallel_for(pool, width, chunk, [&](int64_t lo, int64_t hi) {
+          thread_local std::unique_ptr<float[]> ups;  // up's [M, R] rows of the step
+          thread_local int64_t capacity = 0;
+          if (capacity < M * R) ups.reset(new float[capacity = M * R]);
+          for (int64_t a = lo; a < hi; a += R) {
+            const int64_t b = std::min(hi, a + R), n = b - a;
+            gemm::rows(gate.f, panels, M, I, width, a, b, gate.y);  // y[m, o] = gate's, in place
+            // up's rows [a, b) at ups[m * n + o - a]: rows() writes y[m * O + o], O = n
+            gemm::rows(up.f, panels, M, I, n, a, b, ups.get() - a);
+            for (int64_t m = 0; m < M; ++m)  // y = silu(g) * up = g / (1 + e^-g) * up
+              for (int64_t o = a; o < b; o += 16) {
+                const Mask valid = lanes(b - o);
+                const F g = load_n(gate.y + m * width + o, valid);
+                const F u = load_n(ups.get() + m * n + o - a, valid);
+                store_n(gate.y + m * width + o, valid, g / (exp16(-g) + 1.0f) * u);
+              }
+          }
+        });
+        return ffi::Error::Success();
+      }
       parallel_for(pool, total, chunk, [&](int64_t lo, int64_t hi) {
         for (size_t w = 0; w < W; ++w) {
           const Out& o = outs[w];
@@ -568,12 +600,12 @@ ffi::Error run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S
 }
 
 // Bindings: the thread pool, x, the layer (int32 [], 0 unless the parts are stacked), the
-// weights' parts (then the norm weight); the results; eps, and int8 (nonzero: x quantized to 8
-// bits as llama.cpp does, integer products).
+// weights' parts (then the norm weight); the results; eps, int8 (nonzero: x quantized to 8
+// bits as llama.cpp does, integer products) and glu (nonzero: silu(gate) * up, run's).
 auto with() {
   return ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>()
       .Arg<ffi::Buffer<ffi::S32>>().RemainingArgs().RemainingRets().Attr<float>("eps")
-      .Attr<int32_t>("int8");
+      .Attr<int32_t>("int8").Attr<int32_t>("glu");
 }
 
 // The expert block's products: x [A, I] (rows sorted by expert; counts [E] rows per expert)

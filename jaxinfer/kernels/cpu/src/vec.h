@@ -129,6 +129,7 @@ using Scalar = std::enable_if_t<std::is_arithmetic_v<T>, T>;
 JAXINFER_LANES_OP(+)
 JAXINFER_LANES_OP(-)
 JAXINFER_LANES_OP(*)
+JAXINFER_LANES_OP(/)
 JAXINFER_LANES_OP(&)
 JAXINFER_LANES_OP(|)
 JAXINFER_LANES_OP(>>)
