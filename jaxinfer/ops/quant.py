@@ -168,6 +168,47 @@ class QSwitch:
         return jax.lax.switch(self.pick, [lambda q=q: fn(q) for q in self.options])
 
 
+@jax.tree_util.register_static
+@dataclass(frozen=True)
+class _Shared:
+    """A QArray's `layer` while its tree crosses a jit boundary: entry k of the layer indices
+    passed beside the tree (layers_apart)."""
+
+    k: int
+
+
+def _map_qarrays(fn, tree):
+    return jax.tree.map(lambda x: fn(x) if isinstance(x, QArray) else x, tree,
+                        is_leaf=lambda x: isinstance(x, QArray))  # fmt: skip
+
+
+def layers_apart(tree) -> tuple[tuple[jax.Array, ...], object]:
+    """(each distinct `layer` of the tree's QArrays once, the tree with each QArray's layer
+    replaced by its place among them). A jitted function given both and `layers_back` sees
+    one index where the weights shared one: jit makes every leaf an input of its own, and
+    `linears` groups a layer's weights into one kernel call by their index's identity."""
+    seen: dict[int, int] = {}
+    layers: list[jax.Array] = []
+
+    def apart(w: QArray) -> QArray:
+        if w.layer is None:
+            return w
+        if id(w.layer) not in seen:
+            seen[id(w.layer)] = len(layers)
+            layers.append(w.layer)
+        return dataclasses.replace(w, layer=_Shared(seen[id(w.layer)]))  # type: ignore[arg-type]
+
+    tree = _map_qarrays(apart, tree)
+    return tuple(layers), tree
+
+
+def layers_back(tree, layers: tuple[jax.Array, ...]):
+    """layers_apart's tree with its QArrays' layer indices back in place."""
+    back = lambda w: (dataclasses.replace(w, layer=layers[w.layer.k])  # noqa: E731
+                      if isinstance(w.layer, _Shared) else w)  # fmt: skip
+    return _map_qarrays(back, tree)
+
+
 # ---------------------------------------------------------------------------------------------
 # Dequantization inside the program (jax.numpy); the reference is gguf-py's numpy dequantize.
 
