@@ -10,6 +10,7 @@ import pytest
 from support.models import model_path
 
 import jaxinfer
+from jaxinfer.kernels import cpu as kernels
 from jaxinfer.parallel.runs import Run, layer_runs
 
 Q4_K_M = Path(__file__).resolve().parents[1] / "fixtures" / "llama_cpp_int8" / "model-Q4_K_M.gguf"
@@ -113,3 +114,24 @@ def test_shared_layers_give_the_unshared_logits(path, layout):
     np.testing.assert_allclose(shared.logits(ids), own.logits(ids), rtol=0, atol=2e-4)
     greedy = dict(max_new_tokens=12, temperature=0, ignore_eos=True)
     assert shared.generate(ids, **greedy).token_ids == own.generate(ids, **greedy).token_ids
+
+
+@pytest.mark.skipif(not kernels.runnable(), reason="no CPU kernels here")
+def test_a_layers_stacked_weights_share_their_kernel_calls():
+    """A shared layer's weights reach its jitted body with one layer index (quant.layers_apart),
+    so that they group as an unshared layer's do: on the Q4_K_M file's 16-token prompt chunk,
+    gate/up one call that makes silu(gate) * up, and no more kernel calls in the program
+    than the per-layer program's."""
+    calls = {}
+    for shared in (True, False):
+        engine = jaxinfer.load(Q4_K_M, max_seq_len=64, batch_buckets=(1,), prefill_buckets=(16,),
+                               compile_cache_dir=None, shared_layers=shared)  # fmt: skip
+        ex = engine.executor
+        engine.compile_cache.compile_planned(
+            [ex.job(*shape) for shape in engine.shapes.jobs() if shape[0] == "prefill"]
+        )
+        (prefill,) = engine.compile_cache.executables("prefill")
+        text = prefill.as_text()
+        assert "glu = 1" in text, shared
+        calls[shared] = text.count('custom_call_target="jaxinfer_qmatmul_')
+    assert calls[True] <= calls[False], calls
