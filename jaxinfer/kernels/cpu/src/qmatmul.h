@@ -504,6 +504,18 @@ ffi::Error run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S
     return ffi::Error::InvalidArgument("qmatmul: glu needs 8-bit activations, a block format, "
                                        "at least " + std::to_string(kGemmRows) + " rows and I > 0");
   if (M == 0 || total == 0) return ffi::Error::Success();
+  // the weights' output rows as one range split over the threads (I > 0): product(out, lo,
+  // hi) makes rows [lo, hi) of one weight's result
+  const int64_t chunk = std::max(kMinChunkRows, kMinChunkValues / std::max<int64_t>(I, 1));
+  auto each_out = [&](auto product) {
+    parallel_for(pool, total, chunk, [&](int64_t lo, int64_t hi) {
+      for (size_t w = 0; w < W; ++w) {
+        const Out& o = outs[w];
+        const int64_t a = std::max(lo, o.at), b = std::min(hi, o.at + o.O);
+        if (a < b) product(o, a - o.at, b - o.at);
+      }
+    });
+  };
   const float* xp = x.typed_data();
   const float* norm = nullptr;  // the fused RMS norm's weight [I]
   if (eps > 0) {
@@ -515,7 +527,6 @@ ffi::Error run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S
   }
   if constexpr (HasIdot<Fmt>::value)
     if (int8 && M >= kGemmRows && I > 0) {  // the rows normed as they are quantized
-      const int64_t chunk = std::max(kMinChunkRows, kMinChunkValues / I);
       const gemm::Panels panels = quantize_panels<Fmt>(pool, xp, norm, eps, M, I);
       if (glu) {
         const Out &gate = outs[0], &up = outs[1];
@@ -540,12 +551,8 @@ ffi::Error run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S
         });
         return ffi::Error::Success();
       }
-      parallel_for(pool, total, chunk, [&](int64_t lo, int64_t hi) {
-        for (size_t w = 0; w < W; ++w) {
-          const Out& o = outs[w];
-          const int64_t a = std::max(lo, o.at), b = std::min(hi, o.at + o.O);
-          if (a < b) gemm::rows(o.f, panels, M, I, o.O, a - o.at, b - o.at, o.y);
-        }
+      each_out([&](const Out& o, int64_t a, int64_t b) {
+        gemm::rows(o.f, panels, M, I, o.O, a, b, o.y);
       });
       return ffi::Error::Success();
     }
@@ -563,17 +570,10 @@ ffi::Error run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S
     for (size_t w = 0; w < W; ++w) std::fill(outs[w].y, outs[w].y + M * outs[w].O, 0.0f);
     return ffi::Error::Success();
   }
-  const int64_t chunk = std::max(kMinChunkRows, kMinChunkValues / I);
   if (int8) {
     if constexpr (HasIdot<Fmt>::value) {
       const Acts* acts = quantize_all<Fmt>(pool, xp, M, I);
-      parallel_for(pool, total, chunk, [&](int64_t lo, int64_t hi) {
-        for (size_t w = 0; w < W; ++w) {
-          const Out& o = outs[w];
-          const int64_t a = std::max(lo, o.at), b = std::min(hi, o.at + o.O);
-          if (a < b) int_rows(o.f, acts, M, o.O, a - o.at, b - o.at, o.y);
-        }
-      });
+      each_out([&](const Out& o, int64_t a, int64_t b) { int_rows(o.f, acts, M, o.O, a, b, o.y); });
       return ffi::Error::Success();
     }
     return ffi::Error::InvalidArgument("qmatmul: 8-bit activations need a GGUF block format");
@@ -588,14 +588,7 @@ ffi::Error run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S
         buffer[j] = hsum(load(xp + 32 * j) + load(xp + 32 * j + 16));
       sums = buffer.get();
     }
-  parallel_for(pool, total, chunk,
-               [&](int64_t lo, int64_t hi) {
-                 for (size_t w = 0; w < W; ++w) {
-                   const Out& o = outs[w];
-                   const int64_t a = std::max(lo, o.at), b = std::min(hi, o.at + o.O);
-                   if (a < b) rows(o.f, xp, M, I, o.O, a - o.at, b - o.at, o.y, sums);
-                 }
-               });
+  each_out([&](const Out& o, int64_t a, int64_t b) { rows(o.f, xp, M, I, o.O, a, b, o.y, sums); });
   return ffi::Error::Success();
 }
 
