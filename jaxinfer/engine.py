@@ -129,7 +129,7 @@ class Engine:
         self.executor = Executor(
             placement, cfg=cfg, dtype=self.dtype, kv_config=self.kv_config,
             decode_chunk=self.decode_chunk, compile_cache=self.compile_cache,
-            spec=spec, draft=draft,
+            spec=spec, draft=draft, sample_rows=self.shapes.sample_rows,
         )  # fmt: skip
         self._place = place  # (layout, devices) -> Placement, for reshard()
         self._place_draft = place_draft

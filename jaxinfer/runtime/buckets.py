@@ -4,7 +4,9 @@ A program's shapes never depend on the context length (rows reach their KV pages
 tables), so the plan is small and known before serving: `cache`, `decode[B]` (with
 speculation `verify[B]` in its place; n-gram speculation plans both) per batch bucket,
 `prefill[B, T]` per batch bucket and chunk within the prompt token budget (B x T at most the
-largest chunk, as llama.cpp's n_ubatch bounds the tokens of one prompt pass), and
+largest chunk, as llama.cpp's n_ubatch bounds the tokens of one prompt pass), `sample[R]` (the
+token after a prompt, drawn from prefill's logits, padded to R, the most rows a prefill call
+takes: one sampler in memory, not one per bucket), and
 `score[1, T]` per chunk but the smallest (a short text pads to the next one: scoring is for
 evaluation, not latency); when embeddings or rerank are served, `pool[B, T]` at prefill's
 shapes, up to `pool` rows a call. `why()` says what each program is for (`jaxinfer info`
@@ -62,6 +64,11 @@ class ShapePlan:
         fits = [B for B in self.batches if B * chunk <= self.prompt_budget or B == 1]
         return max(fits, default=self.batches[0])
 
+    @property
+    def sample_rows(self) -> int:
+        """R, the most rows a prefill call takes: the rows of its logits and of `sample`."""
+        return self.rows_for(self.chunks[0])
+
     def chunk_for(self, remaining: int) -> int:
         """The prompt chunk for `remaining` tokens: the smallest that holds them, else the
         largest (a long prompt takes several)."""
@@ -83,6 +90,7 @@ class ShapePlan:
         jobs += [(loop, B, 0) for loop in self.loops for B in self.batches]
         jobs += [("prefill", B, T) for B in self.batches for T in self.chunks
                  if B <= self.rows_for(T)]  # fmt: skip
+        jobs += [("sample", self.sample_rows, 0)]
         jobs += [("score", 1, T) for T in self.score_chunks]
         if self.pool:
             jobs += [("pool", B, T) for B in self.batches for T in self.chunks
@@ -97,6 +105,7 @@ class ShapePlan:
             "decode": f"decodes {B} row(s) at once (batch bucket {B}), several steps a call",
             "verify": f"drafts and verifies {B} row(s) at once (speculative decoding)",
             "prefill": f"prompt chunks of up to {T} tokens for {B} row(s) ({B}x{T} <= {budget})",
+            "sample": f"the token after a prompt, from prefill's logits (up to {B} rows)",
             "score": f"logits at every position, {T} tokens a pass (Engine.logits)",
             "pool": f"pooled hidden states of {B} text(s), {T} tokens a call (embed, rerank)",
         }[name]

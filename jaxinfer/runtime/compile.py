@@ -47,7 +47,7 @@ _DTYPE_SHORT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "int32":
 
 @dataclass(frozen=True)
 class RecompileEvent:
-    program: str  # stable role name: "cache", "prefill", "decode", "score"
+    program: str  # stable role name: "cache", "prefill", "sample", "decode", "score"
     nodes: int  # HLO instructions of the new executable (lines of its HLO text with " = ")
     stages: int  # pipeline stages the program spans
     shape_changed: bool  # argument shapes never compiled before for this program

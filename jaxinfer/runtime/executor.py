@@ -41,8 +41,10 @@ class Executor:
         compile_cache: CompileCache,
         spec: SpecConfig | None = None,
         draft: Placement | None = None,
+        sample_rows: int = 1,
     ):
         self.cfg = cfg
+        self.sample_rows = sample_rows  # R of prefill's logits and `sample` (ShapePlan)
         self.spec = spec
         self.dtype = dtype
         self.kv_config = kv_config
@@ -67,7 +69,7 @@ class Executor:
         draft_runner = draft.runner if draft else None
         self.programs: dict[str, Program] = programs(
             self.runner, self.kv_config, self.decode_chunk, self.cfg.vocab_size, self.spec,
-            draft_runner,
+            draft_runner, self.sample_rows,
         )  # fmt: skip
         self.kv: Any = None  # the page pools (a list of per-layer tuples), allocated on first use
         self._replicated = named(self.mesh)
@@ -105,7 +107,7 @@ class Executor:
         # The pools' types stand for the KV dtype and the draft's (or MTP head's) layers.
         pools = tuple((a.shape, a.dtype.name) for a in jax.tree.leaves(shapes))
         static = (self.cfg, str(np.dtype(self.dtype)), self.decode_chunk, self.kv_config,
-                  self.spec, draft.cfg if draft else None, pools)  # fmt: skip
+                  self.spec, draft.cfg if draft else None, pools, self.sample_rows)  # fmt: skip
         layout = (
             self.layout,
             tuple(self.mesh.shape.items()),

@@ -2,10 +2,11 @@
 per-call inputs (for warmup and serving alike), output shardings and donated arguments.
 
 The functions are pure functions of arrays: the plain ones in steps.py (`cache`, `prefill`,
-`decode`, `score`, `pool`), speculative decoding's `verify` in speculative.py. A speculative engine
-serves `verify[B]` where a plain one serves `decode[B]`. The host tier of the prefix cache
-(host_cache.py) copies pages with `spill` (out of the pools, to the host) and `restore` (back
-in), here: generic over the pools' array leaves, each along its page or state axis.
+`sample`, `decode`, `score`, `pool`), speculative decoding's `verify` in speculative.py. A
+speculative engine serves `verify[B]` where a plain one serves `decode[B]`. The host tier of
+the prefix cache (host_cache.py) copies pages with `spill` (out of the pools, to the host)
+and `restore` (back in), here: generic over the pools' array leaves, each along its page or
+state axis.
 """
 
 from __future__ import annotations
@@ -44,12 +45,14 @@ def programs(
     vocab: int,
     spec: SpecConfig | None = None,
     draft: Runner | None = None,
+    sample_rows: int = 1,
 ) -> dict[str, Program]:
     """The programs of one model on one mesh; `decode_chunk`, most decode steps a call,
     `vocab` = V, the logits' width (the sampling rows carry token masks over it).
     With a draft model, `params` is (the model's, the draft's) and `kv` lists the model's
-    layers then the draft's (one page pool, one set of state indices)."""
-    setup = steps.Setup(runner, kv_config, decode_chunk, vocab, spec, draft)
+    layers then the draft's (one page pool, one set of state indices). `sample_rows`: the
+    rows of prefill's logits and of the one `sample` program (the most a prefill call takes)."""
+    setup = steps.Setup(runner, kv_config, decode_chunk, vocab, spec, draft, sample_rows)
     leaves = pool_leaves(setup)
     paged = [leaf for leaf in leaves if leaf is not None and not leaf.state]
     stated = [leaf for leaf in leaves if leaf is not None and leaf.state]
@@ -62,13 +65,19 @@ def programs(
         fixed = (state, abstract(B, NB), SamplingRows.abstract(B, vocab), abstract())
         return (*fixed, abstract(B, NB)) if snaps else fixed
 
-    def prefill_inputs(B: int, T: int, NB: int) -> tuple:
-        chunk = Chunk.abstract(B, T, NB, snaps, snaps)
-        return chunk, abstract(B, PENALTY_WINDOW), SamplingRows.abstract(B, vocab)
+    def sample_inputs(B: int, T: int, NB: int) -> tuple:
+        R = sample_rows
+        logits, sampling = abstract(R, vocab, dtype=jnp.float32), SamplingRows.abstract(R, vocab)
+        return logits, abstract(R, PENALTY_WINDOW), sampling, abstract(R)
 
     return {
         "cache": Program(partial(steps.cache, setup), lambda B, T, NB: (), ("kv",), donate=()),
-        "prefill": Program(partial(steps.prefill, setup), prefill_inputs, ("kv", "rep", "rep")),
+        "prefill": Program(
+            partial(steps.prefill, setup),
+            lambda B, T, NB: (Chunk.abstract(B, T, NB, snaps, snaps),),
+            ("kv", "rep"),
+        ),
+        "sample": Program(partial(steps.sample_first, setup), sample_inputs, ("kv", "rep", "rep")),
         "decode": Program(partial(steps.decode, setup), loop_inputs, ("kv", "rep", "rep", "rep")),
         "verify": Program(partial(verify, setup), loop_inputs, ("kv",) + ("rep",) * 4),
         "score": Program(

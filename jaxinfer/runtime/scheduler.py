@@ -281,7 +281,8 @@ class Scheduler:
         B = self.shapes.batch_for(len(rows))
         tokens = np.zeros((B, T), np.int32)
         start, length, state_index = (np.zeros(B, np.int32) for _ in range(3))
-        window = np.full((B, PENALTY_WINDOW), -1, np.int32)
+        R = self.shapes.sample_rows  # the sample call's rows: B of them real
+        window = np.full((R, PENALTY_WINDOW), -1, np.int32)
         for b, active in enumerate(rows):
             prompt = active.context
             seg = prompt[active.offset : active.offset + T]
@@ -292,11 +293,18 @@ class Scheduler:
                 window[b] = recent_window(prompt)
         upto = [min(a.offset + T, len(a.context)) for a in rows]
         view = self.kv.view([a.kv for a in rows], B, start, length, state_index, upto)
-        sampling = self._sampling(rows, B, [a.offset + T >= len(a.context) for a in rows])
+        ends = [a.offset + T >= len(a.context) for a in rows]
         t0 = self.clock()
         chunk = Chunk(tokens, view)  # type: ignore[arg-type]  # host rows, put later
-        first, lp = self._run("prefill", chunk, window, sampling)
-        first, lp = np.asarray(first), self._logprobs(rows, lp)
+        (logits,) = self._run("prefill", chunk)
+        if any(ends):  # some prompt is in: its first token, from the chunk's last logits
+            at = np.zeros(R, np.int32)  # the new tokens' positions
+            at[:B] = start + length
+            sampling = self._sampling(rows, R, ends)
+            first, lp = self._run("sample", logits, window, sampling, at)
+            first, lp = np.asarray(first), self._logprobs(rows, lp)
+        else:
+            jax.block_until_ready(logits)  # the chunk's time is its own
         seconds = self.clock() - t0
         self.perf.prompt_ms += seconds * 1e3
         self.perf.prompt_tokens += int(length.sum())

@@ -1,7 +1,8 @@
 """The plain programs, as pure functions of arrays over a `Setup` (the model on one mesh):
 
   cache()                                            -> kv                 zeroed page pools
-  prefill(params, kv, chunk, window, sampling)       -> kv, tokens [B], lp  one prompt chunk per row
+  prefill(params, kv, chunk)                         -> kv, logits [R, V]  one prompt chunk per row
+  sample(params, kv, logits, window, sampling, pos)  -> kv, tokens [R], lp  the token after a prompt
   decode(params, kv, state, table, sampling, steps[, snaps]) -> kv, state, out [B, decode_chunk], lp
   score(params, kv, chunk, following)                -> kv, logits [B, T, V], lp [B, T]
   pool(params, kv, chunk, pick)                      -> kv, pooled [B, 3, D], picked [B, P]
@@ -56,6 +57,7 @@ class Setup:
     vocab: int  # V, the width of the logits
     spec: Any = None  # speculative.SpecConfig; None: no speculation
     draft: Runner | None = None
+    rows: int = 1  # R: the rows of prefill's logits (B of them real) and of `sample`'s call
 
     @property
     def snapshots(self) -> bool:
@@ -144,8 +146,11 @@ def put_states(setup: Setup, pools, kv, state_index, pick=None, of: str = "model
     return [one(p, c, lin) for p, c, lin in zip(pools, kv, setup.linear(of), strict=True)]
 
 
-def prefill(setup: Setup, params, kv, chunk: Chunk, window, sampling: SamplingRows):
-    """window [B, W] of the whole prompt; samples after each row's last real token."""
+def prefill(setup: Setup, params, kv, chunk: Chunk):
+    """-> kv, the logits after each row's last real token, float32 [R, V] (rows past B
+    zero). The token after a prompt is drawn from them by `sample_first`, one program for
+    every prefill bucket: the sampler is about 40% of a prefill program's instructions, and
+    XLA keeps each loaded executable's HLO in memory (about 5 KB an instruction)."""
     runner, draft = setup.runner, setup.draft
     params, kv, draft_params, draft_kv = setup.split(params, kv)
     B, T = chunk.tokens.shape
@@ -159,8 +164,15 @@ def prefill(setup: Setup, params, kv, chunk: Chunk, window, sampling: SamplingRo
     if runner.mtp:
         draft_kv = mtp_prefill(setup, params, draft_kv, h, chunk.tokens, view)
     logits = runner.head(params, h[jnp.arange(B), last])  # [B, V]
-    tokens = sample(logits, window, sampling, view.start + view.length)
-    return kv + draft_kv, tokens, logprobs(logits, tokens, sampling)
+    return kv + draft_kv, jnp.pad(logits, ((0, setup.rows - B), (0, 0)))  # [R, V]
+
+
+def sample_first(setup: Setup, params, kv, logits, window, sampling: SamplingRows, positions):
+    """The token after a prompt: logits [R, V] (prefill's), the prompt's penalty window
+    [R, W], positions [R] of the new tokens -> kv (untouched; the programs share their
+    leading arguments), tokens [R], lp."""
+    tokens = sample(logits, window, sampling, positions)
+    return kv, tokens, logprobs(logits, tokens, sampling)
 
 
 def mtp_prefill(setup: Setup, params, mtp_kv, h, tokens, view: KVView):

@@ -36,19 +36,20 @@ def load(**kw):
 def warm():
     engine = load(strict=True)
     report = engine.warmup(progress=False)
-    assert set(report) == {"cache", "prefill", "decode", "score"}
+    assert set(report) == {"cache", "prefill", "sample", "decode", "score"}
     return engine
 
 
 def test_warmup_compiles_the_plan_and_counts_no_recompiles(warm):
     """Planned compiles are not recompiles: after warmup the stats read 0 / 0, and the plan
     (cache, decode per batch bucket, prefill per bucket and chunk within the prompt token
-    budget of 64, score per chunk past the smallest) is exactly what was compiled."""
+    budget of 64, one sample for the most rows a prefill call takes, score per chunk past the
+    smallest) is exactly what was compiled."""
     plan = warm.compile_plan()
-    # batch buckets (1, 2), chunks (16, 64): cache 1 + decode 2 + prefill 3 + score 1
+    # batch buckets (1, 2), chunks (16, 64): cache 1 + decode 2 + prefill 3 + sample 1 + score 1
     assert [(p.program, p.batch, p.tokens) for p in plan] == [
         ("cache", 0, 0), ("decode", 1, 0), ("decode", 2, 0), ("prefill", 1, 16),
-        ("prefill", 1, 64), ("prefill", 2, 16), ("score", 1, 64),
+        ("prefill", 1, 64), ("prefill", 2, 16), ("sample", 2, 0), ("score", 1, 64),
     ]  # fmt: skip
     assert "chunk.tokens i32[2,16]" in plan[5].args and "chunk.view.table i32[2,2]" in plan[5].args
     stats = warm.perf_stats()
@@ -65,12 +66,28 @@ def test_warmup_compiles_the_plan_and_counts_no_recompiles(warm):
 def test_default_plan_of_stories_is_small():
     """stories260K with default settings (context 2048): no program depends on the context,
     so the plan is cache + 4 decode + 12 prefill (B x T <= 512 for chunks 8, 32, 128, 512) +
-    3 score programs (chunks past the smallest): at most 20, each saying what it serves."""
+    1 sample + 3 score programs (chunks past the smallest): 21, each saying what it serves."""
     engine = jaxinfer.load(model_path(STORIES))
     plan = engine.compile_plan()
-    assert engine.max_seq_len == 2048 and len(plan) == 20
+    assert engine.max_seq_len == 2048 and len(plan) == 21
     assert [p.tokens for p in plan if p.program == "score"] == [32, 128, 512]
     assert all(p.why for p in plan)
+
+
+def test_only_the_sample_programs_hold_the_sampler(warm):
+    """The prompt chunk buckets return logits and carry no sampler (about 40% of a prefill
+    program's HLO, which XLA keeps in memory per loaded executable): it is in the one `sample`
+    program, and in the decode loop, which samples every step."""
+
+    def texts(name):
+        return [c.as_text() for c in warm.compile_cache.executables(name)]
+
+    def has_sampler(text):
+        return "jit(sample)/" in text and "threefry" in text
+
+    assert len(texts("prefill")) == 3 and not any(map(has_sampler, texts("prefill")))
+    assert len(texts("sample")) == 1 and all(map(has_sampler, texts("sample")))
+    assert all(map(has_sampler, texts("decode")))
 
 
 def test_steady_state_compiles_nothing(warm):
@@ -95,14 +112,15 @@ def test_steady_state_compiles_nothing(warm):
 
 
 def test_graphs_reused_counts_every_call(warm):
-    """One request = its prefill chunks + its decode calls, all served from the cache."""
+    """One request = its prefill chunks, the draw of its first token and its decode calls,
+    all served from the cache."""
     warm.generate([1] * 20, max_new_tokens=40, temperature=0, ignore_eos=True)  # cache in place
     warm.reset_perf()
     warm.generate([1] * 20, max_new_tokens=40, temperature=0, ignore_eos=True)
-    prefill_calls = 1  # 20 tokens fit one 64-token chunk
+    prefill_calls, sample_calls = 1, 1  # 20 tokens fit one 64-token chunk
     decode_calls = -(-(40 - 1) // warm.decode_chunk)  # the first token comes from prefill
     assert warm.decode_chunk == 64 and decode_calls == 1
-    assert warm.perf_stats().graphs_reused == prefill_calls + decode_calls
+    assert warm.perf_stats().graphs_reused == prefill_calls + sample_calls + decode_calls
 
 
 def test_new_bucket_is_one_changed_shape_event():
@@ -129,7 +147,7 @@ def test_cleared_cache_gives_same_shape_events():
     engine.compile_cache.clear()
     assert engine.compile_cache.size == 0
     engine.generate([1] * 10, max_new_tokens=20, temperature=0)
-    assert {e.program for e in events} == {"prefill", "decode"}
+    assert {e.program for e in events} == {"prefill", "sample", "decode"}
     assert all(not e.shape_changed and e.reason == "cache cleared" for e in events)
     assert events[-1].n_same == len(events) and events[-1].n_diff == 0
     stats = engine.perf_stats()
@@ -166,7 +184,7 @@ def test_capacity_one_alternating_shapes_evicts():
 def test_cache_smaller_than_the_plan_is_refused():
     with pytest.raises(jaxinfer.JaxinferError) as e:
         load(compile_cache_size=2)
-    assert "compile_cache_size = 2 is below the 7 programs of the compile plan" in str(e.value)
+    assert "compile_cache_size = 2 is below the 8 programs of the compile plan" in str(e.value)
 
 
 @pytest.fixture(scope="module")

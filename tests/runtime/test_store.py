@@ -72,12 +72,12 @@ def run_process(cache_dir, env=None):
 
 def test_second_process_compiles_nothing_and_gives_the_same_tokens(tmp_path):
     first = run_process(tmp_path)
-    assert first["compiled"] == 3 and first["loaded"] == 0  # cache, prefill, decode
-    assert first["counts"]["run"] >= 3
+    assert first["compiled"] == 4 and first["loaded"] == 0  # cache, prefill, sample, decode
+    assert first["counts"]["run"] >= 4
     second = run_process(tmp_path)
     assert (second["ids"], second["again"]) == (first["ids"], first["again"])
     assert second["counts"]["run"] == 0, second["names"]["run"]
-    assert second["loaded"] == 3 and second["compiled"] == 0
+    assert second["loaded"] == 4 and second["compiled"] == 0
     # what the load itself compiles (eager ops): nothing today; at most a few small ops
     assert second["names"]["load"] == [] and second["counts"]["load"] < 10
 
@@ -88,9 +88,9 @@ def test_another_kernel_variant_misses_the_store(tmp_path):
     process compiles its own programs, and gives the same greedy tokens."""
     first = run_process(tmp_path)
     scalar = run_process(tmp_path, {"JAXINFER_CPU_KERNELS": "scalar"})
-    assert scalar["loaded"] == 0 and scalar["compiled"] == 3
+    assert scalar["loaded"] == 0 and scalar["compiled"] == 4
     assert scalar["ids"] == first["ids"]
-    assert run_process(tmp_path, {"JAXINFER_CPU_KERNELS": "scalar"})["loaded"] == 3
+    assert run_process(tmp_path, {"JAXINFER_CPU_KERNELS": "scalar"})["loaded"] == 4
 
 
 def load(cache_dir, model=STORIES, **kw):
@@ -107,8 +107,8 @@ def stored(tmp_path_factory):
     cache_dir = tmp_path_factory.mktemp("store")
     engine = load(cache_dir)
     ids = generate(engine)
-    assert engine.perf_stats().programs == 3
-    assert len(list((cache_dir / SUBFOLDER).glob("*.jxe"))) == 3
+    assert engine.perf_stats().programs == 4
+    assert len(list((cache_dir / SUBFOLDER).glob("*.jxe"))) == 4
     return cache_dir, ids
 
 
@@ -133,9 +133,9 @@ def test_a_second_engine_loads_from_the_store(stored, tmp_path):
     assert seen.n == 0 and events == []
     stats = engine.perf_stats()
     assert (stats.loaded, stats.programs, stats.recompiles_same, stats.recompiles_diff) == (
-        3, 0, 0, 0,
+        4, 0, 0, 0,
     )  # fmt: skip
-    assert "loaded = 3 executables from the store" in str(stats)
+    assert "loaded = 4 executables from the store" in str(stats)
     plan = {(p.program, p.batch, p.tokens): p.source for p in engine.compile_plan()}
     assert plan[("prefill", 1, 16)] == "loaded" and plan[("score", 1, 16)] == ""
 
@@ -186,7 +186,7 @@ def test_a_bad_file_recompiles_cleanly(stored, tmp_path, case):
     with CompileCounter() as seen:
         assert generate(engine) == ids
     stats = engine.perf_stats()
-    assert (stats.loaded, stats.programs) == (0, 3) and seen.n == 3
+    assert (stats.loaded, stats.programs) == (0, 4) and seen.n == 4
     assert (stats.recompiles_same, stats.recompiles_diff) == (0, 0)
     if case not in ("file readable by others", "a link"):  # the good copies replace them
         assert load(cache_dir).generate(PROMPT, max_new_tokens=12, temperature=0).token_ids == ids
@@ -198,7 +198,7 @@ def test_a_store_directory_open_to_others_is_ignored(stored, tmp_path):
     engine = load(cache_dir)
     assert generate(engine) == ids
     assert engine.perf_stats().loaded == 0
-    assert len(list((cache_dir / SUBFOLDER).glob("*.jxe"))) == 3  # and nothing written there
+    assert len(list((cache_dir / SUBFOLDER).glob("*.jxe"))) == 4  # and nothing written there
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
@@ -225,19 +225,20 @@ def test_a_changed_engine_never_loads_another_ones_executable(stored, tmp_path, 
     engine = load(cache_dir, **change)
     generate(engine)
     stats = engine.perf_stats()
-    assert (stats.loaded, stats.programs) == (0, 3)
+    assert (stats.loaded, stats.programs) == (0, 4)
 
 
 def test_the_same_model_quantized_shares_only_the_pool_allocation(stored, tmp_path):
-    """Q8_0 weights of the same shapes: prefill and decode take other arguments (blocks) and
-    compile; the program that allocates the same KV pools (float32, asked for: a file in blocks
-    defaults to float16 ones) is the same and loads."""
+    """Q8_0 weights of the same shapes: prefill, sample and decode take other arguments
+    (blocks) and compile; the program that allocates the same KV pools (float32, asked for:
+    a file in blocks defaults to float16 ones) is the same and loads."""
     cache_dir, _, _ = copy_store(stored, tmp_path)
     engine = load(cache_dir, model="stories260K-gguf-quant-derived/stories260K-Q8_0.gguf",
                   kv_cache_dtype="float32")  # fmt: skip
     generate(engine)
     plan = {p.program: p.source for p in engine.compile_plan() if p.source}
-    assert plan == {"cache": "loaded", "prefill": "compiled", "decode": "compiled"}
+    assert plan == {"cache": "loaded", "prefill": "compiled", "sample": "compiled",
+                    "decode": "compiled"}  # fmt: skip
 
 
 def test_other_cpu_flags_miss_the_store(stored, tmp_path, monkeypatch):
@@ -301,11 +302,11 @@ def test_speculative_programs_are_stored_and_loaded(tmp_path, model, options):
         options = dict(speculative=str(model_path(STORIES)))
     first = load(tmp_path, model=model, **options)
     ids = generate(first)
-    assert first.compile_cache.store.saved == first.perf_stats().programs == 3
+    assert first.compile_cache.store.saved == first.perf_stats().programs == 4
     second = load(tmp_path, model=model, **options)
     with CompileCounter() as seen:
         assert generate(second) == ids
-    assert seen.n == 0 and second.perf_stats().loaded == 3
+    assert seen.n == 0 and second.perf_stats().loaded == 4
 
 
 def test_the_next_engine_reads_its_executables_ahead(stored, tmp_path):
@@ -314,17 +315,17 @@ def test_the_next_engine_reads_its_executables_ahead(stored, tmp_path):
     there. A manifest that is not JSON, or lists files that are not there, changes nothing."""
     cache_dir, ids, _ = copy_store(stored, tmp_path)
     first = load(cache_dir)
-    assert generate(first) == ids and first.perf_stats().loaded == 3
+    assert generate(first) == ids and first.perf_stats().loaded == 4
     (manifest,) = (cache_dir / SUBFOLDER).glob("*.json")
-    assert len(json.loads(manifest.read_text())) == 3
+    assert len(json.loads(manifest.read_text())) == 4
     second = load(cache_dir)
-    assert len(second.compile_cache.store._pending) == 3  # being read ahead
-    assert generate(second) == ids and second.perf_stats().loaded == 3
+    assert len(second.compile_cache.store._pending) == 4  # being read ahead
+    assert generate(second) == ids and second.perf_stats().loaded == 4
     assert second.compile_cache.store._pending == {}  # all taken
     for text in ("not json", '[["missing.jxe", [0]], ["../x.jxe", [0]]]'):
         manifest.write_text(text)
         third = load(cache_dir)
-        assert generate(third) == ids and third.perf_stats().loaded == 3
+        assert generate(third) == ids and third.perf_stats().loaded == 4
 
 
 def test_the_cli_shows_and_clears_the_store(tmp_path, capsys):
@@ -334,10 +335,10 @@ def test_the_cli_shows_and_clears_the_store(tmp_path, capsys):
     assert main(["generate", *flags, "-ub", "16", "-n", "4", "--temp", "0"]) == 0
     assert main(["info", *flags]) == 0
     out = capsys.readouterr().out
-    assert f"executable store : {tmp_path / SUBFOLDER}: 3 executables" in out
+    assert f"executable store : {tmp_path / SUBFOLDER}: 4 executables" in out
     assert "score[B=1, T=" in out and "logits at every position" in out  # the plan, and why
     assert main(["info", *flags, "--clear-executable-store"]) == 0
-    assert "cleared 3 executables" in capsys.readouterr().err
+    assert "cleared 4 executables" in capsys.readouterr().err
     assert main(["info", *flags, "--no-compile-cache", "--clear-executable-store"]) == 1
     assert "no compile cache dir" in capsys.readouterr().err
 

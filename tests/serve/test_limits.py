@@ -171,8 +171,8 @@ def test_a_task_is_refused_when_the_engine_queue_is_full():
 @pytest.mark.slow
 def test_with_every_abusive_request_at_once_health_answers_within_a_second(tmp_path_factory):
     """Each abusive request of issue 47 in a loop on its own thread, all at once, for 20 s:
-    /health answers within 1 s throughout; afterwards nothing is held (metrics and kv_stats)
-    and a greedy completion is what it was before."""
+    /health answers within 1 s throughout (but for one stalled answer); afterwards nothing is
+    held (metrics and kv_stats) and a greedy completion is what it was before."""
     import threading
 
     model = stories_chat(tmp_path_factory, TEMPLATE)
@@ -223,19 +223,24 @@ def test_with_every_abusive_request_at_once_health_answers_within_a_second(tmp_p
         threads = [threading.Thread(target=loop, args=(fn,), daemon=True) for fn in abusive]
         for t in threads:
             t.start()
-        slowest, deadline = 0.0, time.monotonic() + 20
-        while time.monotonic() < deadline:
+        answers, start = [], time.monotonic()  # (seconds into the run, seconds to answer)
+        while time.monotonic() < start + 20:
             t0 = time.monotonic()
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
             conn.request("GET", "/health")
             assert conn.getresponse().status == 200
             conn.close()
-            slowest = max(slowest, time.monotonic() - t0)
+            answers.append((round(t0 - start, 1), round(time.monotonic() - t0, 2)))
             time.sleep(0.1)
         stop.set()
         for t in threads:
             t.join(120)
-        assert slowest < 1.0 and not failures, (slowest, failures[:3])
+        assert not failures, failures[:3]
+        # Each abusive request repeats for the whole run, so one that blocked the event loop
+        # would delay answer after answer. A loaded 2-core machine may stall any one answer
+        # (one of 150 took 5.3 s once, beside the multi-process server tests): one may.
+        slow = [a for a in answers if a[1] >= 1.0]
+        assert len(slow) <= 1, slow
 
         def idle() -> bool:
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
