@@ -2,7 +2,7 @@
 
   cache()                                            -> kv                 zeroed page pools
   prefill(params, kv, chunk)                         -> kv, logits [R, V]  one prompt chunk per row
-  sample(params, kv, logits, window, sampling, pos)  -> kv, tokens [R], lp  the token after a prompt
+  sample_first(params, kv, logits, window, sampling, pos) -> kv, tokens [R], lp  (program `sample`)
   decode(params, kv, state, table, sampling, steps[, snaps]) -> kv, state, out [B, decode_chunk], lp
   score(params, kv, chunk, following)                -> kv, logits [B, T, V], lp [B, T]
   pool(params, kv, chunk, pick)                      -> kv, pooled [B, 3, D], picked [B, P]
