@@ -666,6 +666,16 @@ INLINE I8 dot(S8 w, S8 x, int16_t s_lo = 1, int16_t s_hi = 1) {
   return r;
 #endif
 }
+// dot() for unsigned weights w <= 127 (the K-quants' q before any offset): x86 multiplies
+// them as maddubs's unsigned operand, without dot()'s two sign operations.
+INLINE I8 udot(B32 w, S8 x, int16_t s_lo = 1, int16_t s_hi = 1) {
+#if defined(JAXINFER_AVX512) || defined(JAXINFER_AVX2)
+  const __m256i p = _mm256_maddubs_epi16(__m256i(w), __m256i(x));
+  return I8(_mm256_madd_epi16(p, _mm256_setr_m128i(_mm_set1_epi16(s_lo), _mm_set1_epi16(s_hi))));
+#else
+  return dot(S8(w), x, s_lo, s_hi);
+#endif
+}
 INLINE F8 to_float(I8 v) { return __builtin_convertvector(v, F8); }
 INLINE F8 set8(float x) { return F8{x, x, x, x, x, x, x, x}; }  // a splat (F8{} + x adds a zero)
 INLINE F8 fma(F8 a, F8 b, F8 c) {
