@@ -103,7 +103,7 @@ inline Acts quantize(Q8 kind, const float* x, int64_t I, int8_t* q, float* d, fl
 struct Q8_0 {  // the format interface (boilerplate)
   static constexpr int kBlock = 32;
   static constexpr bool kTail = false;
-  static constexpr int kAhead = 32;  // blocks to prefetch ahead: 1 KiB of the main stream
+  static constexpr int kAhead = 128;  // blocks to prefetch ahead: 4 KiB of the main stream
   const int8_t* q;
   const uint16_t* d;
   int64_t I;
@@ -635,23 +635,8 @@ INLINE void block_idot(const Fmt& f, int64_t o, const Acts* a, float* out) {
   }
   static_for<MT>([&](auto m) UNROLLED { out[m] = hsum(acc[m]) + mins[m]; });
 }
-template <int MT>
-INLINE void Q8_0::idot(int64_t o, const Acts* a, float* out) const {
-  block_idot<Q8_0, MT>(*this, o, a, out);
-}
-template <bool kMin>
-template <int MT>
-INLINE void Q4<kMin>::idot(int64_t o, const Acts* a, float* out) const {
-  block_idot<Q4<kMin>, MT>(*this, o, a, out);
-}
-template <bool kMin>
-template <int MT>
-INLINE void Q5<kMin>::idot(int64_t o, const Acts* a, float* out) const {
-  block_idot<Q5<kMin>, MT>(*this, o, a, out);
-}
-
 #if defined(JAXINFER_AVX512)
-// ---- The K-quants' idot in 512-bit registers (AVX-512) ----
+// ---- Q8_0's and the K-quants' idot in 512-bit registers (AVX-512) ----
 // Decode's matvecs are these products at one to four activation rows. In 32-byte halves
 // with the sign trick of vec::dot they were compute-bound (12-13 GB/s a thread where one
 // thread reads 20 GB/s); here 64 values take one load, the nibble split, and two multiply-adds:
@@ -674,6 +659,48 @@ INLINE __m512i dot_pairs(__m512i x, __m512i p, __m512i s) {
   return _mm512_add_epi32(x, _mm512_madd_epi16(p, s));
 #endif
 }
+// Q8_0: two blocks per 64-byte load, |w| times x with w's sign (w may hold -128, x never:
+// the unsigned operand is |w|, as vec::dp4<kFull>), summed in int32 per 4 values (vpdpbusd
+// with VNNI): lanes [0, 8) block b, [8, 16) block b + 1, each scaled by its dw dx. An odd
+// last block takes block_idot's 32-byte step.
+template <int MT>
+INLINE void q8_idot512(const Q8_0& f, int64_t o, const Acts* a, float* out) {
+  const Q8_0::Row r = f.row(o);
+  __m512 acc[MT];
+  F8 last[MT] = {};
+  static_for<MT>([&](auto m) UNROLLED { acc[m] = _mm512_setzero_ps(); });
+  const __m512i zero = _mm512_setzero_si512();
+  const int64_t nb = f.I / 32;
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) {
+    f.prefetch(r, b + Q8_0::kAhead);
+    const __m512i w = _mm512_loadu_si512(r.q + 32 * b);
+    const __m512i aw = _mm512_abs_epi8(w);
+    const __mmask64 neg = _mm512_movepi8_mask(w);
+    const float d0 = h2f(r.d[b]), d1 = h2f(r.d[b + 1]);
+    static_for<MT>([&](auto m) UNROLLED {
+      const __m512i x = _mm512_loadu_si512(a[m].q + 32 * b);
+      const __m512i sx = _mm512_mask_sub_epi8(x, neg, zero, x);  // x sign(w)
+#if defined(JAXINFER_VNNI)
+      const __m512i p = _mm512_dpbusd_epi32(zero, aw, sx);
+#else
+      const __m512i p = _mm512_madd_epi16(_mm512_maddubs_epi16(aw, sx), _mm512_set1_epi16(1));
+#endif
+      const __m512 s = _mm512_insertf32x8(_mm512_set1_ps(d0 * a[m].d[b]),
+                                          _mm256_set1_ps(d1 * a[m].d[b + 1]), 1);
+      acc[m] = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(p), acc[m]);
+    });
+  }
+  if (b < nb) {
+    const S8 w = load32(r.q + 32 * b);
+    const float dw = h2f(r.d[b]);
+    static_for<MT>([&](auto m) UNROLLED {
+      last[m] = fma(set8(dw * a[m].d[b]), to_float(dot(w, load32(a[m].q + 32 * b))), last[m]);
+    });
+  }
+  static_for<MT>([&](auto m) UNROLLED { out[m] = _mm512_reduce_add_ps(acc[m]) + hsum(last[m]); });
+}
+
 // The scale index of each int16 lane (two values) of a 64-value group, as vpermw takes it:
 // K4[k]: sub-blocks 2k, 2k + 1 (32 values each) of a Q4_K / Q5_K block; K6[k]: Q6_K's groups
 // 4k .. 4k + 3 (16 values each).
@@ -799,6 +826,25 @@ INLINE void q6_idot512(const Q6_K& f, int64_t o, const Acts* a, float* out) {
   static_for<MT>([&](auto m) UNROLLED { out[m] = _mm512_reduce_add_ps(acc[m]); });
 }
 #endif
+
+template <int MT>
+INLINE void Q8_0::idot(int64_t o, const Acts* a, float* out) const {
+#if defined(JAXINFER_AVX512)
+  q8_idot512<MT>(*this, o, a, out);
+#else
+  block_idot<Q8_0, MT>(*this, o, a, out);
+#endif
+}
+template <bool kMin>
+template <int MT>
+INLINE void Q4<kMin>::idot(int64_t o, const Acts* a, float* out) const {
+  block_idot<Q4<kMin>, MT>(*this, o, a, out);
+}
+template <bool kMin>
+template <int MT>
+INLINE void Q5<kMin>::idot(int64_t o, const Acts* a, float* out) const {
+  block_idot<Q5<kMin>, MT>(*this, o, a, out);
+}
 
 // Q4_K, Q5_K: per block of 256, dw dx sum_j sc[j] (q_j . qx_j) - dminw dx sum_j mn[j] sums[j]
 // (the sub-block scales applied in the integer products, as llama.cpp does).
