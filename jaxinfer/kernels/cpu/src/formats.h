@@ -642,7 +642,7 @@ INLINE void block_idot(const Fmt& f, int64_t o, const Acts* a, float* out) {
 // thread reads 20 GB/s); here 64 values take one load, the nibble split, and two multiply-adds:
 // maddubs (the weight's unsigned q, or Q6_K's q - 32 as q x - 32 x, times the activations'
 // int8) and a pairwise int16 product with the sub-block scales spread over the lanes
-// (vpdpwssd with VNNI). Exact in int32, as vec::dot; the block's float sum runs in 16 lanes.
+// (vpdpwssd with VNNI). Exact in int32, as vec::dot, and the same float steps (half, fold).
 // With the K-quants' prefetch at 4 KiB (1 KiB before): Llama-3-8B-shape decode 1.16x
 // (Q4_K_M), 1.33x (Q5_K_M), 1.22x (Q6_K) (benchmarks/results/realshape_norepack.md).
 
@@ -650,6 +650,18 @@ INLINE void block_idot(const Fmt& f, int64_t o, const Acts* a, float* out) {
 INLINE __m128i load64(const void* p) { return _mm_loadl_epi64(static_cast<const __m128i*>(p)); }
 INLINE __m128i load128(const void* p) { return _mm_loadu_si128(static_cast<const __m128i*>(p)); }
 INLINE __m256i load256(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+
+// A 512-bit vector of int32 sums as block_idot's and k_idot's 8 lanes: lanes [0, 8) (fold:
+// plus [8, 16), exact) or half h. The block sums then take those functions' float steps,
+// which are llama.cpp's (8-lane fma per block, hsum_float_8): a 16-lane float sum moved a
+// tiny-random hybrid Q8_0 fixture off llama.cpp's greedy ids at a near tie.
+INLINE I8 half(__m512i v, int h) {
+  return I8(h ? _mm512_extracti64x4_epi64(v, 1) : _mm512_castsi512_si256(v));
+}
+INLINE I8 fold(__m512i v) { return half(v, 0) + half(v, 1); }
+INLINE int32_t hsum_int(I8 v) {
+  return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
+}
 
 // x += p * s in int32 pairs: p the int16 pairs of a maddubs, s the lanes' scales.
 INLINE __m512i dot_pairs(__m512i x, __m512i p, __m512i s) {
@@ -666,9 +678,7 @@ INLINE __m512i dot_pairs(__m512i x, __m512i p, __m512i s) {
 template <int MT>
 INLINE void q8_idot512(const Q8_0& f, int64_t o, const Acts* a, float* out) {
   const Q8_0::Row r = f.row(o);
-  __m512 acc[MT];
-  F8 last[MT] = {};
-  static_for<MT>([&](auto m) UNROLLED { acc[m] = _mm512_setzero_ps(); });
+  F8 acc[MT] = {};
   const __m512i zero = _mm512_setzero_si512();
   const int64_t nb = f.I / 32;
   int64_t b = 0;
@@ -686,19 +696,18 @@ INLINE void q8_idot512(const Q8_0& f, int64_t o, const Acts* a, float* out) {
 #else
       const __m512i p = _mm512_madd_epi16(_mm512_maddubs_epi16(aw, sx), _mm512_set1_epi16(1));
 #endif
-      const __m512 s = _mm512_insertf32x8(_mm512_set1_ps(d0 * a[m].d[b]),
-                                          _mm256_set1_ps(d1 * a[m].d[b + 1]), 1);
-      acc[m] = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(p), acc[m]);
+      acc[m] = fma(set8(d0 * a[m].d[b]), to_float(half(p, 0)), acc[m]);
+      acc[m] = fma(set8(d1 * a[m].d[b + 1]), to_float(half(p, 1)), acc[m]);
     });
   }
   if (b < nb) {
     const S8 w = load32(r.q + 32 * b);
     const float dw = h2f(r.d[b]);
     static_for<MT>([&](auto m) UNROLLED {
-      last[m] = fma(set8(dw * a[m].d[b]), to_float(dot(w, load32(a[m].q + 32 * b))), last[m]);
+      acc[m] = fma(set8(dw * a[m].d[b]), to_float(dot(w, load32(a[m].q + 32 * b))), acc[m]);
     });
   }
-  static_for<MT>([&](auto m) UNROLLED { out[m] = _mm512_reduce_add_ps(acc[m]) + hsum(last[m]); });
+  static_for<MT>([&](auto m) UNROLLED { out[m] = hsum(acc[m]); });
 }
 
 // The scale index of each int16 lane (two values) of a 64-value group, as vpermw takes it:
@@ -723,12 +732,8 @@ template <class Fmt, int MT>
 INLINE void k_idot512(const Fmt& f, int64_t o, const Acts* a, float* out) {
   constexpr bool kFifth = std::is_same_v<Fmt, Q5_K>;
   const typename Fmt::Row r = f.row(o);
-  __m512 acc[MT];
-  __m256 mins[MT];
-  static_for<MT>([&](auto m) UNROLLED {
-    acc[m] = _mm512_setzero_ps();
-    mins[m] = _mm256_setzero_ps();
-  });
+  F8 acc[MT] = {};
+  float mins[MT] = {};
   const __m512i nib = _mm512_set1_epi8(15), bit4 = _mm512_set1_epi8(16);
   __m512i lanes[4];
   static_for<4>([&](auto k) UNROLLED { lanes[k] = _mm512_load_si512(kScaleLanes.k4[k]); });
@@ -769,13 +774,13 @@ INLINE void k_idot512(const Fmt& f, int64_t o, const Acts* a, float* out) {
     static_for<MT>([&](auto m) UNROLLED {
       const float dx = a[m].d[b];
       const __m512i s = _mm512_add_epi32(sum[m][0], sum[m][1]);
-      acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(dw * dx), _mm512_cvtepi32_ps(s), acc[m]);
-      const __m256i low = _mm256_mullo_epi32(mn, load256(a[m].sums + 8 * b));
-      mins[m] = _mm256_fmadd_ps(_mm256_set1_ps(dminw * dx), _mm256_cvtepi32_ps(low), mins[m]);
+      acc[m] = fma(set8(dw * dx), to_float(fold(s)), acc[m]);
+      const I8 low = I8(_mm256_mullo_epi32(mn, load256(a[m].sums + 8 * b)));
+      mins[m] += dminw * dx * float(hsum_int(low));
     });
   }
   static_for<MT>([&](auto m) UNROLLED {
-    out[m] = _mm512_reduce_add_ps(acc[m]) - _mm512_reduce_add_ps(_mm512_zextps256_ps512(mins[m]));
+    out[m] = hsum(acc[m]) - mins[m];
   });
 }
 
@@ -785,8 +790,7 @@ INLINE void k_idot512(const Fmt& f, int64_t o, const Acts* a, float* out) {
 template <int MT>
 INLINE void q6_idot512(const Q6_K& f, int64_t o, const Acts* a, float* out) {
   const Q6_K::Row r = f.row(o);
-  __m512 acc[MT];
-  static_for<MT>([&](auto m) UNROLLED { acc[m] = _mm512_setzero_ps(); });
+  F8 acc[MT] = {};
   const __m512i nib = _mm512_set1_epi8(15), top = _mm512_set1_epi8(0x30);
   const __m512i k32 = _mm512_set1_epi8(32);
   const __m512i up = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
@@ -820,10 +824,10 @@ INLINE void q6_idot512(const Q6_K& f, int64_t o, const Acts* a, float* out) {
     const float dw = h2f(r.d[b]);
     static_for<MT>([&](auto m) UNROLLED {
       const __m512i s = _mm512_add_epi32(sum[m][0], sum[m][1]);
-      acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(dw * a[m].d[b]), _mm512_cvtepi32_ps(s), acc[m]);
+      acc[m] = fma(set8(dw * a[m].d[b]), to_float(fold(s)), acc[m]);
     });
   }
-  static_for<MT>([&](auto m) UNROLLED { out[m] = _mm512_reduce_add_ps(acc[m]); });
+  static_for<MT>([&](auto m) UNROLLED { out[m] = hsum(acc[m]); });
 }
 #endif
 
