@@ -643,8 +643,8 @@ INLINE void block_idot(const Fmt& f, int64_t o, const Acts* a, float* out) {
 // maddubs (the weight's unsigned q, or Q6_K's q - 32 as q x - 32 x, times the activations'
 // int8) and a pairwise int16 product with the sub-block scales spread over the lanes
 // (vpdpwssd with VNNI). Exact in int32, as vec::dot, and the same float steps (half, fold).
-// With the K-quants' prefetch at 4 KiB (1 KiB before): Llama-3-8B-shape decode 1.16x
-// (Q4_K_M), 1.33x (Q5_K_M), 1.22x (Q6_K) (benchmarks/results/realshape_norepack.md).
+// With the prefetch at 4 KiB (1 KiB before), decode at the Llama-3-8B shapes against the
+// 32-byte bodies: 1.09x (Q4_K_M), 1.11x (Q8_0) (benchmarks/results/realshape_norepack.md).
 
 // Unaligned loads of 8, 16 and 32 bytes into the low lanes.
 INLINE __m128i load64(const void* p) { return _mm_loadl_epi64(static_cast<const __m128i*>(p)); }
@@ -711,7 +711,7 @@ INLINE void q8_idot512(const Q8_0& f, int64_t o, const Acts* a, float* out) {
 }
 
 // The scale index of each int16 lane (two values) of a 64-value group, as vpermw takes it:
-// K4[k]: sub-blocks 2k, 2k + 1 (32 values each) of a Q4_K / Q5_K block; K6[k]: Q6_K's groups
+// k4[k]: sub-blocks 2k, 2k + 1 (32 values each) of a Q4_K / Q5_K block; k6[k]: Q6_K's groups
 // 4k .. 4k + 3 (16 values each).
 struct ScaleLanes {
   alignas(64) int16_t k4[4][32], k6[4][32];
