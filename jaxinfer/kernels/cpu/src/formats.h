@@ -646,10 +646,8 @@ INLINE void block_idot(const Fmt& f, int64_t o, const Acts* a, float* out) {
 // With the prefetch at 4 KiB (1 KiB before), decode at the Llama-3-8B shapes against the
 // 32-byte bodies: 1.09x (Q4_K_M), 1.11x (Q8_0) (benchmarks/results/realshape_norepack.md).
 
-// Unaligned loads of 8, 16 and 32 bytes into the low lanes.
+// 8 unaligned bytes into the low lanes (wider loads: vec::load_as).
 INLINE __m128i load64(const void* p) { return _mm_loadl_epi64(static_cast<const __m128i*>(p)); }
-INLINE __m128i load128(const void* p) { return _mm_loadu_si128(static_cast<const __m128i*>(p)); }
-INLINE __m256i load256(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
 
 // A 512-bit vector of int32 sums as block_idot's and k_idot's 8 lanes: lanes [0, 8) (fold:
 // plus [8, 16), exact) or half h. The block sums then take those functions' float steps,
@@ -747,7 +745,7 @@ INLINE void k_idot512(const Fmt& f, int64_t o, const Acts* a, float* out) {
     const __m512i sc = _mm512_castsi128_si512(_mm_cvtepu8_epi16(load64(r.sc + 8 * b)));
     __m512i high;
     if constexpr (kFifth)
-      high = _mm512_broadcast_i64x4(load256(r.qh + 32 * b));
+      high = _mm512_broadcast_i64x4(load_as<__m256i>(r.qh + 32 * b));
     __m512i sum[MT][2];  // per h: two chains
     static_for<2>([&](auto h) UNROLLED {
       const __m512i z = _mm512_loadu_si512(r.qs + 128 * b + 64 * h);
@@ -775,7 +773,7 @@ INLINE void k_idot512(const Fmt& f, int64_t o, const Acts* a, float* out) {
       const float dx = a[m].d[b];
       const __m512i s = _mm512_add_epi32(sum[m][0], sum[m][1]);
       acc[m] = fma(set8(dw * dx), to_float(fold(s)), acc[m]);
-      const I8 low = I8(_mm256_mullo_epi32(mn, load256(a[m].sums + 8 * b)));
+      const I8 low = I8(_mm256_mullo_epi32(mn, load_as<__m256i>(a[m].sums + 8 * b)));
       mins[m] += dminw * dx * float(hsum_int(low));
     });
   }
@@ -799,11 +797,12 @@ INLINE void q6_idot512(const Q6_K& f, int64_t o, const Acts* a, float* out) {
   static_for<4>([&](auto k) UNROLLED { lanes[k] = _mm512_load_si512(kScaleLanes.k6[k]); });
   for (int64_t b = 0; b < f.I / 256; ++b) {
     f.prefetch(r, b + Q6_K::kAhead);
-    const __m512i sc = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(load128(r.sc + 16 * b)));
+    const __m256i sc16 = _mm256_cvtepi8_epi16(load_as<__m128i>(r.sc + 16 * b));
+    const __m512i sc = _mm512_castsi256_si512(sc16);
     __m512i sum[MT][2];
     static_for<2>([&](auto H) UNROLLED {
       const __m512i l = _mm512_loadu_si512(r.ql + 128 * b + 64 * H);
-      const __m512i h = _mm512_broadcast_i64x4(load256(r.qh + 64 * b + 32 * H));
+      const __m512i h = _mm512_broadcast_i64x4(load_as<__m256i>(r.qh + 64 * b + 32 * H));
       const __m512i q0 = _mm512_or_si512(_mm512_and_si512(l, nib),
                                          _mm512_and_si512(_mm512_sllv_epi16(h, up), top));
       const __m512i q1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), nib),
