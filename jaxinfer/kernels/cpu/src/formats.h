@@ -51,7 +51,7 @@ enum class Q8 { k0, k1, kK };
 struct Acts {        // one activation row of I values
   const int8_t* q;   // [I]
   const float* d;    // [I / 32] (Q8_0, Q8_1) or [I / 256] (Q8_K)
-  const float* s;    // [I / 32]: Q8_1's s
+  const float* s;    // [I / 32]: Q8_1's s; Q8_K's d sums (the K-quants' min terms)
   const int32_t* sums;  // [I / 32]: Q8_K's sums of q per 32 values
 };
 
@@ -82,9 +82,10 @@ inline Acts quantize(Q8 kind, const float* x, int64_t I, int8_t* q, float* d, fl
         int32_t sum = 0;
         for (int i = 0; i < 32; ++i) sum += q[256 * b + 32 * j + i];
         sums[8 * b + j] = sum;
+        s[8 * b + j] = d[b] * float(sum);
       }
     }
-    return {q, d, nullptr, sums};
+    return {q, d, s, sums};
   }
   for (int64_t b = 0; b < I / 32; ++b) {
     const float* xb = x + 32 * b;
@@ -378,7 +379,7 @@ INLINE void k_scales(float* scale, float* low, const uint8_t* sc, const uint8_t*
 struct Q4_K {  // the format interface (boilerplate)
   static constexpr int kBlock = 256;
   static constexpr bool kTail = false;
-  static constexpr int kAhead = 32;  // blocks to prefetch ahead: 4 KiB of the main stream
+  static constexpr int kAhead = 16;  // blocks to prefetch ahead: 2 KiB of the main stream
   const uint8_t* qs;
   const uint8_t* sc;
   const uint8_t* mn;
@@ -430,7 +431,7 @@ struct Q4_K {  // the format interface (boilerplate)
 struct Q5_K {  // the format interface (boilerplate)
   static constexpr int kBlock = 256;
   static constexpr bool kTail = false;
-  static constexpr int kAhead = 32;  // blocks to prefetch ahead: 4 KiB of the main stream
+  static constexpr int kAhead = 16;  // blocks to prefetch ahead: 2.5 KiB of the main streams
   const uint8_t* qs;
   const uint8_t* qh;
   const uint8_t* sc;
@@ -642,23 +643,21 @@ INLINE void block_idot(const Fmt& f, int64_t o, const Acts* a, float* out) {
 // thread reads 20 GB/s); here 64 values take one load, the nibble split, and two multiply-adds:
 // maddubs (the weight's unsigned q, or Q6_K's q - 32 as q x - 32 x, times the activations'
 // int8) and a pairwise int16 product with the sub-block scales spread over the lanes
-// (vpdpwssd with VNNI). Exact in int32, as vec::dot, and the same float steps (half, fold).
-// With the prefetch at 4 KiB (1 KiB before), decode at the Llama-3-8B shapes against the
-// 32-byte bodies: 1.09x (Q4_K_M), 1.11x (Q8_0) (benchmarks/results/realshape_norepack.md).
+// (vpdpwssd with VNNI), exact in int32 as vec::dot. Q8_0's block sums then take llama.cpp's
+// float steps (half); the K-quants' sum in 16 float lanes, their min terms in 8 (k_idot's
+// form), which left 2-thread decode of a 592 MB Q4_K matrix memory-bound (14.5 GB/s a thread
+// alone, 13.9 in 8 lanes with a horizontal integer sum of the mins per block; from L2,
+// 23.7 against 17.1). Prefetch: 4 KiB ahead for Q8_0 and Q6_K, 2 KiB for Q4_K and Q5_K.
 
 // 8 unaligned bytes into the low lanes (wider loads: vec::load_as).
 INLINE __m128i load64(const void* p) { return _mm_loadl_epi64(static_cast<const __m128i*>(p)); }
 
-// A 512-bit vector of int32 sums as block_idot's and k_idot's 8 lanes: lanes [0, 8) (fold:
-// plus [8, 16), exact) or half h. The block sums then take those functions' float steps,
-// which are llama.cpp's (8-lane fma per block, hsum_float_8): a 16-lane float sum moved a
-// tiny-random hybrid Q8_0 fixture off llama.cpp's greedy ids at a near tie.
+// Half h of a 512-bit vector of int32 sums: one Q8_0 block's sums as block_idot's 8 lanes,
+// which then take its float steps, llama.cpp's (8-lane fma per block, hsum_float_8): a
+// 16-lane float sum moved a tiny-random hybrid Q8_0 fixture off llama.cpp's greedy ids at a
+// near tie (the K-quant fixtures compare logits within float32 noise, which 16 lanes keep).
 INLINE I8 half(__m512i v, int h) {
   return I8(h ? _mm512_extracti64x4_epi64(v, 1) : _mm512_castsi512_si256(v));
-}
-INLINE I8 fold(__m512i v) { return half(v, 0) + half(v, 1); }
-INLINE int32_t hsum_int(I8 v) {
-  return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
 }
 
 // x += p * s in int32 pairs: p the int16 pairs of a maddubs, s the lanes' scales.
@@ -730,8 +729,9 @@ template <class Fmt, int MT>
 INLINE void k_idot512(const Fmt& f, int64_t o, const Acts* a, float* out) {
   constexpr bool kFifth = std::is_same_v<Fmt, Q5_K>;
   const typename Fmt::Row r = f.row(o);
-  F8 acc[MT] = {};
-  float mins[MT] = {};
+  F acc[MT];
+  F8 mins[MT] = {};
+  static_for<MT>([&](auto m) UNROLLED { acc[m] = zero(); });
   const __m512i nib = _mm512_set1_epi8(15), bit4 = _mm512_set1_epi8(16);
   __m512i lanes[4];
   static_for<4>([&](auto k) UNROLLED { lanes[k] = _mm512_load_si512(kScaleLanes.k4[k]); });
@@ -767,19 +767,15 @@ INLINE void k_idot512(const Fmt& f, int64_t o, const Acts* a, float* out) {
         sum[m][h] = dot_pairs(dot_pairs(_mm512_setzero_si512(), p0, s0), p1, s1);
       });
     });
-    const float dw = h2f(r.d[b]), dminw = h2f(r.dmin[b]);
-    const __m256i mn = _mm256_cvtepu8_epi32(load64(r.mn + 8 * b));
+    const float dw = h2f(r.d[b]);
+    const F8 low = u8x8(r.mn + 8 * b) * set8(h2f(r.dmin[b]));  // dmin mn[j]
     static_for<MT>([&](auto m) UNROLLED {
-      const float dx = a[m].d[b];
-      const __m512i s = _mm512_add_epi32(sum[m][0], sum[m][1]);
-      acc[m] = fma(set8(dw * dx), to_float(fold(s)), acc[m]);
-      const I8 low = I8(_mm256_mullo_epi32(mn, load_as<__m256i>(a[m].sums + 8 * b)));
-      mins[m] += dminw * dx * float(hsum_int(low));
+      const Int s = Int(_mm512_add_epi32(sum[m][0], sum[m][1]));
+      acc[m] = fma(set1(dw * a[m].d[b]), to_float(s), acc[m]);
+      mins[m] = fma(low, load8(a[m].s + 8 * b), mins[m]);
     });
   }
-  static_for<MT>([&](auto m) UNROLLED {
-    out[m] = hsum(acc[m]) - mins[m];
-  });
+  static_for<MT>([&](auto m) UNROLLED { out[m] = hsum(acc[m]) - hsum(mins[m]); });
 }
 
 // Q6_K: per 128 values, 64 bytes of low nibbles (values [0, 64) low, [64, 128) high) and 32
@@ -788,7 +784,8 @@ INLINE void k_idot512(const Fmt& f, int64_t o, const Acts* a, float* out) {
 template <int MT>
 INLINE void q6_idot512(const Q6_K& f, int64_t o, const Acts* a, float* out) {
   const Q6_K::Row r = f.row(o);
-  F8 acc[MT] = {};
+  F acc[MT];
+  static_for<MT>([&](auto m) UNROLLED { acc[m] = zero(); });
   const __m512i nib = _mm512_set1_epi8(15), top = _mm512_set1_epi8(0x30);
   const __m512i k32 = _mm512_set1_epi8(32);
   const __m512i up = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
@@ -822,8 +819,8 @@ INLINE void q6_idot512(const Q6_K& f, int64_t o, const Acts* a, float* out) {
     });
     const float dw = h2f(r.d[b]);
     static_for<MT>([&](auto m) UNROLLED {
-      const __m512i s = _mm512_add_epi32(sum[m][0], sum[m][1]);
-      acc[m] = fma(set8(dw * a[m].d[b]), to_float(fold(s)), acc[m]);
+      const Int s = Int(_mm512_add_epi32(sum[m][0], sum[m][1]));
+      acc[m] = fma(set1(dw * a[m].d[b]), to_float(s), acc[m]);
     });
   }
   static_for<MT>([&](auto m) UNROLLED { out[m] = hsum(acc[m]); });
@@ -849,14 +846,14 @@ INLINE void Q5<kMin>::idot(int64_t o, const Acts* a, float* out) const {
   block_idot<Q5<kMin>, MT>(*this, o, a, out);
 }
 
-// Q4_K, Q5_K: per block of 256, dw dx sum_j sc[j] (q_j . qx_j) - dminw dx sum_j mn[j] sums[j]
-// (the sub-block scales applied in the integer products, as llama.cpp does).
+// Q4_K, Q5_K: per block of 256, dw dx sum_j sc[j] (q_j . qx_j) - sum_j (dminw mn[j]) (dx sums[j])
+// (the sub-block scales applied in the integer products, as llama.cpp does; the min terms in
+// 8 float lanes, as its AVX2 body's).
 template <class Fmt, int MT>
 INLINE void k_idot(const Fmt& f, int64_t o, const Acts* a, float* out) {
   constexpr bool kFifth = std::is_same_v<Fmt, Q5_K>;
   const typename Fmt::Row r = f.row(o);
-  F8 acc[MT] = {};
-  float mins[MT] = {};
+  F8 acc[MT] = {}, mins[MT] = {};
   for (int64_t b = 0; b < f.I / 256; ++b) {
     f.prefetch(r, b + Fmt::kAhead);
     I8 sum[MT] = {};
@@ -876,15 +873,14 @@ INLINE void k_idot(const Fmt& f, int64_t o, const Acts* a, float* out) {
         sum[m] = sum[m] + udot(lo, load32(x), s0, s0) + udot(hi, load32(x + 32), s1, s1);
       });
     });
-    const float dw = h2f(r.d[b]), dminw = h2f(r.dmin[b]);
+    const float dw = h2f(r.d[b]);
+    const F8 low = u8x8(r.mn + 8 * b) * set8(h2f(r.dmin[b]));  // dmin mn[j]
     static_for<MT>([&](auto m) UNROLLED {
-      int32_t low = 0;
-      for (int j = 0; j < 8; ++j) low += int32_t(r.mn[8 * b + j]) * a[m].sums[8 * b + j];
       acc[m] = fma(set8(dw * a[m].d[b]), to_float(sum[m]), acc[m]);
-      mins[m] += dminw * a[m].d[b] * float(low);
+      mins[m] = fma(low, load8(a[m].s + 8 * b), mins[m]);
     });
   }
-  static_for<MT>([&](auto m) UNROLLED { out[m] = hsum(acc[m]) - mins[m]; });
+  static_for<MT>([&](auto m) UNROLLED { out[m] = hsum(acc[m]) - hsum(mins[m]); });
 }
 template <int MT>
 INLINE void Q4_K::idot(int64_t o, const Acts* a, float* out) const {
