@@ -79,11 +79,10 @@ void check_format(int64_t O, int64_t I) {
       const int64_t blocks = I / 32;  // the rows quantized as quantize_all() does, serially
       std::vector<int8_t> q(M * I);
       std::vector<float> d(M * blocks), s(M * blocks);
-      std::vector<int32_t> sums(M * blocks);
       std::vector<Acts> acts(M);
       for (int64_t m = 0; m < M; ++m)
         acts[m] = quantize(Fmt::kActs, x.data() + m * I, I, q.data() + m * I,
-                           d.data() + m * blocks, s.data() + m * blocks, sums.data() + m * blocks);
+                           d.data() + m * blocks, s.data() + m * blocks);
       int_rows(f, acts.data(), M, O, 0, O, y.data());
       emit(sums_out, y.data(), y.size());
     }

@@ -51,8 +51,7 @@ enum class Q8 { k0, k1, kK };
 struct Acts {        // one activation row of I values
   const int8_t* q;   // [I]
   const float* d;    // [I / 32] (Q8_0, Q8_1) or [I / 256] (Q8_K)
-  const float* s;    // [I / 32]: Q8_1's s; Q8_K's d sums (the K-quants' min terms)
-  const int32_t* sums;  // [I / 32]: Q8_K's sums of q per 32 values
+  const float* s;    // [I / 32]: Q8_1's s; Q8_K's d times the sum of q per 32 values
 };
 
 // llama.cpp's nearest_int: round to nearest even for |v| < 2^22.
@@ -63,9 +62,8 @@ INLINE int32_t nearest(float v) {
   return (i & 0x007FFFFF) - 0x00400000;
 }
 
-// x [I] quantized into q [I], d, s and sums (each at least I / 32 entries); returns the row.
-inline Acts quantize(Q8 kind, const float* x, int64_t I, int8_t* q, float* d, float* s,
-                     int32_t* sums) {
+// x [I] quantized into q [I], d and s (each at least I / 32 entries); returns the row.
+inline Acts quantize(Q8 kind, const float* x, int64_t I, int8_t* q, float* d, float* s) {
   if (kind == Q8::kK) {
     for (int64_t b = 0; b < I / 256; ++b) {
       const float* xb = x + 256 * b;
@@ -81,11 +79,10 @@ inline Acts quantize(Q8 kind, const float* x, int64_t I, int8_t* q, float* d, fl
       for (int j = 0; j < 8; ++j) {
         int32_t sum = 0;
         for (int i = 0; i < 32; ++i) sum += q[256 * b + 32 * j + i];
-        sums[8 * b + j] = sum;
-        s[8 * b + j] = d[b] * float(sum);
+        s[8 * b + j] = d[b] * float(sum);  // the min terms' activation side (llama.cpp's bsums)
       }
     }
-    return {q, d, s, sums};
+    return {q, d, s};
   }
   for (int64_t b = 0; b < I / 32; ++b) {
     const float* xb = x + 32 * b;
@@ -97,7 +94,7 @@ inline Acts quantize(Q8 kind, const float* x, int64_t I, int8_t* q, float* d, fl
     d[b] = h2f(f2h(db));
     if (kind == Q8::k1) s[b] = h2f(f2h(db * float(sum)));
   }
-  return {q, d, s, nullptr};
+  return {q, d, s};
 }
 
 // Q8_0 (32 values): q int8 [O, I], d f16 [O, I / 32]; w = d * q.
@@ -846,7 +843,7 @@ INLINE void Q5<kMin>::idot(int64_t o, const Acts* a, float* out) const {
   block_idot<Q5<kMin>, MT>(*this, o, a, out);
 }
 
-// Q4_K, Q5_K: per block of 256, dw dx sum_j sc[j] (q_j . qx_j) - sum_j (dminw mn[j]) (dx sums[j])
+// Q4_K, Q5_K: per block of 256, dw dx sum_j sc[j] (q_j . qx_j) - sum_j (dminw mn[j]) s[j]
 // (the sub-block scales applied in the integer products, as llama.cpp does; the min terms in
 // 8 float lanes, as its AVX2 body's).
 template <class Fmt, int MT>

@@ -175,7 +175,7 @@ void pack_row(const Acts* r, int64_t I, int64_t m, const PanelBuffers& out) {
   for (int64_t j = 0; j < J; ++j) {
     const int64_t at = j * S;  // the sub-block's first value
     d[16 * j] = r->d[kK ? at / 256 : at / 32];
-    if constexpr (U::kLow) low[16 * j] = kK ? r->d[at / 256] * float(r->sums[at / 32]) : r->s[at / 32];
+    if constexpr (U::kLow) low[16 * j] = r->s[at / 32];
   }
 }
 

@@ -237,24 +237,21 @@ template <class Fmt>
 const Acts* quantize_all(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t I) {
   thread_local std::unique_ptr<int8_t[]> q;
   thread_local std::unique_ptr<float[]> d, s;
-  thread_local std::unique_ptr<int32_t[]> sums;
   thread_local std::unique_ptr<Acts[]> acts;
   thread_local int64_t capacity = 0, rows = 0;
   const int64_t blocks = I / 32;
   if (capacity < M * I) {
     q.reset(new int8_t[M * I]), d.reset(new float[M * blocks]), s.reset(new float[M * blocks]);
-    sums.reset(new int32_t[M * blocks]), capacity = M * I;
+    capacity = M * I;
   }
   if (rows < M) acts.reset(new Acts[M]), rows = M;
   // the buffers as pointers: in the tasks, thread_local names are the task thread's own
   Acts* a = acts.get();
   int8_t* qs = q.get();
   float *ds = d.get(), *ss = s.get();
-  int32_t* sums_ = sums.get();
   parallel_for(pool, M, 16, [&](int64_t lo, int64_t hi) {
     for (int64_t m = lo; m < hi; ++m)
-      a[m] = quantize(Fmt::kActs, x + m * I, I, qs + m * I, ds + m * blocks, ss + m * blocks,
-                      sums_ + m * blocks);
+      a[m] = quantize(Fmt::kActs, x + m * I, I, qs + m * I, ds + m * blocks, ss + m * blocks);
   });
   return a;
 }
@@ -290,11 +287,10 @@ gemm::Panels quantize_panels(ffi::ThreadPool& pool, const float* x, const float*
   parallel_for(pool, P * 16, 16, [&](int64_t lo, int64_t hi) {
     thread_local std::unique_ptr<float[]> row, scales;  // the normed row; d, s per 32 values
     thread_local std::unique_ptr<int8_t[]> q;
-    thread_local std::unique_ptr<int32_t[]> sums;
     thread_local int64_t capacity = 0;
     if (capacity < I) {
       row.reset(new float[I]), scales.reset(new float[2 * blocks]), q.reset(new int8_t[I]);
-      sums.reset(new int32_t[blocks]), capacity = I;
+      capacity = I;
     }
     for (int64_t m = lo; m < hi; ++m) {
       if (m >= M) {
@@ -303,8 +299,7 @@ gemm::Panels quantize_panels(ffi::ThreadPool& pool, const float* x, const float*
       }
       const float* xm = x + m * I;
       if (norm) rms_norm(xm, norm, 1, I, eps, row.get()), xm = row.get();
-      const Acts a = quantize(Fmt::kActs, xm, I, q.get(), scales.get(), scales.get() + blocks,
-                              sums.get());
+      const Acts a = quantize(Fmt::kActs, xm, I, q.get(), scales.get(), scales.get() + blocks);
       gemm::pack_row<Fmt>(&a, I, m, out);
     }
   });
