@@ -252,7 +252,9 @@ __attribute__((noinline)) void tile(const Unpacked& u, int64_t r0, const Panels&
     });
     if constexpr (U::kLow) {
       const F lv = load(lp + 16 * j);
-      static_for<NO>([&](auto r) UNROLLED { acc[r] = fma(lv, set1(u.low[(r0 + r) * J + j]), acc[r]); });
+      static_for<NO>([&](auto r) UNROLLED {  // a broadcast load (set1: an add, then a shuffle)
+        acc[r] = fma(lv, bcast(u.low + (r0 + r) * J + j), acc[r]);
+      });
     }
   }
   static_for<NO>([&](auto r) UNROLLED {
