@@ -179,8 +179,15 @@ void pack_row(const Acts* r, int64_t I, int64_t m, const PanelBuffers& out) {
   }
 }
 
-// A thread's unpacked rows: values [R][I], and per sub-block scale, low and (biased panels)
-// -128 times the values' sum, which starts each integer sum.
+// Rows per register tile: NO weight rows against one panel keep NO integer and NO float sums
+// of 16 lanes in registers (AVX-512: 8 + 8 of 32 zmm; 16-register sets: 2).
+constexpr int kTile = kRegisters >= 32 ? 8 : 2;
+
+// A thread's unpacked rows: values [R / kTile][I / 4][kTile][4] (a tile's rows interleaved
+// per 4 values, so that a tile reads its weights from one pointer at fixed offsets: with a
+// pointer per row, gcc spent more instructions on addresses than on products; pp512 1.09x),
+// and per row and sub-block scale, low and (biased panels) -128 times the values' sum, which
+// starts each integer sum.
 struct Unpacked {
   int8_t* q;
   float *scale, *low;
@@ -192,16 +199,18 @@ Unpacked unpack_rows(const Fmt& f, int64_t o, int64_t R, int64_t I) {
   using U = Unpack<Fmt>;
   constexpr int S = U::kSub;
   const int64_t J = I / S;
-  thread_local std::unique_ptr<int8_t[]> q;
+  thread_local std::unique_ptr<int8_t[]> q, line;
   thread_local std::unique_ptr<float[]> tables;
   thread_local std::unique_ptr<int32_t[]> starts;
-  thread_local int64_t qcap = 0, tcap = 0;
-  if (qcap < R * I + 64) q.reset(new int8_t[qcap = R * I + 64]);
+  thread_local int64_t qcap = 0, tcap = 0, lcap = 0;
+  const int64_t padded = (R + kTile - 1) / kTile * kTile;
+  if (qcap < padded * I) q.reset(new int8_t[qcap = padded * I]);
+  if (lcap < I) line.reset(new int8_t[lcap = I]);
   if (tcap < R * J) tables.reset(new float[2 * R * J]), starts.reset(new int32_t[R * J]), tcap = R * J;
   Unpacked u{q.get(), tables.get(), tables.get() + R * J, starts.get()};
   for (int64_t r = 0; r < R; ++r) {
     const typename Fmt::Row row = f.row(o + r);
-    int8_t* qr = u.q + r * I;
+    int8_t* qr = line.get();
     for (int64_t b = 0; b < I / Fmt::kBlock; ++b) {
       f.prefetch(row, b + Fmt::kAhead);
       const int64_t j0 = b * (Fmt::kBlock / S);
@@ -213,13 +222,11 @@ Unpacked unpack_rows(const Fmt& f, int64_t o, int64_t R, int64_t I) {
         for (int k = 0; k < S; ++k) sum += qr[j * S + k];
         u.start[r * J + j] = -128 * sum;
       }
+    int8_t* at = u.q + (r / kTile) * kTile * I + (r % kTile) * 4;  // its lanes in its tile
+    for (int64_t g = 0; g < I / 4; ++g) std::memcpy(at + g * 4 * kTile, qr + 4 * g, 4);
   }
   return u;
 }
-
-// Rows per register tile: NO weight rows against one panel keep NO integer and NO float sums
-// of 16 lanes in registers (AVX-512: 8 + 8 of 32 zmm; 16-register sets: 2).
-constexpr int kTile = kRegisters >= 32 ? 8 : 2;
 
 // Output rows o + [0, NO) for the 16 activation rows of panel p (`valid` of them real).
 template <class Fmt, int NO>
@@ -242,7 +249,7 @@ __attribute__((noinline)) void tile(const Unpacked& u, int64_t r0, const Panels&
       const X8 xv = x8(xp + (j * (S / 4) + g) * 64);
       static_for<NO>([&](auto r) UNROLLED {
         int32_t w;
-        std::memcpy(&w, u.q + (r0 + r) * I + j * S + 4 * g, 4);
+        std::memcpy(&w, u.q + r0 * I + (j * S + 4 * g) * kTile + 4 * r, 4);
         sum[r] = dp4<U::kFull>(sum[r], xv, w);
       });
     });
