@@ -642,9 +642,10 @@ INLINE void block_idot(const Fmt& f, int64_t o, const Acts* a, float* out) {
 // int8) and a pairwise int16 product with the sub-block scales spread over the lanes
 // (vpdpwssd with VNNI), exact in int32 as vec::dot. Q8_0's block sums then take llama.cpp's
 // float steps (half); the K-quants' sum in 16 float lanes, their min terms in 8 (k_idot's
-// form), which left 2-thread decode of a 592 MB Q4_K matrix memory-bound (14.5 GB/s a thread
-// alone, 13.9 in 8 lanes with a horizontal integer sum of the mins per block; from L2,
-// 23.7 against 17.1). Prefetch: 4 KiB ahead for Q8_0 and Q6_K, 2 KiB for Q4_K and Q5_K.
+// form). Summed in 8 lanes with a horizontal integer sum of the mins per block, Q4_K's product
+// was compute-bound: 17.1 GB/s a thread from L2, 25.1 on two threads over a 592 MB matrix;
+// now 23.7 and 30.0 (a plain 2-thread read: 31-37). Prefetch: 4 KiB ahead for Q8_0 and Q6_K,
+// 2 KiB for Q4_K and Q5_K (with the faster body, 4 KiB was too far).
 
 // 8 unaligned bytes into the low lanes (wider loads: vec::load_as).
 INLINE __m128i load64(const void* p) { return _mm_loadl_epi64(static_cast<const __m128i*>(p)); }

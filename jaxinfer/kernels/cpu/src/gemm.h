@@ -185,7 +185,7 @@ constexpr int kTile = kRegisters >= 32 ? 8 : 2;
 
 // A thread's unpacked rows: values [R / kTile][I / 4][kTile][4] (a tile's rows interleaved
 // per 4 values, so that a tile reads its weights from one pointer at fixed offsets: with a
-// pointer per row, gcc spent more instructions on addresses than on products; pp512 1.09x),
+// pointer per row, gcc spent more instructions on addresses than on products; pp512 1.06x),
 // and per row and sub-block scale, low and (biased panels) -128 times the values' sum, which
 // starts each integer sum.
 struct Unpacked {
