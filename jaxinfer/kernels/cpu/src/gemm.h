@@ -12,9 +12,18 @@
 // rounding apart). The min terms: Q4_1 / Q5_1 m times Q8_1's s; Q4_K / Q5_K -dmin mn[j] times
 // the activations' d sum(q) over the sub-block (Q8_K's bsums).
 //
+// The K-quants on AVX-512 (kIntScales) keep a block's sums in int32, as llama.cpp's vec_dot
+// does: each sub-block's integer sum times the weight's integer scale sc[j], the min terms as
+// mn[j] times the activations' integer sums per sub-block (vpdpwssd, two sub-blocks a step),
+// then one float step per 256 values: d_w d_x (sum) - dmin_w d_x (mins). Per sub-block that
+// is one vpmulld and one add where the float form took a conversion, a multiply, an fma and
+// the min term's fma: at Llama-3-8B's shapes on Zen 4 (the tile being 85% of a 512-token
+// prompt), see benchmarks/results/realshape.md.
+//
 // Work split: output rows over the threads (qmatmul.h's run); each thread unpacks kChunk
-// rows (a few hundred KiB, kept in L2), then for each panel multiplies them kTile rows at a
-// time, 16 activation rows per register (one int32 sum per sub-block, then a float sum).
+// rows (a few hundred KiB, kept in L2), then for each pair of panels multiplies them kRows
+// rows at a time, 16 activation rows per register (a weight row's broadcast 4 bytes serve two
+// panels: the broadcasts, not the products, had been half the tile's instructions).
 #pragma once
 
 #include <algorithm>
@@ -40,7 +49,7 @@ struct Unpack;
 template <>
 struct Unpack<Q8_0> {
   static constexpr int kSub = 32;
-  static constexpr bool kLow = false, kFull = true;
+  static constexpr bool kLow = false, kFull = true, kInt = false;
   static INLINE void run(const Q8_0&, const Q8_0::Row& r, int64_t b, int8_t* q, float* scale,
                          float*) {
     std::memcpy(q, r.q + 32 * b, 32);
@@ -53,7 +62,7 @@ struct Unpack<Q8_0> {
 template <bool kMin>
 struct Unpack<Q4<kMin>> {
   static constexpr int kSub = 32;
-  static constexpr bool kLow = kMin, kFull = false;
+  static constexpr bool kLow = kMin, kFull = false, kInt = false;
   static INLINE void run(const Q4<kMin>&, const typename Q4<kMin>::Row& r, int64_t b, int8_t* q,
                          float* scale, float* low) {
     S8 v = S8(nibbles(r.qs + 16 * b));
@@ -66,7 +75,7 @@ struct Unpack<Q4<kMin>> {
 template <bool kMin>
 struct Unpack<Q5<kMin>> {  // Q4's, plus the fifth bits (boilerplate)
   static constexpr int kSub = 32;
-  static constexpr bool kLow = kMin, kFull = false;
+  static constexpr bool kLow = kMin, kFull = false, kInt = false;
   static INLINE void run(const Q5<kMin>&, const typename Q5<kMin>::Row& r, int64_t b, int8_t* q,
                          float* scale, float* low) {
     uint32_t high;
@@ -84,7 +93,14 @@ struct Unpack<Q5<kMin>> {  // Q4's, plus the fifth bits (boilerplate)
 template <class Fmt, bool kFifth>
 struct UnpackK {
   static constexpr int kSub = 32;
-  static constexpr bool kLow = true, kFull = false;
+  static constexpr bool kLow = true, kFull = false, kInt = true;
+  // Integer scales sc[j], the block's d and -dmin, the mins mn[j] as int16 pairs.
+  static INLINE void ints(const Fmt&, const typename Fmt::Row& r, int64_t b, int32_t* isc,
+                          float* dw, float* dm, int32_t* mnp) {
+    for (int j = 0; j < 8; ++j) isc[j] = r.sc[8 * b + j];
+    for (int j = 0; j < 4; ++j) mnp[j] = int32_t(r.mn[8 * b + 2 * j]) | int32_t(r.mn[8 * b + 2 * j + 1]) << 16;
+    dw[0] = h2f(r.d[b]), dm[0] = -h2f(r.dmin[b]);
+  }
   static INLINE void run(const Fmt&, const typename Fmt::Row& r, int64_t b, int8_t* q,
                          float* scale, float* low) {
     B32 high{};
@@ -114,7 +130,12 @@ struct Unpack<Q5_K> : UnpackK<Q5_K, true> {};
 template <>
 struct Unpack<Q6_K> {
   static constexpr int kSub = 16;
-  static constexpr bool kLow = false, kFull = false;
+  static constexpr bool kLow = false, kFull = false, kInt = true;
+  static INLINE void ints(const Q6_K&, const Q6_K::Row& r, int64_t b, int32_t* isc, float* dw,
+                          float*, int32_t*) {
+    for (int j = 0; j < 16; ++j) isc[j] = r.sc[16 * b + j];
+    dw[0] = h2f(r.d[b]);
+  }
   static INLINE void run(const Q6_K& f, const Q6_K::Row& r, int64_t b, int8_t* q, float* scale,
                          float*) {
     const Q6_K::Blk k = f.block(r, b);
@@ -122,12 +143,20 @@ struct Unpack<Q6_K> {
   }
 };
 
+// Integer scales (K-quants on AVX-512): a block's sub-block sums scaled by the weight's integer
+// scales in int32, one float step per block (the weight's d times the activations' d); the
+// min terms as int16 pairs (mn[j], mn[j + 1]) times the activations' sums per sub-block.
+template <class U>
+constexpr bool kIntScales = U::kInt && kRegisters >= 32;
+
 // Activation rows in panels of 16 (dp4's layout): x [P][I / 4][64 bytes], and per row and
-// sub-block of kSub values its scale d and min term low [P][I / kSub][16].
+// sub-block of kSub values its scale d and min term low [P][I / kSub][16]; with integer
+// scales and a min term, the sums of q per pair of sub-blocks as int16 pairs bs [P][J / 2][16].
 struct Panels {
   const uint8_t* x;
   const float* d;
   const float* low;  // formats with a min term only
+  const int32_t* bs;
   int64_t count;     // P
 };
 
@@ -135,18 +164,20 @@ struct Panels {
 struct PanelBuffers {
   uint8_t* x;
   float *d, *low;
+  int32_t* bs;
 };
 inline PanelBuffers panel_buffers(int64_t M, int64_t I, int64_t sub) {
   thread_local std::unique_ptr<uint8_t[]> x;
   thread_local std::unique_ptr<float[]> d;
   thread_local int64_t xcap = 0, dcap = 0;
-  const int64_t P = (M + 15) / 16, nx = P * I * 16 + 64, nd = 2 * P * (I / sub) * 16 + 16;
+  const int64_t P = (M + 15) / 16, nx = P * I * 16 + 64, nd = 3 * P * (I / sub) * 16 + 16;
   if (xcap < nx) x.reset(new uint8_t[xcap = nx]);
   if (dcap < nd) d.reset(new float[dcap = nd]);
   // 64-byte aligned: a panel group is one cache line
   uint8_t* xa = x.get() + (64 - reinterpret_cast<uintptr_t>(x.get()) % 64) % 64;
   float* da = d.get() + (16 - reinterpret_cast<uintptr_t>(d.get()) / 4 % 16) % 16;
-  return {xa, da, da + P * (I / sub) * 16};
+  const int64_t n = P * (I / sub) * 16;
+  return {xa, da, da + n, reinterpret_cast<int32_t*>(da + 2 * n)};
 }
 
 // Activation row m (quantized: r) into its panel lane; r null (the last panel's padding past
@@ -159,10 +190,14 @@ void pack_row(const Acts* r, int64_t I, int64_t m, const PanelBuffers& out) {
   uint8_t* x = out.x + p * I * 16 + 4 * l;
   float* d = out.d + p * J * 16 + l;
   float* low = out.low + p * J * 16 + l;
+  int32_t* bs = out.bs + p * (J / 2) * 16 + l;
+  constexpr bool kPairs = kIntScales<U> && U::kLow;
   if (!r) {
     const uint32_t zero = kBiasedX ? 0x80808080u : 0u;
     for (int64_t g = 0; g < I / 4; ++g) std::memcpy(x + 64 * g, &zero, 4);
     for (int64_t j = 0; j < J; ++j) d[16 * j] = 0.0f, low[16 * j] = 0.0f;
+    if constexpr (kPairs)
+      for (int64_t j = 0; j < J / 2; ++j) bs[16 * j] = 0;
     return;
   }
   for (int64_t g = 0; g < I / 4; ++g) {
@@ -177,6 +212,13 @@ void pack_row(const Acts* r, int64_t I, int64_t m, const PanelBuffers& out) {
     d[16 * j] = r->d[kK ? at / 256 : at / 32];
     if constexpr (U::kLow) low[16 * j] = r->s[at / 32];
   }
+  if constexpr (kPairs)
+    for (int64_t j = 0; j < J / 2; ++j) {
+      int32_t sum[2] = {0, 0};
+      for (int h = 0; h < 2; ++h)
+        for (int k = 0; k < S; ++k) sum[h] += r->q[(2 * j + h) * S + k];
+      bs[16 * j] = int32_t(uint32_t(uint16_t(sum[0])) | uint32_t(uint16_t(sum[1])) << 16);
+    }
 }
 
 // Rows per register tile: NO weight rows against one panel keep NO integer and NO float sums
@@ -191,36 +233,50 @@ constexpr int kTile = kRegisters >= 32 ? 8 : 2;
 struct Unpacked {
   int8_t* q;
   float *scale, *low;
-  int32_t* start;
+  int32_t* start;     // [R][J], integer scales: [R][B]
+  int32_t *isc, *mn;  // integer scales: [R][J], min pairs [R][J / 2]
+  float *dw, *dm;     // integer scales: d, -dmin [R][B]
 };
 
 template <class Fmt>
 Unpacked unpack_rows(const Fmt& f, int64_t o, int64_t R, int64_t I) {
   using U = Unpack<Fmt>;
-  constexpr int S = U::kSub;
-  const int64_t J = I / S;
+  constexpr int S = U::kSub, JB = Fmt::kBlock / S;
+  const int64_t J = I / S, B = I / Fmt::kBlock;
   thread_local std::unique_ptr<int8_t[]> q, line;
   thread_local std::unique_ptr<float[]> tables;
-  thread_local std::unique_ptr<int32_t[]> starts;
+  thread_local std::unique_ptr<int32_t[]> ints;
   thread_local int64_t qcap = 0, tcap = 0, lcap = 0;
   const int64_t padded = (R + kTile - 1) / kTile * kTile;
   if (qcap < padded * I) q.reset(new int8_t[qcap = padded * I]);
   if (lcap < I) line.reset(new int8_t[lcap = I]);
-  if (tcap < R * J) tables.reset(new float[2 * R * J]), starts.reset(new int32_t[R * J]), tcap = R * J;
-  Unpacked u{q.get(), tables.get(), tables.get() + R * J, starts.get()};
+  if (tcap < R * J) tables.reset(new float[4 * R * J]), ints.reset(new int32_t[3 * R * J]), tcap = R * J;
+  float* t = tables.get();
+  int32_t* n = ints.get();
+  Unpacked u{q.get(), t, t + R * J, n, n + R * J, n + 2 * R * J, t + 2 * R * J, t + 3 * R * J};
   for (int64_t r = 0; r < R; ++r) {
     const typename Fmt::Row row = f.row(o + r);
     int8_t* qr = line.get();
-    for (int64_t b = 0; b < I / Fmt::kBlock; ++b) {
+    for (int64_t b = 0; b < B; ++b) {
       f.prefetch(row, b + Fmt::kAhead);
-      const int64_t j0 = b * (Fmt::kBlock / S);
+      const int64_t j0 = b * JB;
       U::run(f, row, b, qr + b * Fmt::kBlock, u.scale + r * J + j0, u.low + r * J + j0);
+      if constexpr (kIntScales<U>)
+        U::ints(f, row, b, u.isc + r * J + j0, u.dw + r * B + b, u.dm + r * B + b,
+                u.mn + r * (J / 2) + j0 / 2);
     }
     if constexpr (kBiasedX)
-      for (int64_t j = 0; j < J; ++j) {
-        int32_t sum = 0;
-        for (int k = 0; k < S; ++k) sum += qr[j * S + k];
-        u.start[r * J + j] = -128 * sum;
+      for (int64_t b = 0; b < B; ++b) {
+        int32_t total = 0;
+        for (int64_t j = b * JB; j < (b + 1) * JB; ++j) {
+          int32_t sum = 0;
+          for (int k = 0; k < S; ++k) sum += qr[j * S + k];
+          if constexpr (kIntScales<U>)
+            total += sum * u.isc[r * J + j];
+          else
+            u.start[r * J + j] = -128 * sum;
+        }
+        if constexpr (kIntScales<U>) u.start[r * B + b] = -128 * total;
       }
     int8_t* at = u.q + (r / kTile) * kTile * I + (r % kTile) * 4;  // its lanes in its tile
     for (int64_t g = 0; g < I / 4; ++g) std::memcpy(at + g * 4 * kTile, qr + 4 * g, 4);
@@ -228,46 +284,102 @@ Unpacked unpack_rows(const Fmt& f, int64_t o, int64_t R, int64_t I) {
   return u;
 }
 
-// Output rows o + [0, NO) for the 16 activation rows of panel p (`valid` of them real).
-template <class Fmt, int NO>
+// Output rows o + [0, NO) for the 16 NP activation rows of panels p.. (`valid`: real rows).
+template <class Fmt, int NO, int NP>
 __attribute__((noinline)) void tile(const Unpacked& u, int64_t r0, const Panels& a, int64_t p,
                                     int64_t I, int64_t valid, int64_t O, int64_t o, float* y) {
   using U = Unpack<Fmt>;
-  constexpr int S = U::kSub;
-  const int64_t J = I / S;
+  constexpr int S = U::kSub, JB = Fmt::kBlock / S;
+  const int64_t J = I / S, B = I / Fmt::kBlock;
   const uint8_t* xp = a.x + p * I * 16;
   const float* dp = a.d + p * J * 16;
   const float* lp = U::kLow ? a.low + p * J * 16 : nullptr;
-  F acc[NO];
-  static_for<NO>([&](auto r) UNROLLED { acc[r] = zero(); });
-  for (int64_t j = 0; j < J; ++j) {
-    Int sum[NO];
-    static_for<NO>([&](auto r) UNROLLED {
-      sum[r] = set1i(kBiasedX ? u.start[(r0 + r) * J + j] : 0);
-    });
+  const int32_t* bp = a.bs + p * (J / 2) * 16;
+  const int8_t* wq = u.q + (r0 / kTile) * kTile * I + (r0 % kTile) * 4;
+  F acc[NP][NO];
+  static_for<NP>([&](auto c) UNROLLED { static_for<NO>([&](auto r) UNROLLED { acc[c][r] = zero(); }); });
+  // the products of sub-block j into sum (started at `start` per row)
+  auto sub = [&](int64_t j, Int (&sum)[NP][NO]) UNROLLED {
     static_for<S / 4>([&](auto g) UNROLLED {
-      const X8 xv = x8(xp + (j * (S / 4) + g) * 64);
+      X8 xv[NP];
+      static_for<NP>([&](auto c) UNROLLED { xv[c] = x8(xp + c * I * 16 + (j * (S / 4) + g) * 64); });
       static_for<NO>([&](auto r) UNROLLED {
         int32_t w;
-        std::memcpy(&w, u.q + r0 * I + (j * S + 4 * g) * kTile + 4 * r, 4);
-        sum[r] = dp4<U::kFull>(sum[r], xv, w);
+        std::memcpy(&w, wq + (j * S + 4 * g) * kTile + 4 * r, 4);
+        static_for<NP>([&](auto c) UNROLLED { sum[c][r] = dp4<U::kFull>(sum[c][r], xv[c], w); });
       });
     });
-    const F dv = load(dp + 16 * j);
-    static_for<NO>([&](auto r) UNROLLED {
-      acc[r] = fma(to_float(sum[r]), dv * u.scale[(r0 + r) * J + j], acc[r]);
-    });
-    if constexpr (U::kLow) {
-      const F lv = load(lp + 16 * j);
-      static_for<NO>([&](auto r) UNROLLED {  // a broadcast load (set1: an add, then a shuffle)
-        acc[r] = fma(lv, bcast(u.low + (r0 + r) * J + j), acc[r]);
+  };
+  if constexpr (kIntScales<U>) {
+    for (int64_t b = 0; b < B; ++b) {
+      Int tot[NP][NO];
+      static_for<NO>([&](auto r) UNROLLED {
+        const Int s0 = set1i(kBiasedX ? u.start[(r0 + r) * B + b] : 0);
+        static_for<NP>([&](auto c) UNROLLED { tot[c][r] = s0; });
+      });
+      for (int64_t j = b * JB; j < (b + 1) * JB; ++j) {
+        Int sum[NP][NO];
+        static_for<NP>([&](auto c) UNROLLED { static_for<NO>([&](auto r) UNROLLED { sum[c][r] = set1i(0); }); });
+        sub(j, sum);
+        static_for<NO>([&](auto r) UNROLLED {
+          const int32_t k = u.isc[(r0 + r) * J + j];
+          static_for<NP>([&](auto c) UNROLLED { tot[c][r] = tot[c][r] + sum[c][r] * k; });
+        });
+      }
+      if constexpr (U::kLow) {  // -dmin times the min pairs times the activations' sums
+        Int m[NP][NO];
+        static_for<NP>([&](auto c) UNROLLED { static_for<NO>([&](auto r) UNROLLED { m[c][r] = set1i(0); }); });
+        static_for<JB / 2>([&](auto h) UNROLLED {
+          Int bv[NP];
+          static_for<NP>([&](auto c) UNROLLED { bv[c] = load_as<Int>(bp + c * (J / 2) * 16 + (b * (JB / 2) + h) * 16); });
+          static_for<NO>([&](auto r) UNROLLED {
+            const int32_t k = u.mn[(r0 + r) * (J / 2) + b * (JB / 2) + h];
+            static_for<NP>([&](auto c) UNROLLED { m[c][r] = dp2(m[c][r], bv[c], k); });
+          });
+        });
+        static_for<NP>([&](auto c) UNROLLED {
+          const F dv = load(dp + c * J * 16 + 16 * b * JB);
+          static_for<NO>([&](auto r) UNROLLED {
+            acc[c][r] = fma(to_float(m[c][r]), dv * bcast(u.dm + (r0 + r) * B + b), acc[c][r]);
+          });
+        });
+      }
+      static_for<NP>([&](auto c) UNROLLED {
+        const F dv = load(dp + c * J * 16 + 16 * b * JB);
+        static_for<NO>([&](auto r) UNROLLED {
+          acc[c][r] = fma(to_float(tot[c][r]), dv * bcast(u.dw + (r0 + r) * B + b), acc[c][r]);
+        });
+      });
+    }
+  } else {
+    for (int64_t j = 0; j < J; ++j) {
+      Int sum[NP][NO];
+      static_for<NO>([&](auto r) UNROLLED {
+        const Int s0 = set1i(kBiasedX ? u.start[(r0 + r) * J + j] : 0);
+        static_for<NP>([&](auto c) UNROLLED { sum[c][r] = s0; });
+      });
+      sub(j, sum);
+      static_for<NP>([&](auto c) UNROLLED {
+        const F dv = load(dp + c * J * 16 + 16 * j);
+        static_for<NO>([&](auto r) UNROLLED {
+          acc[c][r] = fma(to_float(sum[c][r]), dv * u.scale[(r0 + r) * J + j], acc[c][r]);
+        });
+        if constexpr (U::kLow) {
+          const F lv = load(lp + c * J * 16 + 16 * j);
+          static_for<NO>([&](auto r) UNROLLED {
+            acc[c][r] = fma(lv, bcast(u.low + (r0 + r) * J + j), acc[c][r]);
+          });
+        }
       });
     }
   }
-  static_for<NO>([&](auto r) UNROLLED {
-    alignas(64) float out[16];
-    store(out, acc[r]);
-    for (int64_t l = 0; l < valid; ++l) y[(16 * p + l) * O + o + r] = out[l];
+  static_for<NP>([&](auto c) UNROLLED {
+    const int64_t n = std::min<int64_t>(16, valid - 16 * c);
+    static_for<NO>([&](auto r) UNROLLED {
+      alignas(64) float out[16];
+      store(out, acc[c][r]);
+      for (int64_t l = 0; l < n; ++l) y[(16 * (p + c) + l) * O + o + r] = out[l];
+    });
   });
 }
 
@@ -275,6 +387,11 @@ __attribute__((noinline)) void tile(const Unpacked& u, int64_t r0, const Panels&
 inline int64_t chunk_rows(int64_t I) {
   return std::max<int64_t>(kTile, std::min<int64_t>(64, (int64_t{256} << 10) / I) / kTile * kTile);
 }
+
+// Panels per tile and rows per tile (AVX-512: two panels of 4 rows, each weight row's
+// broadcast used twice).
+constexpr int kPanels = kRegisters >= 32 ? 2 : 1;
+constexpr int kRows = kTile / kPanels;
 
 // Output rows [lo, hi) of y [M, O] for all M activation rows in `a`.
 template <class Fmt>
@@ -284,11 +401,14 @@ void rows(const Fmt& f, const Panels& a, int64_t M, int64_t I, int64_t O, int64_
   for (int64_t c = lo; c < hi; c += R) {
     const int64_t n = std::min(R, hi - c);
     const Unpacked u = unpack_rows(f, c, n, I);
-    for (int64_t p = 0; p < a.count; ++p) {
-      const int64_t valid = std::min<int64_t>(16, M - 16 * p);
-      for (int64_t r0 = 0; r0 < n; r0 += kTile)
-        dispatch<kTile>(std::min<int64_t>(kTile, n - r0), [&](auto no) {
-          tile<Fmt, decltype(no)::value>(u, r0, a, p, I, valid, O, c + r0, y);
+    for (int64_t p = 0; p < a.count; p += kPanels) {
+      const int64_t valid = std::min<int64_t>(16 * kPanels, M - 16 * p);
+      for (int64_t r0 = 0; r0 < n; r0 += kRows)
+        dispatch<kRows>(std::min<int64_t>(kRows, n - r0), [&](auto no) {
+          if (p + kPanels <= a.count)
+            tile<Fmt, decltype(no)::value, kPanels>(u, r0, a, p, I, valid, O, c + r0, y);
+          else
+            tile<Fmt, decltype(no)::value, 1>(u, r0, a, p, I, valid, O, c + r0, y);
         });
     }
   }

@@ -303,7 +303,7 @@ gemm::Panels quantize_panels(ffi::ThreadPool& pool, const float* x, const float*
       gemm::pack_row<Fmt>(&a, I, m, out);
     }
   });
-  return {out.x, out.d, out.low, P};
+  return {out.x, out.d, out.low, out.bs, P};
 }
 
 // Output rows [lo, hi) for all M activation rows.
@@ -681,7 +681,8 @@ ffi::Error run_grouped(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
             for (int64_t m = 0; m < 16 * (panel[e + 1] - panel[e]); ++m)
               gemm::pack_row<Fmt>(m < n[e] ? acts + first[e] + m : nullptr, I, m, gemm::PanelBuffers{
                   packed.x + panel[e] * 16 * I, packed.d + panel[e] * 16 * (I / gemm::Unpack<Fmt>::kSub),
-                  packed.low + panel[e] * 16 * (I / gemm::Unpack<Fmt>::kSub)});
+                  packed.low + panel[e] * 16 * (I / gemm::Unpack<Fmt>::kSub),
+                  packed.bs + panel[e] * 16 * (I / gemm::Unpack<Fmt>::kSub / 2)});
         });
       }
     }
@@ -715,7 +716,8 @@ ffi::Error run_grouped(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
             if (n[e] >= kGemmRows) {
               const int64_t J = I / gemm::Unpack<Fmt>::kSub;
               const gemm::Panels pe{packed.x + panel[e] * 16 * I, packed.d + panel[e] * 16 * J,
-                                    packed.low + panel[e] * 16 * J, panel[e + 1] - panel[e]};
+                                    packed.low + panel[e] * 16 * J, packed.bs + panel[e] * 16 * (J / 2),
+                                    panel[e + 1] - panel[e]};
               gemm::rows(f, pe, n[e], I, O, a, b, y);
             } else {
               int_rows(f, acts + first[e], n[e], O, a, b, y);

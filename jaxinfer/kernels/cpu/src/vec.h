@@ -788,5 +788,22 @@ INLINE Int dp4(Int acc, const X8& x, int32_t w) {
 #endif
 }
 
+// acc + a b over int16 pairs: lane l + a.lo b.lo + a.hi b.hi, a's lane l (two int16) against
+// b's two int16 in every lane (vpdpwssd; the GEMM's K-quant min terms, two sub-blocks a step).
+INLINE Int dp2(Int acc, Int a, int32_t b) {
+#if defined(JAXINFER_VNNI)
+  __m512i r = reinterpret_cast<__m512i&>(acc);
+  r = _mm512_dpwssd_epi32(r, reinterpret_cast<__m512i&>(a), _mm512_set1_epi32(b));
+  return reinterpret_cast<Int&>(r);
+#elif defined(JAXINFER_AVX512)
+  const __m512i p = _mm512_madd_epi16(reinterpret_cast<__m512i&>(a), _mm512_set1_epi32(b));
+  __m512i r = _mm512_add_epi32(reinterpret_cast<__m512i&>(acc), p);
+  return reinterpret_cast<Int&>(r);
+#else
+  const int32_t lo = int16_t(b & 0xFFFF), hi = int16_t(uint32_t(b) >> 16);
+  return acc + ((a << 16) >> 16) * lo + (a >> 16) * hi;
+#endif
+}
+
 }  // namespace vec
 }  // namespace jaxinfer
