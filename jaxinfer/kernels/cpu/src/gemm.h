@@ -21,7 +21,7 @@
 // prompt), see benchmarks/results/realshape.md.
 //
 // Work split: output rows over the threads (qmatmul.h's run); each thread unpacks kChunk
-// rows (a few hundred KiB, kept in L2), then for each pair of panels multiplies them kRows
+// rows (a few hundred KiB, kept in L2), then for each pair of panels multiplies them kTile
 // rows at a time, 16 activation rows per register (a weight row's broadcast 4 bytes serve two
 // panels: the broadcasts, not the products, had been half the tile's instructions).
 #pragma once
@@ -221,11 +221,17 @@ void pack_row(const Acts* r, int64_t I, int64_t m, const PanelBuffers& out) {
     }
 }
 
-// Rows per register tile: NO weight rows against one panel keep NO integer and NO float sums
-// of 16 lanes in registers (AVX-512: 8 + 8 of 32 zmm; 16-register sets: 2).
-constexpr int kTile = kRegisters >= 32 ? 8 : 2;
+// A register tile: kTile<Fmt> weight rows against kPanels<Fmt> panels of 16 activation rows.
+// AVX-512 with VNNI and integer scales: 4 rows x 2 panels (each weight row's broadcast dword
+// serves two products; 8 integer sums, 8 block sums and 8 float sums in 32 zmm); other
+// AVX-512 tiles 8 rows x 1 panel (without VNNI the products' temporaries need the registers;
+// the float-scaled formats keep 8 rows: Q8_0 ran 2% slower at 4 x 2); 16-register sets 2 x 1.
+template <class Fmt>
+constexpr int kPanels = kIntScales<Unpack<Fmt>> && kBiasedX ? 2 : 1;
+template <class Fmt>
+constexpr int kTile = kRegisters >= 32 ? 8 / kPanels<Fmt> : 2;
 
-// A thread's unpacked rows: values [R / kTile][I / 4][kTile][4] (a tile's rows interleaved
+// A thread's unpacked rows: values [R / T][I / 4][T][4] (T = kTile<Fmt>) (a tile's rows interleaved
 // per 4 values, so that a tile reads its weights from one pointer at fixed offsets: with a
 // pointer per row, gcc spent more instructions on addresses than on products; pp512 1.06x),
 // and per row and sub-block scale, low and (biased panels) -128 times the values' sum, which
@@ -247,7 +253,8 @@ Unpacked unpack_rows(const Fmt& f, int64_t o, int64_t R, int64_t I) {
   thread_local std::unique_ptr<float[]> tables;
   thread_local std::unique_ptr<int32_t[]> ints;
   thread_local int64_t qcap = 0, tcap = 0, lcap = 0;
-  const int64_t padded = (R + kTile - 1) / kTile * kTile;
+  constexpr int T = kTile<Fmt>;
+  const int64_t padded = (R + T - 1) / T * T;
   if (qcap < padded * I) q.reset(new int8_t[qcap = padded * I]);
   if (lcap < I) line.reset(new int8_t[lcap = I]);
   if (tcap < R * J) tables.reset(new float[4 * R * J]), ints.reset(new int32_t[3 * R * J]), tcap = R * J;
@@ -278,8 +285,8 @@ Unpacked unpack_rows(const Fmt& f, int64_t o, int64_t R, int64_t I) {
         }
         if constexpr (kIntScales<U>) u.start[r * B + b] = -128 * total;
       }
-    int8_t* at = u.q + (r / kTile) * kTile * I + (r % kTile) * 4;  // its lanes in its tile
-    for (int64_t g = 0; g < I / 4; ++g) std::memcpy(at + g * 4 * kTile, qr + 4 * g, 4);
+    int8_t* at = u.q + (r / T) * T * I + (r % T) * 4;  // its lanes in its tile
+    for (int64_t g = 0; g < I / 4; ++g) std::memcpy(at + g * 4 * T, qr + 4 * g, 4);
   }
   return u;
 }
@@ -295,7 +302,8 @@ __attribute__((noinline)) void tile(const Unpacked& u, int64_t r0, const Panels&
   const float* dp = a.d + p * J * 16;
   const float* lp = U::kLow ? a.low + p * J * 16 : nullptr;
   const int32_t* bp = a.bs + p * (J / 2) * 16;
-  const int8_t* wq = u.q + (r0 / kTile) * kTile * I + (r0 % kTile) * 4;
+  constexpr int T = kTile<Fmt>;
+  const int8_t* wq = u.q + r0 * I;  // r0: a tile's first row
   F acc[NP][NO];
   static_for<NP>([&](auto c) UNROLLED { static_for<NO>([&](auto r) UNROLLED { acc[c][r] = zero(); }); });
   // the products of sub-block j into sum (started at `start` per row)
@@ -305,7 +313,7 @@ __attribute__((noinline)) void tile(const Unpacked& u, int64_t r0, const Panels&
       static_for<NP>([&](auto c) UNROLLED { xv[c] = x8(xp + c * I * 16 + (j * (S / 4) + g) * 64); });
       static_for<NO>([&](auto r) UNROLLED {
         int32_t w;
-        std::memcpy(&w, wq + (j * S + 4 * g) * kTile + 4 * r, 4);
+        std::memcpy(&w, wq + (j * S + 4 * g) * T + 4 * r, 4);
         static_for<NP>([&](auto c) UNROLLED { sum[c][r] = dp4<U::kFull>(sum[c][r], xv[c], w); });
       });
     });
@@ -384,30 +392,28 @@ __attribute__((noinline)) void tile(const Unpacked& u, int64_t r0, const Panels&
 }
 
 // Rows the thread unpacks at once: about 256 KiB of values, whole tiles.
-inline int64_t chunk_rows(int64_t I) {
-  return std::max<int64_t>(kTile, std::min<int64_t>(64, (int64_t{256} << 10) / I) / kTile * kTile);
+template <class Fmt>
+int64_t chunk_rows(int64_t I) {
+  constexpr int T = kTile<Fmt>;
+  return std::max<int64_t>(T, std::min<int64_t>(64, (int64_t{256} << 10) / I) / T * T);
 }
-
-// Panels per tile and rows per tile (AVX-512: two panels of 4 rows, each weight row's
-// broadcast used twice).
-constexpr int kPanels = kRegisters >= 32 ? 2 : 1;
-constexpr int kRows = kTile / kPanels;
 
 // Output rows [lo, hi) of y [M, O] for all M activation rows in `a`.
 template <class Fmt>
 void rows(const Fmt& f, const Panels& a, int64_t M, int64_t I, int64_t O, int64_t lo, int64_t hi,
           float* y) {
-  const int64_t R = chunk_rows(I);
+  constexpr int T = kTile<Fmt>, NP = kPanels<Fmt>;
+  const int64_t R = chunk_rows<Fmt>(I);
   for (int64_t c = lo; c < hi; c += R) {
     const int64_t n = std::min(R, hi - c);
     const Unpacked u = unpack_rows(f, c, n, I);
-    for (int64_t p = 0; p < a.count; p += kPanels) {
-      const int64_t valid = std::min<int64_t>(16 * kPanels, M - 16 * p);
-      for (int64_t r0 = 0; r0 < n; r0 += kRows)
-        dispatch<kRows>(std::min<int64_t>(kRows, n - r0), [&](auto no) {
-          if (p + kPanels <= a.count)
-            tile<Fmt, decltype(no)::value, kPanels>(u, r0, a, p, I, valid, O, c + r0, y);
-          else
+    for (int64_t p = 0; p < a.count; p += NP) {
+      const int64_t valid = std::min<int64_t>(16 * NP, M - 16 * p);
+      for (int64_t r0 = 0; r0 < n; r0 += T)
+        dispatch<T>(std::min<int64_t>(T, n - r0), [&](auto no) {
+          if (p + NP <= a.count)
+            tile<Fmt, decltype(no)::value, NP>(u, r0, a, p, I, valid, O, c + r0, y);
+          else  // the last panel of an odd count
             tile<Fmt, decltype(no)::value, 1>(u, r0, a, p, I, valid, O, c + r0, y);
         });
     }

@@ -525,7 +525,7 @@ ffi::Error run(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S
       const gemm::Panels panels = quantize_panels<Fmt>(pool, xp, norm, eps, M, I);
       if (glu) {
         const Out &gate = outs[0], &up = outs[1];
-        const int64_t width = gate.O, R = gemm::chunk_rows(I);  // R output rows at a time
+        const int64_t width = gate.O, R = gemm::chunk_rows<Fmt>(I);  // R output rows at a time
         parallel_for(pool, width, chunk, [&](int64_t lo, int64_t hi) {
           thread_local std::unique_ptr<float[]> ups;  // up's [M, R] rows of the step
           thread_local int64_t capacity = 0;
