@@ -98,7 +98,8 @@ struct UnpackK {
   static INLINE void ints(const Fmt&, const typename Fmt::Row& r, int64_t b, int32_t* isc,
                           float* dw, float* dm, int32_t* mnp) {
     for (int j = 0; j < 8; ++j) isc[j] = r.sc[8 * b + j];
-    for (int j = 0; j < 4; ++j) mnp[j] = int32_t(r.mn[8 * b + 2 * j]) | int32_t(r.mn[8 * b + 2 * j + 1]) << 16;
+    const uint8_t* mn = r.mn + 8 * b;
+    for (int j = 0; j < 4; ++j) mnp[j] = int32_t(mn[2 * j]) | int32_t(mn[2 * j + 1]) << 16;
     dw[0] = h2f(r.d[b]), dm[0] = -h2f(r.dmin[b]);
   }
   static INLINE void run(const Fmt&, const typename Fmt::Row& r, int64_t b, int8_t* q,
@@ -143,9 +144,9 @@ struct Unpack<Q6_K> {
   }
 };
 
-// Integer scales (K-quants on AVX-512): a block's sub-block sums scaled by the weight's integer
-// scales in int32, one float step per block (the weight's d times the activations' d); the
-// min terms as int16 pairs (mn[j], mn[j + 1]) times the activations' sums per sub-block.
+// Integer scales (the K-quants on AVX-512; see the top): the unpacked rows carry sc[j], and
+// mn[j] as int16 pairs (mn[j], mn[j + 1]); the panels the activations' sums per sub-block as
+// int16 pairs. Elsewhere (16-register sets) the float form keeps its registers.
 template <class U>
 constexpr bool kIntScales = U::kInt && kRegisters >= 32;
 
@@ -231,11 +232,12 @@ constexpr int kPanels = kIntScales<Unpack<Fmt>> && kBiasedX ? 2 : 1;
 template <class Fmt>
 constexpr int kTile = kRegisters >= 32 ? 8 / kPanels<Fmt> : 2;
 
-// A thread's unpacked rows: values [R / T][I / 4][T][4] (T = kTile<Fmt>) (a tile's rows interleaved
-// per 4 values, so that a tile reads its weights from one pointer at fixed offsets: with a
-// pointer per row, gcc spent more instructions on addresses than on products; pp512 1.06x),
-// and per row and sub-block scale, low and (biased panels) -128 times the values' sum, which
-// starts each integer sum.
+// A thread's unpacked rows: values [R / T][I / 4][T][4], T = kTile<Fmt> (a tile's rows
+// interleaved per 4 values, so that a tile reads its weights from one pointer at fixed
+// offsets: with a pointer per row, gcc spent more instructions on addresses than on products;
+// pp512 1.06x), and per row and sub-block scale, low and (biased panels) -128 times the
+// values' sum, which starts each integer sum; with integer scales, per row the integer scales
+// and min pairs per sub-block, and per block d, -dmin and the start (-128 sum_j sc[j] sum(q_j)).
 struct Unpacked {
   int8_t* q;
   float *scale, *low;
@@ -257,7 +259,8 @@ Unpacked unpack_rows(const Fmt& f, int64_t o, int64_t R, int64_t I) {
   const int64_t padded = (R + T - 1) / T * T;
   if (qcap < padded * I) q.reset(new int8_t[qcap = padded * I]);
   if (lcap < I) line.reset(new int8_t[lcap = I]);
-  if (tcap < R * J) tables.reset(new float[4 * R * J]), ints.reset(new int32_t[3 * R * J]), tcap = R * J;
+  if (tcap < R * J)
+    tables.reset(new float[4 * R * J]), ints.reset(new int32_t[3 * R * J]), tcap = R * J;
   float* t = tables.get();
   int32_t* n = ints.get();
   Unpacked u{q.get(), t, t + R * J, n, n + R * J, n + 2 * R * J, t + 2 * R * J, t + 3 * R * J};
@@ -291,6 +294,12 @@ Unpacked unpack_rows(const Fmt& f, int64_t o, int64_t R, int64_t I) {
   return u;
 }
 
+// fn(c, r) for every panel c < NP and row r < NO of a tile (integral constants).
+template <int NP, int NO, class Fn>
+INLINE void grid(Fn&& fn) {
+  static_for<NP>([&](auto c) UNROLLED { static_for<NO>([&](auto r) UNROLLED { fn(c, r); }); });
+}
+
 // Output rows o + [0, NO) for the 16 NP activation rows of panels p.. (`valid`: real rows).
 template <class Fmt, int NO, int NP>
 __attribute__((noinline)) void tile(const Unpacked& u, int64_t r0, const Panels& a, int64_t p,
@@ -305,12 +314,12 @@ __attribute__((noinline)) void tile(const Unpacked& u, int64_t r0, const Panels&
   constexpr int T = kTile<Fmt>;
   const int8_t* wq = u.q + r0 * I;  // r0: a tile's first row
   F acc[NP][NO];
-  static_for<NP>([&](auto c) UNROLLED { static_for<NO>([&](auto r) UNROLLED { acc[c][r] = zero(); }); });
-  // the products of sub-block j into sum (started at `start` per row)
+  grid<NP, NO>([&](auto c, auto r) UNROLLED { acc[c][r] = zero(); });
+  // sub-block j's products added to sum [panel][row]
   auto sub = [&](int64_t j, Int (&sum)[NP][NO]) UNROLLED {
     static_for<S / 4>([&](auto g) UNROLLED {
       X8 xv[NP];
-      static_for<NP>([&](auto c) UNROLLED { xv[c] = x8(xp + c * I * 16 + (j * (S / 4) + g) * 64); });
+      static_for<NP>([&](auto c) UNROLLED { xv[c] = x8(xp + (c * I + (j * S + 4 * g)) * 16); });
       static_for<NO>([&](auto r) UNROLLED {
         int32_t w;
         std::memcpy(&w, wq + (j * S + 4 * g) * T + 4 * r, 4);
@@ -327,7 +336,7 @@ __attribute__((noinline)) void tile(const Unpacked& u, int64_t r0, const Panels&
       });
       for (int64_t j = b * JB; j < (b + 1) * JB; ++j) {
         Int sum[NP][NO];
-        static_for<NP>([&](auto c) UNROLLED { static_for<NO>([&](auto r) UNROLLED { sum[c][r] = set1i(0); }); });
+        grid<NP, NO>([&](auto c, auto r) UNROLLED { sum[c][r] = set1i(0); });
         sub(j, sum);
         static_for<NO>([&](auto r) UNROLLED {
           const int32_t k = u.isc[(r0 + r) * J + j];
@@ -336,10 +345,12 @@ __attribute__((noinline)) void tile(const Unpacked& u, int64_t r0, const Panels&
       }
       if constexpr (U::kLow) {  // -dmin times the min pairs times the activations' sums
         Int m[NP][NO];
-        static_for<NP>([&](auto c) UNROLLED { static_for<NO>([&](auto r) UNROLLED { m[c][r] = set1i(0); }); });
+        grid<NP, NO>([&](auto c, auto r) UNROLLED { m[c][r] = set1i(0); });
         static_for<JB / 2>([&](auto h) UNROLLED {
           Int bv[NP];
-          static_for<NP>([&](auto c) UNROLLED { bv[c] = load_as<Int>(bp + c * (J / 2) * 16 + (b * (JB / 2) + h) * 16); });
+          static_for<NP>([&](auto c) UNROLLED {
+            bv[c] = load_as<Int>(bp + (c * (J / 2) + b * (JB / 2) + h) * 16);
+          });
           static_for<NO>([&](auto r) UNROLLED {
             const int32_t k = u.mn[(r0 + r) * (J / 2) + b * (JB / 2) + h];
             static_for<NP>([&](auto c) UNROLLED { m[c][r] = dp2(m[c][r], bv[c], k); });

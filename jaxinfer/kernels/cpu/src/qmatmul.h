@@ -675,14 +675,14 @@ ffi::Error run_grouped(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
       for (int64_t e = 0; e < E; ++e)
         panel[e + 1] = panel[e] + (n[e] >= kGemmRows ? (n[e] + 15) / 16 : 0);
       if (panel[E]) {
+        const int64_t J = I / gemm::Unpack<Fmt>::kSub;  // sub-blocks per row
         packed = gemm::panel_buffers(16 * panel[E], I, gemm::Unpack<Fmt>::kSub);
         parallel_for(pool, E, 1, [&](int64_t lo, int64_t hi) {
           for (int64_t e = lo; e < hi; ++e)
             for (int64_t m = 0; m < 16 * (panel[e + 1] - panel[e]); ++m)
               gemm::pack_row<Fmt>(m < n[e] ? acts + first[e] + m : nullptr, I, m, gemm::PanelBuffers{
-                  packed.x + panel[e] * 16 * I, packed.d + panel[e] * 16 * (I / gemm::Unpack<Fmt>::kSub),
-                  packed.low + panel[e] * 16 * (I / gemm::Unpack<Fmt>::kSub),
-                  packed.bs + panel[e] * 16 * (I / gemm::Unpack<Fmt>::kSub / 2)});
+                  packed.x + panel[e] * 16 * I, packed.d + panel[e] * 16 * J,
+                  packed.low + panel[e] * 16 * J, packed.bs + panel[e] * 16 * (J / 2)});
         });
       }
     }
@@ -715,9 +715,9 @@ ffi::Error run_grouped(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
           if (int8) {
             if (n[e] >= kGemmRows) {
               const int64_t J = I / gemm::Unpack<Fmt>::kSub;
-              const gemm::Panels pe{packed.x + panel[e] * 16 * I, packed.d + panel[e] * 16 * J,
-                                    packed.low + panel[e] * 16 * J, packed.bs + panel[e] * 16 * (J / 2),
-                                    panel[e + 1] - panel[e]};
+              const int64_t at = panel[e] * 16;  // the expert's first panel row
+              const gemm::Panels pe{packed.x + at * I, packed.d + at * J, packed.low + at * J,
+                                    packed.bs + at * (J / 2), panel[e + 1] - panel[e]};
               gemm::rows(f, pe, n[e], I, O, a, b, y);
             } else {
               int_rows(f, acts + first[e], n[e], O, a, b, y);
