@@ -389,6 +389,7 @@ def test_tiny_random_greedy_under_q8_0(folder):
     check_greedy(path, folder, prompt, 32)
 
 
+@pytest.mark.slow  # 17 s here: the default tier's time budget
 def test_mixed_kinds_and_kv_stats():
     """-ctk q8_0 -ctv f16: the pair reaches the pools, kv_stats and the prefix-cache root, and
     the tokens are float's as under q8_0 on both sides."""

@@ -102,7 +102,7 @@ def test_config_fields_follow_the_hf_rules(written):
 
 
 @pytest.mark.parametrize("name", [slow_unless(n, ("qwen3_moe",)) for n in sorted(FIXTURES)])
-@pytest.mark.parametrize("gguf", [False, True])
+@pytest.mark.parametrize("gguf", [False, pytest.param(True, marks=SLOW)])
 def test_fixtures_match_transformers_and_llama_cpp(engines, name, gguf):
     root, ref = _fixture(name)
     engine = engines(root / "model-f32.gguf" if gguf else root, **FIXTURE_OPTS)

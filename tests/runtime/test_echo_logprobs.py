@@ -74,6 +74,7 @@ def test_prompt_logprobs_equal_a_float64_log_softmax_of_the_logits(engines, mode
     assert engine.prompt_logprobs(ids[:1], 3) == [None]
 
 
+@pytest.mark.slow  # 12 s here: the default tier's time budget
 def test_prompt_logprobs_compile_nothing_after_warmup(compiles):
     """Scoring is in the warmup plan (score[1, T] per chunk past the smallest); the top k
     always come back MAX_LOGPROBS wide and are cut on the host, so two k and two prompt

@@ -174,6 +174,7 @@ def stories_ngram():
     return jaxinfer.load(model_path(STORIES), speculative="ngram", decode_chunk=16, **SMALL)
 
 
+@pytest.mark.slow  # 19 s here: the default tier's time budget
 def test_ngram_greedy_equals_the_published_ids(stories_ngram):
     # Plain calls and verify calls (whose lookups keep proposing words the model does not
     # repeat) make the published ids.
