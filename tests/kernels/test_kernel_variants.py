@@ -12,7 +12,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from support.models import GOLDEN, STORIES, STORIES_Q8, model_path
+from support.models import GOLDEN, INT8_NEAR_TIE, STORIES, STORIES_Q8, model_path
 
 import jaxinfer
 from jaxinfer.errors import SetupError
@@ -92,7 +92,8 @@ CASES = [
 def test_xla_and_interpret_modes_give_the_default_greedy_ids(engines, models, mode):
     """A process under JAXINFER_KERNELS=xla (no kernel at all) or =interpret (the accelerator
     path: Pallas attention, quantized products and delta rule, grouped experts, interpreted)
-    against this one's default (its best CPU variant): the same greedy ids. Under interpret
+    against this one's default (its best CPU variant): the same greedy ids, up to a near tie
+    on a quantized file (INT8_NEAR_TIE: their activations differ). Under interpret
     the decode programs hold the Pallas attention wherever its tiles fit (stories260K's
     head_dim 8 does not: XLA's attention there)."""
     expect_same_ids(engines, mode, models, {})
@@ -117,8 +118,20 @@ def expect_same_ids(engines, mode, models, options):
     for model, path, (ids, pallas) in zip(models, paths, got, strict=True):
         assert pallas == (mode == "interpret" and "stories" not in model and whole), model
         engine = engines(path, max_seq_len=128)
-        want = engine.generate([1], max_new_tokens=24, temperature=0, ignore_eos=True)
-        assert ids == want.token_ids, model
+        want = engine.generate([1], max_new_tokens=24, temperature=0, ignore_eos=True).token_ids
+        step = next((j for j, (a, b) in enumerate(zip(ids, want, strict=True)) if a != b), None)
+        if step is None:
+            continue
+        # The default multiplies a quantized file's weights by 8-bit activations, xla and
+        # interpret by float ones: their ids may part at a near tie of the default's logits.
+        assert engine.options.activations == "int8" and "q8_0" in model.lower(), (model, step)
+        last = np.asarray(engine.logits([1, *want[:step]]), np.float64)[-1]  # [vocab]
+        best, second = np.argsort(last)[::-1][:2]
+        margin = last[best] - last[second]
+        assert ids[step] == second and margin < INT8_NEAR_TIE, (
+            f"{model} left the default's ids at step {step}: {ids[step]} for {want[step]}, "
+            f"the default's margin {margin:.3g}"
+        )
 
 
 def test_the_cpu_flags_decide():

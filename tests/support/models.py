@@ -17,6 +17,12 @@ STORIES_Q8 = "stories260K-gguf-quant-derived/stories260K-Q8_0.gguf"
 # order (batch and chunk buckets, layouts, another CPU: a fresh clone measured 1.5e-5 where
 # 1e-5 had been assumed). Logit tolerances use this; greedy ids stay exact.
 F32_LOGITS_ATOL = 2e-4
+# A quantized file under 8-bit activations (the CPU kernels' default, as llama.cpp computes)
+# and under float activations (XLA's graph, the Pallas kernels) gives logits up to ~0.2 apart:
+# one rounding flip in an early token's keys moves every later position (tests/ops/
+# test_int8_activations.py); measured on the Q8_0 fixtures, up to 0.16 in log-probabilities.
+# Greedy ids on such a file may part only where the two best are nearer than this.
+INT8_NEAR_TIE = 0.3
 
 # Greedy ids from [BOS] published with stories260K (../shared/models/README.md).
 GOLDEN = [
