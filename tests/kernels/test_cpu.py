@@ -299,6 +299,25 @@ def test_large_m_products_match_llama_cpp_arithmetic(fmt, variant):
         check_int8(product(x[:m], w), want, xq, ref)
 
 
+@pytest.mark.parametrize("fmt", ["q4_k", "q5_k", "q6_k"])
+def test_large_m_products_hold_the_largest_sums(fmt, variant):
+    """The K-quant GEMM's integer sums where they are largest: every weight value and
+    sub-block scale at its largest magnitude (support.kernels.EXTREME) against activations
+    quantized to -127 (rows of ones) or 127 (rows of minus ones) everywhere, so that every
+    product in a sum has one sign: AVX2's int16 sums over spans of groups and the int32
+    block sums hold them without wrapping."""
+    rng = np.random.default_rng(len(fmt) + 130)
+    rows, cols = 9, 2 * quant.FORMATS[fmt].block
+    parts, ref = random_quantized(fmt, rows, cols, rng, extreme=True)
+    w = quant.QArray({k: jnp.asarray(v) for k, v in parts.items()}, fmt, cols, True, "int8")
+    x = np.ones((40, cols), np.float32)
+    x[1::2] = -1.0
+    product = jax.jit(linear.linear)
+    assert f"jaxinfer_qmatmul_{fmt}" in product.lower(x, w).as_text()
+    want, xq = int8_reference(x, fmt, parts, ref)
+    check_int8(product(x, w), want, xq, ref)
+
+
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_1", "q4_k", "q6_k"])
 def test_grouped_products_read_each_expert(fmt, variant):
     """The expert block's grouped products (kernels.grouped_matmuls): rows sorted by expert

@@ -134,6 +134,17 @@ def expect_same_ids(engines, mode, models, options):
         )
 
 
+def test_every_variant_this_cpu_runs_loads():
+    """An unforced variant that fails to build is skipped for the next one (kernels.status):
+    here none may fail, so that a source error in one variant's code is a red test rather
+    than a silent fall back to a slower variant."""
+    if not kernels.available():
+        pytest.skip(f"no CPU kernels here: {kernels.status().describe()}")
+    failed = {v.name: why for v in build.VARIANTS if kernels.missing(v) is None
+              for why in [kernels._load(v)] if why is not None}  # fmt: skip
+    assert not failed, failed
+
+
 def test_the_cpu_flags_decide():
     avx2 = next(v for v in build.VARIANTS if v.name == "avx2")
     if build.machine() not in avx2.machines:

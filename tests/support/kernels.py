@@ -49,9 +49,21 @@ def grouped_reference(xs, w, counts):
     return out
 
 
-def random_quantized(fmt: str, rows: int, cols: int, rng):
+# The K-quants' block bytes [start, stop) that make every value and sub-block scale the
+# largest in magnitude: Q4_K / Q5_K values 15 / 31 with sc = mn = 63 (the 12 scale bytes all
+# ones), Q6_K values q - 32 = -32 with sc = -128.
+EXTREME = {
+    "Q4_K": ((4, 144, 0xFF),),
+    "Q5_K": ((4, 176, 0xFF),),
+    "Q6_K": ((0, 192, 0x00), (192, 208, 0x80)),
+}
+
+
+def random_quantized(fmt: str, rows: int, cols: int, rng, extreme: bool = False):
     """(parts, float64 reference [rows, cols]) of a random weight: GGUF blocks of random bytes
-    with sane f16 scales, dequantized by gguf-py; int8 from a float weight."""
+    with sane f16 scales, dequantized by gguf-py; int8 from a float weight. `extreme` (the
+    K-quants): every value and scale at its largest magnitude (EXTREME), the f16 scales
+    random."""
     if fmt == "f32":
         w = rng.standard_normal((rows, cols)).astype(np.float32)
         return {"w": w}, w.astype(np.float64)
@@ -75,6 +87,8 @@ def random_quantized(fmt: str, rows: int, cols: int, rng):
         for at in scales:
             d = rng.uniform(-0.1, 0.1, (rows, cols // bs, 1)).astype(np.float16)
             raw[..., at : at + 2] = d.view(np.uint8)
+        for start, stop, byte in EXTREME[name] if extreme else ():
+            raw[..., start:stop] = byte
     raw = raw.reshape(rows, -1)
     ref = gguf_dequantize(raw, kind).reshape(rows, cols).astype(np.float64)
     return split_blocks(name, raw, (rows, cols)).take(), ref

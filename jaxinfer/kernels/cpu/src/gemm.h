@@ -18,7 +18,10 @@
 // then one float step per 256 values: d_w d_x (sum) - dmin_w d_x (mins). Per sub-block that
 // is one vpmulld and one add where the float form took a conversion, a multiply, an fma and
 // the min term's fma: at Llama-3-8B's shapes on Zen 4 (the tile being 85% of a 512-token
-// prompt), see benchmarks/results/realshape.md.
+// prompt), see benchmarks/results/realshape.md. AVX2 keeps the same int32 block sums with the
+// scale inside the products: spans of products summed in int16 (vpmaddubsw, vpaddw; Q4_K /
+// Q5_K's unsigned values are its unsigned operand as they are), widened times sc[j]
+// (vpmaddwd), 4 rows a tile: 1.5-1.9x the float form's rate (vec.h's dp4w).
 //
 // Work split: output rows over the threads (qmatmul.h's run); each thread unpacks kChunk
 // rows (a few hundred KiB, kept in L2), then for each pair of panels multiplies them kTile
@@ -94,6 +97,8 @@ template <class Fmt, bool kFifth>
 struct UnpackK {
   static constexpr int kSub = 32;
   static constexpr bool kLow = true, kFull = false, kInt = true;
+  static constexpr bool kUnsigned = true;               // values in [0, 15] / [0, 31]
+  static constexpr int kSpan = kFifth ? 4 : 8;          // vec.h's dp4w: groups per int16 sum
   // Integer scales sc[j], the block's d and -dmin, the mins mn[j] as int16 pairs.
   static INLINE void ints(const Fmt&, const typename Fmt::Row& r, int64_t b, int32_t* isc,
                           float* dw, float* dm, int32_t* mnp) {
@@ -131,7 +136,8 @@ struct Unpack<Q5_K> : UnpackK<Q5_K, true> {};
 template <>
 struct Unpack<Q6_K> {
   static constexpr int kSub = 16;
-  static constexpr bool kLow = false, kFull = false, kInt = true;
+  static constexpr bool kLow = false, kFull = false, kInt = true, kUnsigned = false;
+  static constexpr int kSpan = 4;  // vec.h's dp4w: groups per int16 sum (|q - 32| <= 32)
   static INLINE void ints(const Q6_K&, const Q6_K::Row& r, int64_t b, int32_t* isc, float* dw,
                           float*, int32_t*) {
     for (int j = 0; j < 16; ++j) isc[j] = r.sc[16 * b + j];
@@ -144,11 +150,13 @@ struct Unpack<Q6_K> {
   }
 };
 
-// Integer scales (the K-quants on AVX-512; see the top): the unpacked rows carry sc[j], and
-// mn[j] as int16 pairs (mn[j], mn[j + 1]); the panels the activations' sums per sub-block as
-// int16 pairs. Elsewhere (16-register sets) the float form keeps its registers.
+// Integer scales (the K-quants on AVX-512 and AVX2; see the top): the unpacked rows carry
+// sc[j], and mn[j] as int16 pairs (mn[j], mn[j + 1]); the panels the activations' sums per
+// sub-block as int16 pairs. AVX2 sums products in int16 and multiplies by sc[j] as it widens
+// them (vec.h's dp4w, widen); NEON
+// and the scalar build keep the float form.
 template <class U>
-constexpr bool kIntScales = U::kInt && kRegisters >= 32;
+constexpr bool kIntScales = U::kInt && (kRegisters >= 32 || kWordSums);
 
 // Activation rows in panels of 16 (dp4's layout): x [P][I / 4][64 bytes], and per row and
 // sub-block of kSub values its scale d and min term low [P][I / kSub][16]; with integer
@@ -226,11 +234,13 @@ void pack_row(const Acts* r, int64_t I, int64_t m, const PanelBuffers& out) {
 // AVX-512 with VNNI and integer scales: 4 rows x 2 panels (each weight row's broadcast dword
 // serves two products; 8 integer sums, 8 block sums and 8 float sums in 32 zmm); other
 // AVX-512 tiles 8 rows x 1 panel (without VNNI the products' temporaries need the registers;
-// the float-scaled formats keep 8 rows: Q8_0 ran 2% slower at 4 x 2); 16-register sets 2 x 1.
+// the float-scaled formats keep 8 rows: Q8_0 ran 2% slower at 4 x 2); AVX2's integer-scale
+// K-quants 4 x 1 (int16 sums, 8 ymm for 4 rows: at 2 x 1 each panel group served too few
+// products); other 16-register sets 2 x 1.
 template <class Fmt>
 constexpr int kPanels = kIntScales<Unpack<Fmt>> && kBiasedX ? 2 : 1;
 template <class Fmt>
-constexpr int kTile = kRegisters >= 32 ? 8 / kPanels<Fmt> : 2;
+constexpr int kTile = kRegisters >= 32 ? 8 / kPanels<Fmt> : (kIntScales<Unpack<Fmt>> ? 4 : 2);
 
 // A thread's unpacked rows: values [R / T][I / 4][T][4], T = kTile<Fmt> (a tile's rows
 // interleaved per 4 values, so that a tile reads its weights from one pointer at fixed
@@ -315,17 +325,26 @@ __attribute__((noinline)) void tile(const Unpacked& u, int64_t r0, const Panels&
   const int8_t* wq = u.q + r0 * I;  // r0: a tile's first row
   F acc[NP][NO];
   grid<NP, NO>([&](auto c, auto r) UNROLLED { acc[c][r] = zero(); });
-  // sub-block j's products added to sum [panel][row]
-  auto sub = [&](int64_t j, Int (&sum)[NP][NO]) UNROLLED {
-    static_for<S / 4>([&](auto g) UNROLLED {
+  // groups [g0, g0 + N) of sub-block j: step(c, r, x, w) for each panel group x and weight
+  // dword w
+  auto groups = [&](int64_t j, auto g0, auto n, auto&& step) UNROLLED {
+    static_for<decltype(n)::value>([&](auto k) UNROLLED {
+      constexpr int g = decltype(g0)::value + k;
       X8 xv[NP];
       static_for<NP>([&](auto c) UNROLLED { xv[c] = x8(xp + (c * I + (j * S + 4 * g)) * 16); });
       static_for<NO>([&](auto r) UNROLLED {
         int32_t w;
         std::memcpy(&w, wq + (j * S + 4 * g) * T + 4 * r, 4);
-        static_for<NP>([&](auto c) UNROLLED { sum[c][r] = dp4<U::kFull>(sum[c][r], xv[c], w); });
+        static_for<NP>([&](auto c) UNROLLED { step(c, r, xv[c], w); });
       });
     });
+  };
+  // sub-block j's products added to sum [panel][row]
+  auto sums = [&](int64_t j, Int (&sum)[NP][NO]) UNROLLED {
+    groups(j, std::integral_constant<int, 0>{}, std::integral_constant<int, S / 4>{},
+           [&](auto c, auto r, const X8& x, int32_t w) UNROLLED {
+             sum[c][r] = dp4<U::kFull>(sum[c][r], x, w);
+           });
   };
   if constexpr (kIntScales<U>) {
     for (int64_t b = 0; b < B; ++b) {
@@ -335,9 +354,24 @@ __attribute__((noinline)) void tile(const Unpacked& u, int64_t r0, const Panels&
         static_for<NP>([&](auto c) UNROLLED { tot[c][r] = s0; });
       });
       for (int64_t j = b * JB; j < (b + 1) * JB; ++j) {
+        if constexpr (kWordSums) {  // int16 sums over spans, widened times the scale
+          static_for<S / 4 / U::kSpan>([&](auto h) UNROLLED {
+            Int pairs[NP][NO];
+            grid<NP, NO>([&](auto c, auto r) UNROLLED { pairs[c][r] = set1i(0); });
+            groups(j, std::integral_constant<int, h * U::kSpan>{},
+                   std::integral_constant<int, U::kSpan>{},
+                   [&](auto c, auto r, const X8& x, int32_t w) UNROLLED {
+                     pairs[c][r] = dp4w<U::kUnsigned>(pairs[c][r], x, w);
+                   });
+            grid<NP, NO>([&](auto c, auto r) UNROLLED {
+              tot[c][r] = widen(tot[c][r], pairs[c][r], u.isc[(r0 + r) * J + j]);
+            });
+          });
+          continue;
+        }
         Int sum[NP][NO];
         grid<NP, NO>([&](auto c, auto r) UNROLLED { sum[c][r] = set1i(0); });
-        sub(j, sum);
+        sums(j, sum);
         static_for<NO>([&](auto r) UNROLLED {
           const int32_t k = u.isc[(r0 + r) * J + j];
           static_for<NP>([&](auto c) UNROLLED { tot[c][r] = tot[c][r] + sum[c][r] * k; });
@@ -377,7 +411,7 @@ __attribute__((noinline)) void tile(const Unpacked& u, int64_t r0, const Panels&
         const Int s0 = set1i(kBiasedX ? u.start[(r0 + r) * J + j] : 0);
         static_for<NP>([&](auto c) UNROLLED { sum[c][r] = s0; });
       });
-      sub(j, sum);
+      sums(j, sum);
       static_for<NP>([&](auto c) UNROLLED {
         const F dv = load(dp + c * J * 16 + 16 * j);
         static_for<NO>([&](auto r) UNROLLED {

@@ -788,6 +788,42 @@ INLINE Int dp4(Int acc, const X8& x, int32_t w) {
 #endif
 }
 
+// With AVX2, a K-quant block's sum stays in int32 (gemm.h's integer scales) with the scale
+// taken by the widening of int16 sums: dp4w adds a group's products to per-lane int16 pairs
+// (vpmaddubsw, vpaddw), widen adds s times those pairs to int32 lanes (vpmaddwd by s where dp4
+// multiplies by 1). kUnsigned: w's bytes lie in [0, 31] (Q4_K, Q5_K), the unsigned operand
+// of vpmaddubsw as they are, x the signed one, without dp4's sign moves. An int16 pair takes
+// at most 32767 / (2 * 127 * max|w|) groups (4 for |w| <= 32, 8 for Q4_K's <= 15: the
+// caller's spans); a block's 64 groups times |s| <= 128 stay far inside int32.
+#if defined(JAXINFER_AVX2)
+constexpr bool kWordSums = true;
+template <bool kUnsigned>
+INLINE Int dp4w(Int acc, const X8& x, int32_t w) {
+  const __m256i wb = _mm256_set1_epi32(w);
+  Int r;
+  static_for<2>([&](auto h) UNROLLED {
+    const __m256i p = kUnsigned ? _mm256_maddubs_epi16(wb, x.x[h])
+                                : _mm256_maddubs_epi16(x.ax[h], _mm256_sign_epi8(wb, x.x[h]));
+    r.p[h] = Int::N(_mm256_add_epi16(__m256i(acc.p[h]), p));
+    asm("" : "+x"(r.p[h]));  // one chain per sum: gcc's tree of adds spilled the products
+  });
+  return r;
+}
+INLINE Int widen(Int acc, Int pairs, int32_t s) {
+  const __m256i sv = _mm256_set1_epi16(int16_t(s));
+  Int r;
+  static_for<2>([&](auto h) UNROLLED {
+    r.p[h] = Int::N(_mm256_add_epi32(__m256i(acc.p[h]), _mm256_madd_epi16(__m256i(pairs.p[h]), sv)));
+  });
+  return r;
+}
+#else
+constexpr bool kWordSums = false;
+template <bool kUnsigned>
+Int dp4w(Int acc, const X8& x, int32_t w);  // AVX2's only (callers test kWordSums)
+Int widen(Int acc, Int pairs, int32_t s);
+#endif
+
 // acc + a b over int16 pairs: lane l + a.lo b.lo + a.hi b.hi, a's lane l (two int16) against
 // b's two int16 in every lane (vpdpwssd; the GEMM's K-quant min terms, two sub-blocks a step).
 INLINE Int dp2(Int acc, Int a, int32_t b) {
@@ -799,6 +835,13 @@ INLINE Int dp2(Int acc, Int a, int32_t b) {
   const __m512i p = _mm512_madd_epi16(reinterpret_cast<__m512i&>(a), _mm512_set1_epi32(b));
   __m512i r = _mm512_add_epi32(reinterpret_cast<__m512i&>(acc), p);
   return reinterpret_cast<Int&>(r);
+#elif defined(JAXINFER_AVX2)
+  const __m256i bv = _mm256_set1_epi32(b);
+  Int r;
+  static_for<2>([&](auto h) UNROLLED {
+    r.p[h] = Int::N(_mm256_add_epi32(__m256i(acc.p[h]), _mm256_madd_epi16(__m256i(a.p[h]), bv)));
+  });
+  return r;
 #else
   const int32_t lo = int16_t(b & 0xFFFF), hi = int16_t(uint32_t(b) >> 16);
   return acc + ((a << 16) >> 16) * lo + (a >> 16) * hi;
