@@ -97,8 +97,8 @@ template <class Fmt, bool kFifth>
 struct UnpackK {
   static constexpr int kSub = 32;
   static constexpr bool kLow = true, kFull = false, kInt = true;
-  static constexpr bool kUnsigned = true;               // values in [0, 15] / [0, 31]
-  static constexpr int kSpan = kFifth ? 4 : 8;          // vec.h's dp4w: groups per int16 sum
+  static constexpr bool kUnsigned = true;       // values in [0, 15] / [0, 31]
+  static constexpr int kSpan = kFifth ? 4 : 8;  // vec.h's dp4w: groups per int16 sum
   // Integer scales sc[j], the block's d and -dmin, the mins mn[j] as int16 pairs.
   static INLINE void ints(const Fmt&, const typename Fmt::Row& r, int64_t b, int32_t* isc,
                           float* dw, float* dm, int32_t* mnp) {
@@ -153,8 +153,7 @@ struct Unpack<Q6_K> {
 // Integer scales (the K-quants on AVX-512 and AVX2; see the top): the unpacked rows carry
 // sc[j], and mn[j] as int16 pairs (mn[j], mn[j + 1]); the panels the activations' sums per
 // sub-block as int16 pairs. AVX2 sums products in int16 and multiplies by sc[j] as it widens
-// them (vec.h's dp4w, widen); NEON
-// and the scalar build keep the float form.
+// them (vec.h's dp4w, widen); NEON and the scalar build keep the float form.
 template <class U>
 constexpr bool kIntScales = U::kInt && (kRegisters >= 32 || kWordSums);
 
