@@ -897,11 +897,62 @@ INLINE void Q5_K::idot(int64_t o, const Acts* a, float* out) const {
 #endif
 }
 
+#if defined(JAXINFER_AVX2)
+// Q6_K in 256-bit registers: the 6-bit q assembled unsigned (0..63) and multiplied as
+// maddubs's unsigned operand, q x - 32 x in int16 pairs (llama.cpp's AVX2 form: no sign
+// operations), the two group scales of each 32 values spread by one byte shuffle.
+template <int MT>
+INLINE void q6_idot256(const Q6_K& f, int64_t o, const Acts* a, float* out) {
+  const Q6_K::Row r = f.row(o);
+  F8 acc[MT] = {};
+  const __m256i nib = _mm256_set1_epi8(15), k32 = _mm256_set1_epi8(32);
+  for (int64_t b = 0; b < f.I / 256; ++b) {
+    f.prefetch(r, b + Q6_K::kAhead);
+    const __m128i sc = load_as<__m128i>(r.sc + 16 * b);
+    __m256i sum[MT];
+    static_for<MT>([&](auto m) UNROLLED { sum[m] = _mm256_setzero_si256(); });
+    static_for<2>([&](auto H) UNROLLED {  // values [128 H, 128 H + 128)
+      const __m256i l0 = load_as<__m256i>(r.ql + 128 * b + 64 * H);
+      const __m256i l1 = load_as<__m256i>(r.ql + 128 * b + 64 * H + 32);
+      const __m256i h = load_as<__m256i>(r.qh + 64 * b + 32 * H);
+      static_for<4>([&](auto s) UNROLLED {  // values 32 s + [0, 32): the top bits at 2 s
+        const __m256i low = s % 2 ? l1 : l0;
+        const __m256i lo4 = _mm256_and_si256(s < 2 ? low : _mm256_srli_epi16(low, 4), nib);
+        const __m256i top = _mm256_and_si256(h, _mm256_set1_epi8(char(3 << (2 * s))));
+        const __m256i hi2 = s == 0   ? _mm256_slli_epi16(top, 4)
+                            : s == 1 ? _mm256_slli_epi16(top, 2)
+                            : s == 2 ? top
+                                     : _mm256_srli_epi16(top, 2);
+        const __m256i q = _mm256_or_si256(lo4, hi2);
+        constexpr int g = 8 * H + 2 * s;  // the block's groups g, g + 1
+        const __m128i pick = _mm_set_epi64x(0x0101010101010101LL * (g + 1),
+                                            0x0101010101010101LL * g);
+        const __m256i scale = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc, pick));
+        static_for<MT>([&](auto m) UNROLLED {
+          const __m256i x = load_as<__m256i>(a[m].q + 256 * b + 128 * H + 32 * s);
+          // |q x| pairs <= 2 * 63 * 127 and 32 |x| pairs <= 2 * 32 * 127: exact in int16
+          const __m256i p =
+              _mm256_sub_epi16(_mm256_maddubs_epi16(q, x), _mm256_maddubs_epi16(k32, x));
+          sum[m] = _mm256_add_epi32(sum[m], _mm256_madd_epi16(p, scale));
+        });
+      });
+    });
+    const float dw = h2f(r.d[b]);
+    static_for<MT>([&](auto m) UNROLLED {
+      acc[m] = fma(set8(dw * a[m].d[b]), to_float(I8(sum[m])), acc[m]);
+    });
+  }
+  static_for<MT>([&](auto m) UNROLLED { out[m] = hsum(acc[m]); });
+}
+#endif
+
 // Q6_K: per block of 256, dw dx sum_g sc[g] ((q_g - 32) . qx_g), 16 groups of 16.
 template <int MT>
 INLINE void Q6_K::idot(int64_t o, const Acts* a, float* out) const {
 #if defined(JAXINFER_AVX512)
   q6_idot512<MT>(*this, o, a, out);
+#elif defined(JAXINFER_AVX2)
+  q6_idot256<MT>(*this, o, a, out);
 #else
   const Row r = row(o);
   F8 acc[MT] = {};
